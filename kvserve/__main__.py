@@ -1,0 +1,5 @@
+import sys
+
+from kvserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""`kvserve serve | generate | chat | bench | kv-calc | eval-quality`."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+USAGE = """kvserve <command> [options]
+
+commands:
+  serve      start the OpenAI-compatible HTTP server (default model, 127.0.0.1:8000)
+  generate   generate text for a prompt and print it
+  chat       interactive chat in the terminal, streaming tokens as they come
+  bench      benchmarks: throughput | serve | latency | roofline | report
+  kv-calc    KV cache memory calculator for a model or config
+
+`kvserve <command> --help` explains every option with its default."""
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s)")
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _params(args):
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _load(args):
+    from kvserve.config import engine_config_from_args
+    from kvserve.engine.llm import LLM
+    llm = LLM(config=engine_config_from_args(args))
+    print(llm.engine.describe(), file=sys.stderr)
+    return llm
+
+
+def cmd_generate(argv: list[str]) -> int:
+    from kvserve.config import add_engine_args
+    p = argparse.ArgumentParser(prog="kvserve generate", description="Generate a completion for a prompt.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    _sampling_args(p, max_tokens=64)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    llm = _load(args)
+    params = _params(args)
+    prompt = {"prompt_token_ids": llm.chat_prompt([{"role": "user", "content": args.prompt}])} \
+        if args.chat else args.prompt
+    first = None
+    n = 0
+    for delta in llm.stream(prompt, params):
+        if first is None:
+            first = time.perf_counter()
+        n += 1
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    if first is not None:
+        print(f"[start to first token {first - t0:.2f}s; {n} chunks in {end - first:.2f}s after it]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_chat(argv: list[str]) -> int:
+    from kvserve.config import add_engine_args
+    p = argparse.ArgumentParser(prog="kvserve chat", description="Chat with the model in the terminal "
+                                "(empty line or Ctrl-D quits, /reset clears the history).")
+    p.add_argument("--system", default=None, help="system prompt (default: none)")
+    _sampling_args(p, max_tokens=256)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    llm = _load(args)
+    params = _params(args)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not line:
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        sys.stdout.write("bot> ")
+        reply = []
+        try:
+            for delta in llm.stream({"prompt_token_ids": llm.chat_prompt(history)}, params):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except ValueError as e:
+            print(f"\n[error: {e}]")
+            history.pop()
+            continue
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "generate":
+        return cmd_generate(rest)
+    if cmd == "chat":
+        return cmd_chat(rest)
+    if cmd == "serve":
+        from kvserve.server.launcher import main as serve_main
+        return serve_main(rest)
+    if cmd == "bench":
+        from kvserve.bench.cli import main as bench_main
+        return bench_main(rest)
+    if cmd == "kv-calc":
+        from kvserve.kv_calc import main as kv_main
+        return kv_main(rest)
+    print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

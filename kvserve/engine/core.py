@@ -1,0 +1,291 @@
+"""EngineCore: the step loop. schedule → run the model → update → detokenize → outputs.
+
+Not thread-safe: one thread owns it (the offline LLM's caller, or AsyncEngine's engine thread).
+A request with n > 1 becomes n sibling sequences ("<id>#<i>") in the scheduler; the first
+computes the prompt and the others fork its KV blocks (shared by refcount, copy-on-write).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.config import DTYPE_BYTES, EngineConfig, KVShape
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.model.loader import load_model
+from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.runner.model_runner import ModelRunner, SampledToken
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve")
+
+
+@dataclass
+class _Sample:
+    """One of a request's n sequences, as the engine tracks it."""
+    seq_id: str
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    out: CompletionOutput
+    changed: bool = False
+
+
+@dataclass
+class _Group:
+    """A user request: its prompt, its n samples, its timings."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+    first_token_seen: bool = field(default=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.out.finished for s in self.samples)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        t0 = time.perf_counter()
+        loaded = load_model(config.model)
+        self.load_seconds = time.perf_counter() - t0
+        self.model_path = loaded.path
+        self.arch = arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.model_name = getattr(arch, "model_name", None) or _stem(loaded.path)
+        self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        kv_dtype = config.model.dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
+        self.kv_shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, DTYPE_BYTES[kv_dtype])
+        self.num_blocks = config.cache.num_blocks(self.kv_shape)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.runner = ModelRunner(loaded, config, self.num_blocks)
+        self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or arch.eos_token_ids)
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, tuple[_Group, _Sample]] = {}
+        self._pending: list[RequestOutput] = []   # outputs produced outside step() (aborts)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- capacity facts printed at start ----
+    def describe(self) -> str:
+        bpt = self.kv_shape.bytes_per_token
+        cap = self.num_blocks * self.config.cache.block_size
+        return (f"model {self.model_path}\n"
+                f"  {self.arch.num_layers} layers, {self.arch.num_heads} query / {self.arch.num_kv_heads} KV heads, "
+                f"head_dim {self.arch.head_dim}, context {self.max_model_len}, dtype {self.config.model.dtype}, "
+                f"loaded in {self.load_seconds:.2f}s\n"
+                f"  KV cache: {bpt} bytes/token, {self.num_blocks} blocks x {self.config.cache.block_size} tokens "
+                f"= {cap} tokens ({self.num_blocks * bpt * self.config.cache.block_size / 2**20:.0f} MiB); "
+                f"max concurrency at {self.max_model_len} tokens: {cap / self.max_model_len:.2f}x; "
+                f"prefix caching {'on' if self.config.cache.enable_prefix_caching else 'off'}")
+
+    # ---- requests in ----
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, which leaves no room to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            seq_params = params.child(i) if params.n > 1 else params
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seqs.append(Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids),
+                                sampling_params=seq_params, eos_token_ids=self.eos_token_ids,
+                                max_tokens=max_tokens, arrival_time=arrival, priority=priority,
+                                cache_salt=cache_salt,
+                                fork_of=None if i == 0 else seqs[0].request_id))
+        added = []
+        try:
+            for r in seqs:
+                self.scheduler.add_request(r)
+                added.append(r)
+        except Exception:
+            for r in added:
+                self.scheduler.abort_request(r.request_id)
+            raise
+        group = _Group(request_id, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=arrival))
+        for i, r in enumerate(seqs):
+            sample = _Sample(r.request_id, i, r, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, r.sampling_params),
+                             CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None))
+            group.samples.append(sample)
+            self._seq_to_group[r.request_id] = (group, sample)
+        self._groups[request_id] = group
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for s in group.samples:
+            if not s.out.finished:
+                self.scheduler.abort_request(s.seq_id)
+                s.out.finish_reason = "abort"
+                s.changed = True
+        self._pending.append(self._emit(group))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._pending)
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for c in sched.chunks:
+            group, _ = self._seq_to_group[c.request.request_id]
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception as e:  # a failure fails the requests in this batch, not the engine
+            log.error("model step failed:\n%s", traceback.format_exc())
+            return outputs + self._fail_batch(sched, e)
+        finished = self.scheduler.update_from_output(sched, {k: [v.token_id] for k, v in sampled.items()})
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for seq_id, tok in sampled.items():
+            entry = self._seq_to_group.get(seq_id)
+            if entry is None:
+                continue
+            group, sample = entry
+            self._append_token(group, sample, tok, now)
+            touched[group.request_id] = group
+        for req in finished:
+            entry = self._seq_to_group.get(req.request_id)
+            if entry is None:
+                continue
+            group, sample = entry
+            if not sample.out.finished:
+                self._finish_sample(sample, req)
+            touched[group.request_id] = group
+        for group in touched.values():
+            outputs.append(self._emit(group))
+        return outputs
+
+    def _append_token(self, group: _Group, sample: _Sample, tok: SampledToken, now: float) -> None:
+        out = sample.out
+        if out.finished:
+            return
+        out.token_ids.append(tok.token_id)
+        out.delta_token_ids.append(tok.token_id)
+        self.generation_tokens_total += 1
+        if not group.first_token_seen:
+            group.first_token_seen = True
+            group.metrics.first_token_time = now
+            group.num_cached_tokens = sample.request.num_cached_tokens
+        group.metrics.last_token_time = now
+        group.metrics.num_generation_tokens = max(group.metrics.num_generation_tokens, len(out.token_ids))
+        if tok.logprobs is not None and out.logprobs is not None:
+            lp = self._to_logprob(tok)
+            out.logprobs.append(lp)
+            out.delta_logprobs = (out.delta_logprobs or []) + [lp]
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp.logprob
+        delta, stopped = sample.detok.add_tokens([tok.token_id])
+        out.text += delta
+        out.delta_text += delta
+        sample.changed = True
+        if stopped:
+            self.scheduler.finish_request(sample.seq_id, RequestStatus.FINISHED_STOPPED)
+            self.runner.free_request(sample.seq_id)
+            out.finish_reason = "stop"
+            out.stop_reason = sample.detok.stop_reason if hasattr(sample.detok, "stop_reason") else None
+
+    def _finish_sample(self, sample: _Sample, req: Request) -> None:
+        tail = sample.detok.flush()
+        sample.out.text += tail
+        sample.out.delta_text += tail
+        sample.out.finish_reason = req.finish_reason
+        if req.finish_reason == "stop" and req.output_token_ids and \
+                req.output_token_ids[-1] in req.sampling_params.stop_token_ids:
+            sample.out.stop_reason = req.output_token_ids[-1]
+        sample.changed = True
+        self.runner.free_request(sample.seq_id)
+
+    def _to_logprob(self, tok: SampledToken) -> Logprob:
+        lp = tok.logprobs
+        dec = self.tokenizer.decode
+        return Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                       token=dec([lp.token_id], skip_special_tokens=False),
+                       top=[(t, dec([t], skip_special_tokens=False), v) for t, v in lp.top])
+
+    def _fail_batch(self, sched, err: Exception) -> list[RequestOutput]:
+        outs = []
+        for gid in {self._seq_to_group[c.request.request_id][0].request_id for c in sched.chunks
+                    if c.request.request_id in self._seq_to_group}:
+            group = self._groups[gid]
+            group.error = f"{type(err).__name__}: {err}"
+            self.abort_request(gid)
+        outs.extend(self._pending)
+        self._pending = []
+        return outs
+
+    def _emit(self, group: _Group) -> RequestOutput:
+        """Snapshot the samples that changed this step; retire the group once all are done."""
+        changed = []
+        for s in group.samples:
+            if not s.changed:
+                continue
+            o = s.out
+            changed.append(CompletionOutput(
+                index=o.index, text=o.text, token_ids=list(o.token_ids), delta_text=o.delta_text,
+                delta_token_ids=o.delta_token_ids, logprobs=None if o.logprobs is None else list(o.logprobs),
+                delta_logprobs=o.delta_logprobs, cumulative_logprob=o.cumulative_logprob,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+            o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], None
+            s.changed = False
+        finished = group.finished
+        if finished:
+            group.metrics.finished_time = time.monotonic()
+            del self._groups[group.request_id]
+            for s in group.samples:
+                self._seq_to_group.pop(s.seq_id, None)
+                self.runner.free_request(s.seq_id)
+        return RequestOutput(request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
+                             outputs=changed, finished=finished, num_cached_tokens=group.num_cached_tokens,
+                             metrics=group.metrics, error=group.error)
+
+    # ---- numbers for /metrics and the bench ----
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting,
+                "kv_cache_usage": s.kv_cache_usage,
+                "prefix_cache_queries": s.stats.prefix_cache_queries,
+                "prefix_cache_hits": s.stats.prefix_cache_hits,
+                "num_preemptions": s.stats.num_preemptions,
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total}
+
+
+def _stem(path: str) -> str:
+    import os
+    name = os.path.basename(path.rstrip("/"))
+    for suffix in (".gguf",):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name

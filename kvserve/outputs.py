@@ -1,0 +1,89 @@
+"""What the engine hands back for a request: text, tokens, logprobs, timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One generated position: the chosen token and the top-N alternatives."""
+    token_id: int
+    logprob: float
+    rank: int                                   # 1 = most likely
+    token: str                                  # decoded text of token_id
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, text, logprob)
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic) of a request's life."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.last_token_time is None or self.first_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.num_generation_tokens < 2 or self.decode_time is None:
+            return None
+        return self.decode_time / (self.num_generation_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples. `text`/`token_ids` hold everything so far; `delta_*` what this step added."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    delta_logprobs: list[Logprob] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None            # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None        # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after an engine step. `outputs` holds the samples that changed this step
+    (all of them in the final output the offline API returns)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt: str | None = None
+    error: str | None = None                    # set when the request failed inside the engine

@@ -1,0 +1,120 @@
+"""ModelRunner: the one place that turns scheduler decisions into tensors.
+
+Each step it flattens every scheduled chunk (prompt chunks and decodes alike) into one
+unpadded batch — input_ids[T], positions[T], slot_mapping[T] plus per-request query spans,
+context lengths and block tables — runs the model once, takes logits only at the last
+position of chunks that sample, and samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.ops.attention import AttentionMetadata
+from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+class ModelRunner:
+    def __init__(self, loaded, config: EngineConfig, num_blocks: int):
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.block_size = config.cache.block_size
+        self.num_blocks = num_blocks
+        self.seed = config.seed
+        kv_dtype = config.cache.kv_cache_dtype
+        self.kv_dtype = _TORCH_DTYPES[config.model.dtype if kv_dtype == "auto" else kv_dtype]
+        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # One preallocated pool per layer for K and for V.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype), torch.zeros(shape, dtype=self.kv_dtype))
+                          for _ in range(self.arch.num_layers)]
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(config.seed)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def free_request(self, request_id: str) -> None:
+        """Forget per-request state (its seeded generator) once it has finished."""
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        g = self._generators.get(request.request_id)
+        if g is None:
+            g = torch.Generator().manual_seed(seed)
+            self._generators[request.request_id] = g
+        return g
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the scheduled chunks into one batch; returns (input_ids, positions, meta, sample_idx)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_idx: list[int] = []
+        max_blocks = max(len(c.block_table) for c in out.chunks)
+        tables = torch.zeros((len(out.chunks), max_blocks), dtype=torch.long)
+        for i, c in enumerate(out.chunks):
+            n = len(c.token_ids)
+            end = c.start_pos + n
+            input_ids.extend(c.token_ids)
+            pos = range(c.start_pos, end)
+            positions.extend(pos)
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+            if c.sample:
+                sample_idx.append(query_start_loc[-1] - 1)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
+                                 query_start_loc=query_start_loc, seq_lens=seq_lens,
+                                 block_tables=tables, block_size=bs)
+        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                meta, sample_idx)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step; returns the sampled token of every chunk with sample=True, by request id."""
+        if out.copy_blocks:
+            self._copy_blocks(out.copy_blocks)
+        if not out.chunks:
+            return {}
+        input_ids, positions, meta, sample_idx = self.prepare(out)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        sampling = [c for c in out.chunks if c.sample]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, dtype=torch.long)])
+        rows = [SamplingRow(params=c.request.sampling_params,
+                            prompt_token_ids=c.request.prompt_token_ids,
+                            output_token_ids=c.request.output_token_ids,
+                            generator=self._generator(c.request),
+                            eos_token_ids=c.request.eos_token_ids) for c in sampling]
+        sampled = self.sampler(logits, rows)
+        return {c.request.request_id: SampledToken(tok, lp)
+                for c, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)}

@@ -1,0 +1,260 @@
+"""Batched token sampling: logits processors, greedy/random sampling and logprobs.
+
+One call turns the logits of N requests (one row each) into N tokens. The stages run in
+vLLM's order and each one is skipped when no row of the batch uses it:
+
+1. min_tokens: eos ids (unless ignore_eos) and stop_token_ids are set to -inf while the
+   request has produced fewer than min_tokens tokens.
+2. repetition penalty over prompt + output tokens (positive logits divided, negative ones
+   multiplied), then presence and frequency penalties over output tokens.
+3. greedy rows (temperature < 1e-5) take the argmax. The others are divided by their
+   temperature, then filtered by min_p, top_k and top_p (one sort for both), and sampled.
+
+Sampling is the exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)``, which draws
+from ``probs`` exactly. A row with its own generator (a seeded request) draws its ``q``
+only from that generator, so its tokens do not depend on which other rows share the
+batch or where it sits in it; rows without one share the default generator in one op.
+
+Logprobs (when ``params.logprobs`` is set) are ``log_softmax`` of the logits after
+min_tokens and penalties, and after temperature for sampled rows (greedy rows: no
+temperature), but before min_p/top_k/top_p. They describe the distribution the model
+proposed, not the truncated one we drew from, so a token outside the nucleus still gets a
+finite logprob.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # seeded per request by the runner when params.seed is set
+    eos_token_ids: set[int]
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one generated position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # rank of the chosen token (1 = most likely)
+    top: list[tuple[int, float]]  # top-N (token_id, logprob), N = params.logprobs, best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Stateless: ``Sampler()(logits[N, V], rows) -> SamplerOutput``."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per request"
+        params = [r.params for r in rows]
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        needs_edit = _needs_min_tokens(rows) or any(_has_penalty(p) for p in params)
+
+        logits = logits.float()
+        if all(greedy) and not needs_edit and not want_logprobs:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        if needs_edit or not all(greedy):
+            logits = logits.clone()  # never modify the caller's tensor
+        if needs_edit:
+            _apply_min_tokens(logits, rows)
+            _apply_penalties(logits, rows)
+        if not all(greedy):
+            temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+            if any(t != 1.0 for t in temps):
+                logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))
+
+        tokens = _greedy_and_sample(logits, rows, greedy)
+        logprobs = _logprobs(logits, params, tokens) if want_logprobs else [None] * len(rows)
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+
+# ---------------------------------------------------------------- logits processors
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _needs_min_tokens(rows: list[SamplingRow]) -> bool:
+    return any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Ban eos (unless ignore_eos) and stop_token_ids until min_tokens tokens exist."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) >= r.params.min_tokens:
+            continue
+        banned = set(r.params.stop_token_ids)
+        if not r.params.ignore_eos:
+            banned |= r.eos_token_ids
+        banned = [t for t in banned if 0 <= t < vocab]
+        row_idx += [i] * len(banned)
+        tok_idx += banned
+    if row_idx:
+        dev = logits.device
+        logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = float("-inf")
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float tensor: how often each token occurs in each list."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    lengths = torch.tensor([len(t) for t in token_lists])
+    flat = [t for toks in token_lists for t in toks]
+    if flat:
+        rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths).to(device)
+        toks = torch.tensor(flat, device=device)
+        counts.index_put_((rows, toks), torch.ones_like(toks, dtype=counts.dtype), accumulate=True)
+    return counts
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition penalty (prompt + output), then presence/frequency penalties (output).
+
+    Each penalty runs only over the rows that set it.
+    """
+    vocab, dev = logits.shape[1], logits.device
+
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        idx = torch.tensor(rep, device=dev)
+        seen = _token_counts([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab, dev) > 0
+        pen = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev).unsqueeze(1)
+        sub = logits[idx]
+        penalized = torch.where(sub > 0, sub / pen, sub * pen)
+        logits[idx] = torch.where(seen, penalized, sub)
+
+    pf = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+    if pf:
+        idx = torch.tensor(pf, device=dev)
+        counts = _token_counts([rows[i].output_token_ids for i in pf], vocab, dev)
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], device=dev).unsqueeze(1)
+        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], device=dev).unsqueeze(1)
+        logits[idx] -= freq * counts + pres * (counts > 0).float()
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    use = [i for i, p in enumerate(params) if p.min_p > 0]
+    if not use:
+        return
+    idx = torch.tensor(use, device=logits.device)
+    sub = logits[idx]
+    probs = sub.softmax(dim=-1)
+    min_p = torch.tensor([params[i].min_p for i in use], device=logits.device).unsqueeze(1)
+    sub.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    logits[idx] = sub
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """top_k then top_p with a single ascending sort of the rows that use either.
+
+    top_k keeps every token at least as likely as the k-th (ties at the boundary stay);
+    top_p keeps the smallest set of most likely tokens whose mass reaches top_p.
+    """
+    use = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if not use:
+        return
+    dev, vocab = logits.device, logits.shape[1]
+    idx = torch.tensor(use, device=dev)
+    sorted_logits, order = logits[idx].sort(dim=-1)  # ascending
+
+    ks = [params[i].top_k for i in use]
+    if any(0 < k < vocab for k in ks):
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in ks], device=dev)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+
+    ps = [params[i].top_p for i in use]
+    if any(p < 1.0 for p in ps):
+        p = torch.tensor(ps, device=dev).unsqueeze(1)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - p
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits.masked_fill_(drop, float("-inf"))
+
+    logits[idx] = sorted_logits.scatter(1, order, sorted_logits)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), vocab] Exp(1) noise; a row with a generator draws only from it."""
+    q = torch.empty(len(rows), vocab, device=device)
+    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(shared) == len(rows):
+        return q.exponential_()
+    if shared:
+        q[torch.tensor(shared, device=device)] = torch.empty(len(shared), vocab, device=device).exponential_()
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            q[i].exponential_(generator=r.generator)
+    return q
+
+
+def _greedy_and_sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    """Argmax for greedy rows, filtered random draw for the rest. Returns [N] token ids."""
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    dev = logits.device
+    tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
+    g_idx = [i for i, g in enumerate(greedy) if g]
+    s_idx = [i for i, g in enumerate(greedy) if not g]
+    if g_idx:
+        gi = torch.tensor(g_idx, device=dev)
+        tokens[gi] = logits[gi].argmax(dim=-1)
+
+    si = torch.tensor(s_idx, device=dev)
+    s_rows = [rows[i] for i in s_idx]
+    s_params = [r.params for r in s_rows]
+    sub = logits[si]  # a copy: filtering must not touch the logits that logprobs read
+    _apply_min_p(sub, s_params)
+    _apply_top_k_top_p(sub, s_params)
+    probs = sub.softmax(dim=-1)
+    q = _exponential_noise(s_rows, logits.shape[1], dev)
+    tokens[si] = probs.div_(q).argmax(dim=-1)
+    return tokens
+
+
+def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Chosen-token logprob, its rank and the top-N for every row that asked for logprobs."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    use = [i for i, p in enumerate(params) if p.logprobs is not None]
+    idx = torch.tensor(use, device=logits.device)
+    lp = logits[idx].log_softmax(dim=-1)
+    chosen_ids = tokens[idx]
+    chosen = lp.gather(1, chosen_ids.unsqueeze(1))
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    n_top = max(params[i].logprobs for i in use)
+    top_lp, top_ids = lp.topk(n_top, dim=-1)
+
+    chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), chosen_ids.tolist()
+    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(use):
+        n = params[i].logprobs
+        top = list(zip(top_ids_l[j][:n], top_lp_l[j][:n]))
+        out[i] = TokenLogprobs(ids_l[j], chosen_l[j], ranks_l[j], top)
+    return out

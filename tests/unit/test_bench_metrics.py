@@ -1,0 +1,94 @@
+"""Benchmark arithmetic against hand-computed values."""
+import math
+
+import pytest
+
+from kvserve.bench.metrics import (RequestTiming, goodput, itl, meets_slo, parse_duration, parse_slo,
+                                   percentile, serve_report, summarize, throughput_report, tpot)
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([4, 1, 3, 2], 50) == 2.5          # between 2 and 3
+    assert percentile(list(range(1, 11)), 90) == pytest.approx(9.1)   # pos 8.1
+    assert percentile([0, 10], 99) == pytest.approx(9.9)
+    assert percentile([7], 99) == 7
+    assert percentile([3, 1, 2], 0) == 1 and percentile([3, 1, 2], 100) == 3
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_summarize():
+    s = summarize([1.0, 2.0, 3.0, 10.0])
+    assert s["mean"] == 4.0
+    assert s["median"] == 2.5
+    assert s["p90"] == pytest.approx(3 + 0.7 * 7)      # pos 2.7
+    assert s["p99"] == pytest.approx(3 + 0.97 * 7)     # pos 2.97
+    assert (s["min"], s["max"], s["n"]) == (1.0, 10.0, 4)
+    assert math.isnan(summarize([])["mean"])
+
+
+def test_request_timing_ttft_tpot_itl():
+    t = RequestTiming(start=10.0, chunk_times=[10.5, 10.6, 10.8, 11.1], output_tokens=4)
+    assert t.ttft == pytest.approx(0.5)
+    assert t.e2e == pytest.approx(1.1)
+    assert t.tpot == pytest.approx(0.6 / 3)
+    assert t.itl == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_tpot_counts_tokens_not_chunks():
+    # 2 chunks carrying 5 tokens: TPOT spreads the decode time over the 4 later tokens
+    assert tpot(e2e=1.0, ttft=0.2, output_tokens=5) == pytest.approx(0.2)
+    assert math.isnan(tpot(e2e=1.0, ttft=1.0, output_tokens=1))
+    assert itl([1.0]) == [] and itl([]) == []
+
+
+def test_parse_slo_and_durations():
+    assert parse_slo("ttft=2s,tpot=100ms,e2e=10s") == {"ttft": 2.0, "tpot": 0.1, "e2e": 10.0}
+    assert parse_slo(" itl = 50ms ") == {"itl": 0.05}
+    assert parse_duration("0.25") == 0.25
+    for bad in ("ttft", "latency=1s", "ttft=fast"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_goodput_requires_every_bound():
+    slo = parse_slo("ttft=1s,tpot=100ms")
+    good = RequestTiming(0.0, [0.5, 0.55, 0.6], output_tokens=3)          # ttft .5, tpot .05
+    slow_first = RequestTiming(0.0, [1.5, 1.55], output_tokens=2)           # ttft 1.5
+    slow_decode = RequestTiming(0.0, [0.5, 0.7, 0.9], output_tokens=3)      # tpot .2
+    failed = RequestTiming(0.0, [], ok=False, error="boom")
+    one_token = RequestTiming(0.0, [0.9], output_tokens=1)                  # no TPOT to break
+    assert meets_slo(good, slo) and meets_slo(one_token, slo)
+    assert not meets_slo(slow_first, slo) and not meets_slo(slow_decode, slo)
+    assert not meets_slo(failed, slo)
+    g = goodput([good, slow_first, slow_decode, failed, one_token], slo, duration=2.0)
+    assert g == {"good_requests": 2, "share": 0.4, "rate": 1.0}
+
+
+def test_itl_slo_bounds_the_worst_gap():
+    t = RequestTiming(0.0, [0.1, 0.2, 0.9, 1.0], output_tokens=4)
+    assert not meets_slo(t, {"itl": 0.5})     # one 0.7 s stall
+    assert meets_slo(t, {"tpot": 0.5})        # though the mean gap is 0.3 s
+
+
+def test_serve_report_totals():
+    a = RequestTiming(0.0, [1.0, 2.0], output_tokens=2, prompt_tokens=10, max_tokens=2)
+    b = RequestTiming(1.0, [1.5, 2.0, 2.5, 4.0], output_tokens=4, prompt_tokens=20, max_tokens=4)
+    c = RequestTiming(2.0, [], ok=False, error="HTTP 500")
+    r = serve_report([a, b, c], duration=4.0, slo={"e2e": 2.5})
+    assert (r["completed"], r["failed"]) == (2, 1)
+    assert r["request_throughput"] == 0.5
+    assert r["output_token_throughput"] == 1.5 and r["input_token_throughput"] == 7.5
+    assert r["ttft_s"]["mean"] == pytest.approx(0.75)     # 1.0 and 0.5
+    assert r["e2e_s"]["median"] == pytest.approx(2.5)     # 2.0 and 3.0
+    assert r["tpot_s"]["mean"] == pytest.approx((1.0 + 2.5 / 3) / 2)
+    assert r["itl_s"]["n"] == 4                           # 1 gap + 3 gaps
+    assert r["goodput"]["good_requests"] == 1 and r["errors"] == ["HTTP 500"]
+
+
+def test_throughput_report():
+    r = throughput_report(num_requests=4, input_tokens=100, output_tokens=60, useful_tokens=50, elapsed=2.0)
+    assert r["requests_per_s"] == 2.0
+    assert r["output_tokens_per_s"] == 30.0 and r["useful_output_tokens_per_s"] == 25.0
+    assert r["total_tokens_per_s"] == 80.0
