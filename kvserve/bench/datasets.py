@@ -1,0 +1,144 @@
+"""Benchmark workloads as token ids, so that kvserve and every peer get identical input.
+
+random   uniform prompt / output lengths over random token ids (seeded)
+w1, w2   the project's standard workloads (../shared/bench/w1-w2.json)
+sharegpt conversations from a ShareGPT JSON file (first human turn -> first reply's length)
+prefix   groups of requests sharing a long system prompt, each with its own question
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.bench.common import workloads_path
+
+DATASETS = ("random", "w1", "w2", "sharegpt", "prefix")
+
+
+@dataclass
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+def parse_range(text: str | int) -> tuple[int, int]:
+    """'128' -> (128, 128); '16:256' -> (16, 256), both ends included."""
+    if isinstance(text, int):
+        return text, text
+    lo, _, hi = str(text).partition(":")
+    a, b = int(lo), int(hi or lo)
+    if a < 1 or b < a:
+        raise ValueError(f"bad length range {text!r}: write N or LO:HI with 1 <= LO <= HI")
+    return a, b
+
+
+def random_requests(num: int, input_len: str | int, output_len: str | int, seed: int,
+                    vocab_size: int) -> list[BenchRequest]:
+    """Prompt ids drawn uniformly from the vocabulary (ids below 1% of it, mostly specials, skipped)."""
+    rng = random.Random(seed)
+    (ilo, ihi), (olo, ohi) = parse_range(input_len), parse_range(output_len)
+    low = max(1, vocab_size // 100)
+    return [BenchRequest([rng.randrange(low, vocab_size) for _ in range(rng.randint(ilo, ihi))],
+                         rng.randint(olo, ohi)) for _ in range(num)]
+
+
+def standard_requests(name: str, path: str | None = None) -> list[BenchRequest]:
+    data = json.loads(workloads_path(path).read_text())
+    items = data[name] if isinstance(data[name], list) else [data[name]]
+    return [BenchRequest(list(it["prompt_ids"]), int(it["max_tokens"])) for it in items]
+
+
+def text_stream(path: str | None = None) -> list[int]:
+    """Real text as token ids (the W2 prompts, docstring windows, end to end) for synthetic workloads."""
+    return [t for r in standard_requests("w2", path) for t in r.prompt_ids]
+
+
+def prefix_requests(num: int, groups: int, prefix_len: int, question_len: int, output_len: int,
+                    seed: int, path: str | None = None) -> list[BenchRequest]:
+    """`num` requests in `groups` groups; a group shares one `prefix_len`-token system prompt and each
+    request adds its own `question_len`-token question. Groups are interleaved (request i is in
+    group i % groups), so the cache must serve a prefix while other groups run."""
+    stream = text_stream(path)
+    rng = random.Random(seed)
+
+    def window(n: int) -> list[int]:
+        start = rng.randrange(len(stream))
+        return [stream[(start + i) % len(stream)] for i in range(n)]
+
+    prefixes = [window(prefix_len) for _ in range(groups)]
+    return [BenchRequest(prefixes[i % groups] + window(question_len), output_len) for i in range(num)]
+
+
+def sharegpt_requests(path: str, num: int, seed: int, encode, output_len: int | None = None,
+                      max_prompt: int = 1024, max_total: int = 2048) -> list[BenchRequest]:
+    """First human turn as the prompt; the first reply's token count as max_tokens (vLLM's recipe:
+    skip prompts or replies under 4 tokens and pairs over the length limits)."""
+    convs = json.loads(Path(path).read_text())
+    random.Random(seed).shuffle(convs)
+    out: list[BenchRequest] = []
+    for c in convs:
+        turns = c.get("conversations") or c.get("conversation") or []
+        if len(turns) < 2:
+            continue
+        prompt = encode(turns[0]["value"])
+        reply_len = output_len or len(encode(turns[1]["value"]))
+        if len(prompt) < 4 or reply_len < 4 or len(prompt) > max_prompt or len(prompt) + reply_len > max_total:
+            continue
+        out.append(BenchRequest(prompt, reply_len))
+        if len(out) == num:
+            break
+    if not out:
+        raise SystemExit(f"no usable conversation in {path}")
+    return out
+
+
+def gguf_vocab_size(path: str) -> int:
+    """Vocabulary size from a GGUF file's tokenizer metadata (no model load)."""
+    from gguf import GGUFReader
+    field = GGUFReader(path).fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        raise SystemExit(f"{path} has no tokenizer.ggml.tokens: pass --vocab-size")
+    return len(field.data)
+
+
+def add_dataset_args(p, default_num: int = 64) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default="w2", choices=DATASETS, help="workload (default: %(default)s)")
+    g.add_argument("--dataset-path", default=None,
+                   help="w1-w2.json for w1/w2/prefix (default: <repo>/../shared/bench/w1-w2.json); "
+                        "the ShareGPT JSON file for sharegpt")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests (default: all of w2, 32 for prefix, {default_num} otherwise)")
+    g.add_argument("--input-len", default="16:256", help="random: prompt tokens, N or LO:HI (default: %(default)s)")
+    g.add_argument("--output-len", default=None,
+                   help="random: output tokens, N or LO:HI (default 32:256); prefix: N (default 64); "
+                        "sharegpt: fixed N instead of the reply's length")
+    g.add_argument("--prefix-len", type=int, default=1000, help="prefix: shared prompt tokens (default: %(default)s)")
+    g.add_argument("--question-len", type=int, default=50, help="prefix: question tokens (default: %(default)s)")
+    g.add_argument("--prefix-groups", type=int, default=4,
+                   help="prefix: groups sharing one system prompt (default: %(default)s)")
+    g.add_argument("--vocab-size", type=int, default=None, help="random: token id range (default: the model's)")
+
+
+def load_requests(args, model: str, encode=None, default_num: int = 64) -> list[BenchRequest]:
+    """Build the workload the dataset flags describe (args.seed seeds it)."""
+    d = args.dataset
+    std = args.dataset_path if d != "sharegpt" else None
+    if d in ("w1", "w2"):
+        reqs = standard_requests(d, std)
+        return reqs[:args.num_prompts] if args.num_prompts else reqs
+    if d == "random":
+        vocab = args.vocab_size or gguf_vocab_size(model)
+        return random_requests(args.num_prompts or default_num, args.input_len, args.output_len or "32:256",
+                               args.seed, vocab)
+    if d == "prefix":
+        return prefix_requests(args.num_prompts or 32, args.prefix_groups, args.prefix_len, args.question_len,
+                               int(args.output_len or 64), args.seed, std)
+    if not args.dataset_path:
+        raise SystemExit("--dataset sharegpt needs --dataset-path FILE.json")
+    if encode is None:
+        raise SystemExit("sharegpt needs a tokenizer")
+    return sharegpt_requests(args.dataset_path, args.num_prompts or default_num, args.seed, encode,
+                             int(args.output_len) if args.output_len else None)

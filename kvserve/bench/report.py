@@ -1,0 +1,177 @@
+"""`kvserve bench report`: regenerate docs/benchmarks.md from the saved results.
+
+Reads every docs/bench-results/*.json that `kvserve bench ... --save` wrote and writes one page:
+the machines and versions, then per result its exact command, kvserve and each peer side by side
+with ratios, and the sweep plots.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from kvserve.bench import common
+
+
+def add_args(p) -> None:
+    p.add_argument("--results-dir", default=str(common.RESULTS_DIR), help="result JSON files (default: %(default)s)")
+    p.add_argument("--output", "-o", default=str(common.REPO_ROOT / "docs" / "benchmarks.md"),
+                   help="page to write (default: %(default)s)")
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(common.fmt(c, 1) if isinstance(c, float) else str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def x(r: float) -> str:
+    return "-" if r is None or math.isnan(r) else f"{r:.2f}x"
+
+
+def engine_label(run: dict) -> str:
+    cfg = run.get("config") or {}
+    if run["engine"] == "hf":
+        return f"hf transformers, fp32, static batch {cfg.get('batch_size', '')}".rstrip(", ")
+    if run["engine"] == "llamacpp":
+        return f"llama.cpp ({cfg.get('server', '?')}, {cfg.get('slots', '?')} slot(s))"
+    return "kvserve"
+
+
+def section_throughput(res: dict) -> list[str]:
+    w = res["workload"]
+    out = [f"Workload `{w['dataset']}`: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
+           f"{w['max_tokens_total']} output tokens asked, all submitted at once.", ""]
+    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    rows = []
+    for r in res["runs"]:
+        m = r["metrics"]
+        rows.append([engine_label(r), m["useful_output_tokens_per_s"], m["output_tokens_per_s"], m["requests_per_s"],
+                     m["input_tokens_per_s"], m["elapsed_s"],
+                     x(common.ratio(base["metrics"]["useful_output_tokens_per_s"], m["useful_output_tokens_per_s"]))
+                     if base else "-"])
+    out.append(md_table(["engine", "useful out tok/s", "out tok/s", "req/s", "in tok/s", "wall s", "kvserve vs it"],
+                        rows))
+    return out
+
+
+def section_latency(res: dict) -> list[str]:
+    w = res["workload"]
+    out = [f"One request: prompt {w['prompt_tokens']} tokens, {w['output_tokens']} output tokens; "
+           f"median of {len(res['runs'][0]['samples'])} runs (min-max).", ""]
+    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    rows = []
+    for r in res["runs"]:
+        s = r["summary"]
+        rng = lambda k, d=3: f"{s[k]['median']:.{d}f} ({s[k]['min']:.{d}f}-{s[k]['max']:.{d}f})"  # noqa: E731
+        rows.append([engine_label(r) + (f" [{r['mode']}]" if r.get("mode") else ""), rng("decode_tok_s", 1),
+                     rng("e2e_tok_s", 1), rng("prefill_s"), rng("ttft_s"),
+                     x(common.ratio(base["summary"]["decode_tok_s"]["median"], s["decode_tok_s"]["median"]))
+                     if base else "-"])
+    out.append(md_table(["engine", "decode tok/s", "e2e tok/s", "prefill s", "TTFT s", "kvserve decode vs it"], rows))
+    return out
+
+
+def section_serve(res: dict, page_dir: Path) -> list[str]:
+    w = res["workload"]
+    args = res["args"]
+    out = [f"Workload `{w['dataset']}`: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
+           f"{w['max_tokens_total']} output tokens; SLO `{args.get('slo')}`.", ""]
+    rows = []
+    for r in res["runs"]:
+        for p in r["points"]:
+            m = p["metrics"]
+            rows.append([engine_label(r), f"{p['request_rate']:g}", p["max_concurrency"] or "-",
+                         f"{m['completed']}/{m['num_requests']}", m["output_token_throughput"],
+                         f"{m['ttft_s']['median']:.2f} / {m['ttft_s']['p99']:.2f}",
+                         f"{m['tpot_s']['median'] * 1e3:.0f} / {m['tpot_s']['p99'] * 1e3:.0f}",
+                         f"{m['itl_s']['p99'] * 1e3:.0f}", f"{m['e2e_s']['median']:.2f}",
+                         f"{m.get('goodput', {}).get('rate', math.nan):.2f} "
+                         f"({m.get('goodput', {}).get('share', math.nan) * 100:.0f}%)"])
+    out.append(md_table(["engine", "rate", "conc", "ok", "out tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 ms",
+                         "ITL p99 ms", "e2e p50 s", "goodput req/s"], rows))
+    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    for peer in (r for r in res["runs"] if r["engine"] != "kvserve"):
+        if base is None:
+            break
+        ratios = [f"{a['request_rate']:g}/{a['max_concurrency'] or '-'}: "
+                  f"{x(common.ratio(a['metrics']['output_token_throughput'], b['metrics']['output_token_throughput']))}"
+                  for a, b in zip(base["points"], peer["points"])]
+        out += ["", f"kvserve / {engine_label(peer)} output tokens/s (rate/conc): " + ", ".join(ratios)]
+    if res.get("plot") and Path(res["plot"]).exists():
+        out += ["", f"![{res['kind']} sweep]({os.path.relpath(res['plot'], page_dir)})"]
+    return out
+
+
+def section_roofline(res: dict) -> list[str]:
+    mp = res["machine_peaks"]
+    out = [md_table(["kernel", "GFLOP/s", "at M,K,N"],
+                    [[k, v["gflops"], ",".join(map(str, v["shape_mkn"]))] for k, v in mp["matmul"].items()]),
+           "", f"Memory bandwidth ({mp['memory']['tensor_mib']} MiB tensor, {mp['threads']} threads): "
+           f"read {mp['memory']['read_gbs']:.1f} GB/s, copy {mp['memory']['copy_gbs']:.1f} GB/s (read + write)."]
+    m = res.get("model")
+    if m:
+        d, pf, bd = m["decode_batch1"], m["prefill"], m["batch_decode"]
+        out += ["", f"Model `{Path(m['model']).name}` ({m['dtype']}): "
+                f"{m['facts']['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step.", "",
+                md_table(["regime", "tokens/s", "achieved", "MBU", "MFU (vs fp32 peak)"], [
+                    [f"decode, batch 1, prompt {d['prompt_len']}", d["tokens_per_s"], f"{d['achieved_gbs']:.1f} GB/s",
+                     f"{d['mbu'] * 100:.0f}%", f"{d['mfu'] * 100:.1f}%"],
+                    [f"prefill {pf['tokens']} tokens", pf["tokens_per_s"], f"{pf['gflops']:.1f} GFLOP/s", "-",
+                     f"{pf['mfu'] * 100:.0f}%"],
+                    [f"decode, batch {bd['batch']}", bd["output_tokens_per_s"], f"{bd['gflops']:.1f} GFLOP/s",
+                     f"{bd['mbu_weights_only'] * 100:.0f}% (weights)", f"{bd['mfu'] * 100:.0f}%"]])]
+    return out
+
+
+SECTIONS = {"roofline": "Hardware limits (roofline)", "latency": "Latency", "throughput": "Offline throughput",
+            "serve": "Serving load"}
+
+
+def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
+    lines = ["# kvserve benchmarks", "",
+             "Generated by `kvserve bench report` from `docs/bench-results/*.json`; every figure below was measured "
+             "by the command shown with it. Peers run in the same command on the same token ids "
+             "(see docs/bench.md for how each peer is run).", ""]
+    machines = {json.dumps(r["machine"], sort_keys=True): r["machine"] for _, r in results}
+    lines += ["## Machines and versions", ""]
+    for m in machines.values():
+        lines.append(f"- {m['cpu']}, {m['cores']} cores, {m.get('memory_gib')} GiB, SIMD {', '.join(m.get('simd', []))}; "
+                     f"{m.get('os')}; Python {m.get('python')}")
+    vers = {json.dumps(r["versions"], sort_keys=True): r["versions"] for _, r in results}
+    for v in vers.values():
+        lines.append("- " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+    for kind, title in SECTIONS.items():
+        of_kind = [(p, r) for p, r in results if r["kind"] == kind]
+        if not of_kind:
+            continue
+        lines += ["", f"## {title}"]
+        for path, r in of_kind:
+            lines += ["", f"### {path.stem}", "", f"`{r['command']}`  ", f"{r['date']}, kvserve {r['versions'].get('kvserve_commit')}", ""]
+            if kind == "throughput":
+                lines += section_throughput(r)
+            elif kind == "latency":
+                lines += section_latency(r)
+            elif kind == "serve":
+                lines += section_serve(r, page_dir)
+            else:
+                lines += section_roofline(r)
+    return "\n".join(lines) + "\n"
+
+
+def main(args, argv: list[str]) -> int:
+    files = sorted(Path(args.results_dir).glob("*.json"))
+    if not files:
+        return common.die(f"no results in {args.results_dir}: run a benchmark with --save first")
+    results = []
+    for f in files:
+        try:
+            results.append((f, json.loads(f.read_text())))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"skipping {f}: {e}")
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(build_page(results, out.parent))
+    print(f"wrote {out} from {len(results)} result files")
+    return 0

@@ -1,0 +1,206 @@
+"""`kvserve bench roofline`: this machine's limits, and how close a model gets to them.
+
+Machine (torch, --threads threads, about --seconds each): peak matmul FLOP/s in fp32, bf16 and
+int8 (fbgemm's dynamically quantized linear, and torch._int_mm), and memory bandwidth (sum over
+and copy of a 256 MiB tensor, far larger than the caches).
+Model (kvserve.LLM): decode MBU = (weight bytes + KV bytes read per step) / step time / read
+bandwidth at batch 1; MFU = achieved matmul FLOP/s / fp32 peak for a long prefill and for a
+batch of concurrent decodes. FLOPs count the linear layers (2 x in x out per token), the LM head
+at sampled positions only, and causal attention.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import sys
+import time
+
+from kvserve.bench import common
+from kvserve.bench.throughput import add_output_args
+
+MATMUL_SHAPES = [(1024, 1024, 1024), (256, 576, 1536), (512, 2048, 2048)]   # (M, K, N)
+
+
+def timeit(fn, seconds: float) -> float:
+    """Seconds per call: one warm-up call, then as many calls as fit in `seconds` (at least 3)."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def matmul_peaks(seconds: float) -> dict:
+    """Best GFLOP/s over MATMUL_SHAPES for each kernel."""
+    import torch
+    out: dict[str, dict] = {}
+    per = seconds / len(MATMUL_SHAPES)
+    for m, k, n in MATMUL_SHAPES:
+        flops = 2 * m * k * n
+        a, w = torch.randn(m, k), torch.randn(n, k)
+        kernels = {
+            "fp32": lambda: torch.nn.functional.linear(a, w),
+            "bf16": (lambda ab, wb: lambda: torch.nn.functional.linear(ab, wb))(a.bfloat16(), w.bfloat16()),
+        }
+        try:
+            wq = torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(wq, None)
+            kernels["int8_dynamic_linear"] = lambda: torch.ops.quantized.linear_dynamic(a, packed)
+        except (RuntimeError, AttributeError):
+            pass
+        ai = torch.randint(-127, 127, (m, k), dtype=torch.int8)
+        wi = torch.randint(-127, 127, (k, n), dtype=torch.int8)
+        kernels["int8_int_mm"] = lambda: torch._int_mm(ai, wi)
+        for name, fn in kernels.items():
+            try:
+                g = flops / timeit(fn, per / len(kernels)) / 1e9
+            except RuntimeError:
+                continue
+            if g > out.get(name, {}).get("gflops", 0):
+                out[name] = {"gflops": g, "shape_mkn": [m, k, n]}
+    return out
+
+
+def memory_bandwidth(seconds: float, mib: int = 256) -> dict:
+    import torch
+    x = torch.ones(mib * 2**20 // 4)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 4
+    read = nbytes / timeit(lambda: x.sum(), seconds / 2) / 1e9
+    copy = 2 * nbytes / timeit(lambda: y.copy_(x), seconds / 2) / 1e9
+    return {"read_gbs": read, "copy_gbs": copy, "tensor_mib": mib}
+
+
+def model_facts(llm) -> dict:
+    """Weight bytes a decode step reads, and matmul parameters per token, from the loaded module."""
+    model, arch = llm.engine.runner.model, llm.engine.arch
+    named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+    seen, weight_bytes, embed_bytes = set(), 0, 0
+    for name, t in named:
+        if any(s in name for s in ("rotary", "cos", "sin", "inv_freq")):
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        nbytes = t.untyped_storage().nbytes()
+        weight_bytes += nbytes
+        if "embed" in name:
+            embed_bytes += nbytes
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None:
+        weight_bytes -= embed_bytes   # untied: the embedding is only gathered, a few rows a step
+    linear_params = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                        if hasattr(m, "in_features") and hasattr(m, "out_features") and not name.endswith("lm_head"))
+    return {"weight_bytes_per_step": weight_bytes, "linear_params": linear_params,
+            "lm_head_params": arch.vocab_size * arch.hidden_size, "num_layers": arch.num_layers,
+            "num_heads": arch.num_heads, "head_dim": arch.head_dim,
+            "kv_bytes_per_token": llm.engine.kv_shape.bytes_per_token}
+
+
+def prefill_flops(f: dict, t: int) -> float:
+    attn = 2 * f["head_dim"] * f["num_heads"] * t * (t + 1) * f["num_layers"]
+    return 2 * f["linear_params"] * t + 2 * f["lm_head_params"] + attn
+
+
+def decode_flops(f: dict, context: int) -> float:
+    return 2 * (f["linear_params"] + f["lm_head_params"]) + 4 * f["head_dim"] * f["num_heads"] * context * f["num_layers"]
+
+
+def measure_model(args, peaks: dict, bw: dict) -> dict:
+    from kvserve import LLM, SamplingParams
+    from kvserve.config import engine_config_from_args
+    args.no_prefix_caching = True
+    llm = LLM(config=engine_config_from_args(args))
+    print(llm.engine.describe(), file=sys.stderr)
+    f = model_facts(llm)
+    vocab = llm.engine.arch.vocab_size
+
+    def prompt(n: int, salt: int) -> dict:
+        return {"prompt_token_ids": [(salt * 7919 + i * 104729) % (vocab - 1000) + 500 for i in range(n)]}
+
+    def gen(prompts, out_len):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), use_tqdm=False)
+        return outs, time.perf_counter() - t0
+
+    gen([prompt(16, 0)], 4)  # warm-up
+    peak = peaks["fp32"]["gflops"]
+    res: dict = {"facts": f}
+
+    # Decode, batch 1: prompt P, O tokens; step time from the first to the last token.
+    p, o = args.decode_prompt_len, args.decode_len
+    (out,), _ = gen([prompt(p, 1)], o)
+    step = (out.metrics.last_token_time - out.metrics.first_token_time) / (o - 1)
+    mean_ctx = p + o / 2
+    bytes_step = f["weight_bytes_per_step"] + f["kv_bytes_per_token"] * mean_ctx
+    res["decode_batch1"] = {"prompt_len": p, "output_len": o, "step_s": step, "tokens_per_s": 1 / step,
+                            "bytes_per_step": bytes_step, "achieved_gbs": bytes_step / step / 1e9,
+                            "mbu": bytes_step / step / 1e9 / bw["read_gbs"],
+                            "mfu": decode_flops(f, int(mean_ctx)) / step / 1e9 / peak}
+
+    # Prefill: one prompt of T tokens, one output token.
+    t = args.prefill_len
+    (out,), _ = gen([prompt(t, 2)], 1)
+    pt = out.metrics.first_token_time - (out.metrics.first_scheduled_time or out.metrics.arrival_time)
+    res["prefill"] = {"tokens": t, "seconds": pt, "tokens_per_s": t / pt,
+                      "gflops": prefill_flops(f, t) / pt / 1e9, "mfu": prefill_flops(f, t) / pt / 1e9 / peak}
+
+    # Large batch: B concurrent requests, short prompts, O tokens each; FLOPs over the whole run.
+    b, bp, bo = args.batch, 16, args.decode_len
+    outs, wall = gen([prompt(bp, 100 + i) for i in range(b)], bo)
+    total = b * (prefill_flops(f, bp) + sum(decode_flops(f, bp + j) for j in range(1, bo)))
+    res["batch_decode"] = {"batch": b, "prompt_len": bp, "output_len": bo, "seconds": wall,
+                           "output_tokens_per_s": b * bo / wall, "gflops": total / wall / 1e9,
+                           "mfu": total / wall / 1e9 / peak,
+                           "mbu_weights_only": f["weight_bytes_per_step"] * (bo - 1) / wall / 1e9 / bw["read_gbs"]}
+    res["model"] = llm.engine.model_path
+    res["dtype"] = args.dtype
+    del llm
+    gc.collect()
+    return res
+
+
+def add_args(p) -> None:
+    from kvserve.config import add_engine_args
+    g = p.add_argument_group("roofline")
+    g.add_argument("--seconds", type=float, default=3.0, help="time for each machine measurement (default: %(default)s)")
+    g.add_argument("--no-model", action="store_true", help="measure only the machine")
+    g.add_argument("--decode-prompt-len", type=int, default=128, help="batch-1 decode prompt (default: %(default)s)")
+    g.add_argument("--decode-len", type=int, default=64, help="decode tokens measured (default: %(default)s)")
+    g.add_argument("--prefill-len", type=int, default=512, help="prefill prompt tokens (default: %(default)s)")
+    g.add_argument("--batch", type=int, default=32, help="concurrent requests for batch MFU (default: %(default)s)")
+    add_engine_args(p)
+    add_output_args(p)
+
+
+def main(args, argv: list[str]) -> int:
+    import torch
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    result = common.new_result("roofline", argv, args)
+    print(f"measuring this machine with {threads} threads ...", file=sys.stderr)
+    peaks = matmul_peaks(args.seconds)
+    bw = memory_bandwidth(args.seconds)
+    result["machine_peaks"] = {"threads": threads, "matmul": peaks, "memory": bw}
+    print(common.table(["kernel", "GFLOP/s", "at M,K,N"],
+                       [[k, v["gflops"], ",".join(map(str, v["shape_mkn"]))] for k, v in peaks.items()]))
+    print(f"memory: read {bw['read_gbs']:.1f} GB/s, copy {bw['copy_gbs']:.1f} GB/s (read+write, {bw['tensor_mib']} MiB)")
+    if not args.no_model:
+        m = measure_model(args, peaks, bw)
+        result["model"] = m
+        d, pf, bd = m["decode_batch1"], m["prefill"], m["batch_decode"]
+        print(f"\nmodel {m['model']} ({m['dtype']}): {m['facts']['weight_bytes_per_step'] / 2**20:.0f} MiB of weights "
+              f"read per decode step, {m['facts']['linear_params'] / 1e6:.1f}M matmul params + "
+              f"{m['facts']['lm_head_params'] / 1e6:.1f}M LM head")
+        print(common.table(["regime", "tokens/s", "GB/s or GFLOP/s", "MBU", "MFU (fp32 peak)"], [
+            [f"decode batch 1 (P{d['prompt_len']})", d["tokens_per_s"], f"{d['achieved_gbs']:.1f} GB/s",
+             f"{d['mbu'] * 100:.0f}%", f"{d['mfu'] * 100:.1f}%"],
+            [f"prefill {pf['tokens']} tokens", pf["tokens_per_s"], f"{pf['gflops']:.1f} GFLOP/s", "-",
+             f"{pf['mfu'] * 100:.0f}%"],
+            [f"decode batch {bd['batch']}", bd["output_tokens_per_s"], f"{bd['gflops']:.1f} GFLOP/s",
+             f"{bd['mbu_weights_only'] * 100:.0f}% (weights)", f"{bd['mfu'] * 100:.0f}%"]]))
+    common.save_result(result, args.output, args.save, "roofline")
+    return 0

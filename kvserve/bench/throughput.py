@@ -1,0 +1,175 @@
+"""`kvserve bench throughput`: offline throughput, every request submitted at once.
+
+kvserve runs through the offline LLM API; --peer hf runs transformers static batches;
+--peer llamacpp sends the same token ids to a llama.cpp server, all at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+import time
+
+from kvserve.bench import common
+from kvserve.bench.datasets import BenchRequest, add_dataset_args, load_requests
+from kvserve.bench.metrics import throughput_report
+
+
+def add_peer_args(p, what: str) -> None:
+    g = p.add_argument_group("peers")
+    g.add_argument("--peer", action="append", choices=["hf", "llamacpp"], default=[],
+                   help=f"also {what} a peer on the same workload and print ratios (repeatable)")
+    g.add_argument("--only-peers", action="store_true", help="skip kvserve, run only the --peer engines")
+    g.add_argument("--hf-batch-size", type=int, default=32, help="hf: static batch size (default: %(default)s)")
+    g.add_argument("--llamacpp-bin", default=None,
+                   help="llama.cpp's llama-server binary (parallel slots); default: llama-cpp-python's server")
+    g.add_argument("--llamacpp-slots", type=int, default=16,
+                   help="llama-server parallel slots (default: %(default)s)")
+    g.add_argument("--llamacpp-ctx", type=int, default=2048,
+                   help="llama.cpp context tokens per slot (default: %(default)s)")
+    g.add_argument("--llamacpp-args", default="", help="extra llama.cpp server flags, one string")
+
+
+def add_output_args(p) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--output", "-o", default=None, help="write the result JSON here")
+    g.add_argument("--save", action="store_true", help="write the result JSON under docs/bench-results/")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_args(p) -> None:
+    from kvserve.config import add_engine_args
+    add_dataset_args(p)
+    add_engine_args(p)
+    add_peer_args(p, "run")
+    add_output_args(p)
+
+
+def check_peers(args) -> str | None:
+    """None when every requested peer can run, else how to install the missing one."""
+    from kvserve.bench.hf_peer import HF_INSTALL, hf_available
+    from kvserve.bench.servers import LLAMACPP_INSTALL, llamacpp_available
+    if "hf" in args.peer and not hf_available():
+        return HF_INSTALL
+    if "llamacpp" in args.peer and not llamacpp_available(args.llamacpp_bin):
+        return LLAMACPP_INSTALL
+    return None
+
+
+def threads(args) -> int:
+    import os
+    return args.threads or len(os.sched_getaffinity(0))
+
+
+def _counts(reqs: list[BenchRequest]) -> tuple[int, int]:
+    return sum(len(r.prompt_ids) for r in reqs), sum(r.max_tokens for r in reqs)
+
+
+def run_kvserve(args, reqs: list[BenchRequest]) -> dict:
+    from kvserve import LLM, SamplingParams
+    from kvserve.config import engine_config_from_args
+    t0 = time.perf_counter()
+    llm = LLM(config=engine_config_from_args(args))
+    load_s = time.perf_counter() - t0
+    print(llm.engine.describe(), file=sys.stderr)
+    # Warm up on a prompt shorter than one KV block, so nothing it leaves in the prefix cache helps.
+    llm.generate([{"prompt_token_ids": reqs[0].prompt_ids[:8]}],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": r.prompt_ids} for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    inp, _ = _counts(reqs)
+    useful = sum(min(n, r.max_tokens) for n, r in zip(lens, reqs))
+    run = {"engine": "kvserve", "load_s": load_s, "model": llm.engine.model_path,
+           "config": {"dtype": args.dtype, "quantization": args.quantization,
+                      "prefix_caching": not args.no_prefix_caching,
+                      "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+           "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
+           "metrics": throughput_report(len(reqs), inp, sum(lens), useful, elapsed)}
+    del llm, outs
+    gc.collect()
+    return run
+
+
+def run_hf(args, reqs: list[BenchRequest], gguf: str) -> dict:
+    from kvserve.bench.hf_peer import generate_batch, load_hf, run_static
+    t0 = time.perf_counter()
+    model = load_hf(gguf, threads(args))
+    load_s = time.perf_counter() - t0
+    generate_batch(model, [BenchRequest(reqs[0].prompt_ids[:8], 4)])  # warm-up
+    r = run_static(model, reqs, args.hf_batch_size, progress=not args.no_progress)
+    inp, useful = _counts(reqs)
+    del model
+    gc.collect()
+    return {"engine": "hf", "load_s": load_s, "config": {"dtype": "float32", "batch_size": args.hf_batch_size,
+                                                         "padding": "left", "batching": "static"},
+            "metrics": throughput_report(len(reqs), inp, r["generated_tokens"], useful, r["elapsed"])}
+
+
+def llamacpp_config(args) -> dict:
+    if args.llamacpp_bin:
+        return {"server": "llama-server", "slots": args.llamacpp_slots, "ctx_per_slot": args.llamacpp_ctx}
+    return {"server": "llama-cpp-python", "slots": 1, "ctx": args.llamacpp_ctx,
+            "note": "llama-cpp-python's server runs one request at a time"}
+
+
+def run_llamacpp(args, reqs: list[BenchRequest], gguf: str) -> dict:
+    import shlex
+    from kvserve.bench.loadgen import run_load
+    from kvserve.bench.servers import llamacpp_request_kwargs, llamacpp_server
+    server = llamacpp_server(gguf, threads(args), args.llamacpp_slots, args.llamacpp_ctx, args.llamacpp_bin,
+                             shlex.split(args.llamacpp_args))
+    warm = [BenchRequest(reqs[0].prompt_ids[:8], 4)]
+    with server as url:
+        asyncio.run(run_load(url, warm, "default", progress=False,
+                             **llamacpp_request_kwargs(gguf, args.llamacpp_bin, warm)))
+        timings, elapsed = asyncio.run(run_load(url, reqs, "default", progress=not args.no_progress,
+                                                **llamacpp_request_kwargs(gguf, args.llamacpp_bin, reqs)))
+    failed = [t for t in timings if not t.ok]
+    if failed:
+        raise RuntimeError(f"llama.cpp: {len(failed)} requests failed, first: {failed[0].error}")
+    inp, _ = _counts(reqs)
+    useful = sum(min(t.output_tokens, r.max_tokens) for t, r in zip(timings, reqs))
+    return {"engine": "llamacpp", "config": llamacpp_config(args),
+            "metrics": throughput_report(len(reqs), inp, sum(t.output_tokens for t in timings), useful, elapsed)}
+
+
+def print_table(runs: list[dict]) -> None:
+    base = next((r for r in runs if r["engine"] == "kvserve"), None)
+    rows = []
+    for r in runs:
+        m = r["metrics"]
+        rows.append([r["engine"], m["requests_per_s"], m["input_tokens_per_s"], m["output_tokens_per_s"],
+                     m["useful_output_tokens_per_s"], m["elapsed_s"],
+                     common.ratio(base["metrics"]["useful_output_tokens_per_s"], m["useful_output_tokens_per_s"])
+                     if base else None])
+    print(common.table(["engine", "req/s", "in tok/s", "out tok/s", "useful tok/s", "wall s",
+                        "kvserve x"], rows))
+
+
+def main(args, argv: list[str]) -> int:
+    msg = check_peers(args)
+    if msg:
+        return common.die(msg)
+    gguf = common.model_path(args.model)
+    encode = None
+    if args.dataset == "sharegpt":
+        from kvserve.bench.tokenize import encoder
+        encode = encoder(gguf)
+    reqs = load_requests(args, gguf, encode)
+    inp, useful = _counts(reqs)
+    print(f"workload {args.dataset}: {len(reqs)} requests, {inp} prompt tokens, {useful} output tokens asked",
+          file=sys.stderr)
+    result = common.new_result("throughput", argv, args)
+    result["workload"] = {"dataset": args.dataset, "num_requests": len(reqs), "prompt_tokens": inp,
+                          "max_tokens_total": useful}
+    if not args.only_peers:
+        result["runs"].append(run_kvserve(args, reqs))
+    for peer in args.peer:
+        result["runs"].append(run_hf(args, reqs, gguf) if peer == "hf" else run_llamacpp(args, reqs, gguf))
+    print_table(result["runs"])
+    common.save_result(result, args.output, args.save, f"throughput-{args.dataset}")
+    return 0

@@ -1,0 +1,283 @@
+"""The scheduler: which requests run this step, and how many of their tokens.
+
+vLLM v1 style: there is one token budget per step (`max_num_batched_tokens`) and no prefill
+or decode phase. Every request has `num_computed_tokens`; a step gives running requests the
+tokens they still need (1 for decode, or the rest of a prompt, capped by the budget), then
+fills what is left with prompt chunks of waiting and preempted requests (lower `priority`
+first, then first come first served), at most `max_num_seqs` running at once.
+
+Holds: every unfinished request by id, the running list (in admission order), the waiting
+queue (sorted: priority, then preempted-at-front, then arrival), and the KVCacheManager.
+
+One step is `schedule()` -> the runner executes the SchedulerOutput -> `update_from_output()`.
+`num_computed_tokens` advances at schedule time; the prefix cache learns a block's hash only
+in `update_from_output`, once its KV has really been written.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.kv_cache import KVCacheManager, cdiv
+from kvserve.core.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting requests: come back later (HTTP 429)."""
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request          # read-only for the runner
+    token_ids: list[int]      # tokens fed this step (a prompt chunk, or the last sampled token)
+    start_pos: int            # position of token_ids[0] (== num_computed_tokens before this step)
+    block_table: list[int]    # the request's whole block table after this step's allocation
+    sample: bool              # the chunk ends at the request's last known token: sample from it
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    copy_blocks: list[tuple[int, int]]   # copy-on-write: copy block src -> dst in every layer first, in order
+    preempted_ids: list[str]
+    num_batched_tokens: int
+
+
+@dataclass
+class SchedulerStats:
+    """Monotone counters. Prefix-cache figures count tokens, once per admission of a request."""
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
+                 max_model_len: int) -> None:
+        self.sched = sched
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting: list[Request] = []
+        self.stats = SchedulerStats()
+        self._counter = itertools.count()
+        self._arrival_seq: dict[str, int] = {}
+        self._queue_key: dict[str, tuple] = {}
+
+    # ---- admission and removal -----------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request; ValueError when it can never run, QueueFullError when the queue is full."""
+        p = req.num_prompt_tokens
+        if p == 0:
+            raise ValueError("the prompt is empty: it needs at least 1 token")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.max_tokens is None:
+            req.max_tokens = self.max_model_len - p
+            if req.max_tokens < 1:
+                raise ValueError(f"the prompt has {p} tokens, which leaves no room for output "
+                                 f"in max_model_len={self.max_model_len}")
+        if p + req.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) = "
+                             f"{p + req.max_tokens} exceeds max_model_len={self.max_model_len}")
+        bs, total = self.cache.block_size, self.kv_cache_manager.num_total_blocks
+        needed = cdiv(p + req.max_tokens - 1, bs)
+        if needed > total:
+            raise ValueError(f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) needs {needed} "
+                             f"KV blocks of {bs} tokens, but the whole cache has {total}")
+        if len(self.waiting) >= self.sched.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting "
+                                 f"(max_waiting={self.sched.max_waiting}): retry later")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self._arrival_seq[req.request_id] = next(self._counter)
+        self._enqueue(req, front=False)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort in any state and free its blocks now; unknown or finished ids are a no-op."""
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a request from outside (stop strings, abort); unknown/finished ids are a no-op."""
+        assert status.is_finished, status
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        del self._arrival_seq[req.request_id]
+        self._queue_key.pop(req.request_id, None)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Insert into the waiting queue: by priority, preempted requests at the front of theirs."""
+        n = next(self._counter)
+        key = (req.priority, 0, -n) if front else (req.priority, 1, req.arrival_time, n)
+        self._queue_key[req.request_id] = key
+        bisect.insort(self.waiting, req, key=lambda r: self._queue_key[r.request_id])
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute: free its blocks, keep its outputs, requeue it at the front."""
+        self.kv_cache_manager.free(req)
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._enqueue(req, front=True)
+
+    def _victim_key(self, req: Request) -> tuple:
+        """max() of this is the request to preempt: lowest priority (largest value), then newest."""
+        return req.priority, req.arrival_time, self._arrival_seq[req.request_id]
+
+    def _fork_parent(self, req: Request) -> Request | None:
+        """The sibling an n > 1 child shares its prompt with, or None to run it on its own."""
+        parent = self.requests.get(req.fork_of) if req.fork_of is not None else None
+        if (parent is None or parent.status == RequestStatus.PREEMPTED
+                or parent.prompt_token_ids != req.prompt_token_ids):
+            return None
+        return parent
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.sched.max_num_batched_tokens
+        scheduled: dict[str, int] = {}      # request id -> tokens this step, in batch order
+        copy_blocks: list[tuple[int, int]] = []
+        preempted: list[str] = []
+
+        # 1. Running requests: decode tokens and the rest of partially computed prompts.
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while True:
+                if kv.allocate_slots(req, num_new, copy_blocks):
+                    scheduled[req.request_id] = num_new
+                    req.num_computed_tokens += num_new
+                    budget -= num_new
+                    break
+                victim = max(self.running, key=self._victim_key)
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+
+        # 2. Waiting and preempted requests, unless this step already had to preempt.
+        for req in [] if preempted else list(self.waiting):
+            if budget == 0 or len(self.running) >= self.sched.max_num_seqs:
+                break
+            parent = self._fork_parent(req)
+            if parent is not None:
+                # Fork only from a prompt computed in an earlier step: its KV is written.
+                computed_before = parent.num_computed_tokens - scheduled.get(parent.request_id, 0)
+                if parent.status != RequestStatus.RUNNING or computed_before < parent.num_prompt_tokens:
+                    continue
+                shared_blocks, num_shared = kv.get_fork_blocks(parent, req)
+            else:
+                shared_blocks, num_shared = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_shared
+            if (not self.sched.chunked_prefill and num_new > budget
+                    and num_new <= self.sched.max_num_batched_tokens):
+                break  # whole prompts only; one longer than the whole budget is still chunked
+            num_new = min(num_new, budget)
+            if not kv.allocate_slots(req, num_new, copy_blocks, shared_blocks, num_shared):
+                break
+            if parent is None and self.cache.enable_prefix_caching:
+                self.stats.prefix_cache_queries += req.num_tokens
+                self.stats.prefix_cache_hits += num_shared
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_shared
+            self.waiting.remove(req)
+            self._queue_key.pop(req.request_id)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = num_new
+            req.num_computed_tokens = num_shared + num_new
+            budget -= num_new
+
+        chunks = []
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            end = req.num_computed_tokens
+            chunks.append(ScheduledChunk(req, req.all_token_ids[end - n:end], end - n,
+                                         kv.block_ids(rid), sample=end == req.num_tokens))
+        return SchedulerOutput(chunks, copy_blocks, preempted, sum(scheduled.values()))
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append sampled tokens, apply token-level stops, free finished requests' blocks.
+
+        Chunks of requests aborted since `schedule()` are skipped. Returns the requests that
+        finished in this call.
+        """
+        finished = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status != RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
+                continue
+            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            for token_id in sampled.get(req.request_id, ()):
+                req.append_output_token(token_id)
+                status = self._check_stop(req, token_id)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        return finished
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- what the engine, the runner and /metrics read -----------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        return self.kv_cache_manager.block_ids(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Referenced blocks / all blocks; evictable cached blocks count as free."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache_manager.num_total_blocks

@@ -1,0 +1,230 @@
+"""AsyncEngine: the EngineCore step loop on one background thread, async output streams for the server.
+
+EngineCore is not thread-safe, so exactly one thread (the engine thread) ever touches it after
+construction. The asyncio side talks to it through a command list guarded by a condition
+variable: `generate()` queues an "add", cancelling or closing the generator queues an "abort".
+The engine thread applies queued commands between steps, runs `core.step()` while there is
+work (and sleeps on the condition when there is none), and hands each step's outputs back to
+the event loop in one `loop.call_soon_threadsafe`, where they land in per-request asyncio
+queues. So an HTTP client that goes away frees its KV blocks within one engine step, and a
+long prefill never blocks the event loop (torch releases the GIL inside its kernels).
+
+Why a thread and not a separate process: see docs/server.md ("Engine thread or process").
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from kvserve.engine.metrics import EngineMetrics
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (crash or shutdown): no request can be served."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is draining for shutdown and admits no new request."""
+
+
+class AsyncEngine:
+    def __init__(self, core, metrics: EngineMetrics | None = None):
+        self.core = core                               # touched only by the engine thread from now on
+        self.tokenizer = core.tokenizer                # read-only use from the event loop is safe
+        self.model_name: str = core.model_name
+        self.max_model_len: int = core.max_model_len
+        self.metrics = metrics or EngineMetrics(core.model_name)
+        self.metrics.record_stats(core.stats())
+        self.accepting = True
+        self._cv = threading.Condition()
+        self._commands: list[tuple] = []               # guarded by _cv
+        self._closing = False                          # guarded by _cv
+        self._dead: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}   # event-loop thread only
+        self._live: set[str] = set()                   # engine thread only: ids the core holds
+        self._last_token_at: dict[str, float] = {}     # engine thread only: for inter-token latency
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config) -> "AsyncEngine":
+        from kvserve.engine.core import EngineCore
+        return cls(EngineCore(config))
+
+    # ---- the asyncio side ----
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose output stream is still open."""
+        return len(self._streams)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until the one with finished=True.
+
+        The first `__anext__` raises what admission raised (ValueError: can never fit;
+        QueueFullError: the waiting queue is full). Closing the generator early, or cancelling
+        the task that iterates it, aborts the request in the engine.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead}")
+        if not self.accepting:
+            raise EngineClosedError("server is shutting down")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._send(("add", request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic()))
+        done = False
+        try:
+            while not done:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when the engine thread is not running."""
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"engine is not running: {self._dead or 'thread stopped'}")
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let open requests finish for up to `timeout` seconds, abort the rest,
+        stop the engine thread."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            await asyncio.sleep(0.05)
+        if self._streams:
+            log.warning("shutdown: aborting %d unfinished request(s)", len(self._streams))
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        await asyncio.to_thread(self._thread.join, 10.0)
+        await asyncio.sleep(0)  # let the last call_soon_threadsafe deliveries run
+        self._fail_all(EngineDeadError("server is shutting down"))
+
+    def _send(self, command: tuple) -> None:
+        with self._cv:
+            self._commands.append(command)
+            self._cv.notify()
+
+    def _dispatch(self, items: list[tuple[str, object]]) -> None:
+        """Event-loop thread: route (request_id, output or exception) to its stream."""
+        for request_id, item in items:
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(item)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(err)
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        core = self.core
+        busy = False
+        failures = 0
+        try:
+            while True:
+                with self._cv:
+                    while not self._commands and not busy and not self._closing:
+                        self._cv.wait()
+                    commands, self._commands = self._commands, []
+                    closing = self._closing
+                for command in commands:
+                    self._apply(command)
+                if closing:
+                    self._drain()
+                    return
+                if core.has_unfinished_requests():
+                    try:
+                        outputs = core.step()
+                        failures = 0
+                    except Exception as e:  # fail the requests in flight, keep serving
+                        failures += 1
+                        log.exception("engine step failed")
+                        if failures > 1:
+                            raise
+                        outputs = []
+                        self._abort_live(e)
+                    self._deliver(outputs)
+                busy = core.has_unfinished_requests()
+                self.metrics.record_stats(core.stats())
+        except BaseException as e:
+            log.exception("engine thread died")
+            self._dead = e
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine died: {e!r}"))
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "abort":
+            if command[1] in self._live:
+                self.core.abort_request(command[1])
+            return
+        _, request_id, prompt_token_ids, params, priority, cache_salt, arrival = command
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                  cache_salt=cache_salt, arrival_time=arrival)
+            self._live.add(request_id)
+        except Exception as e:  # ValueError, QueueFullError, ...: this request fails alone
+            self._to_loop([(request_id, e)])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            if any(o.delta_token_ids for o in out.outputs):
+                last = self._last_token_at.get(rid)
+                if last is not None:
+                    self.metrics.itl.observe(now - last)
+                self._last_token_at[rid] = now
+            if out.finished:
+                self._live.discard(rid)
+                self._last_token_at.pop(rid, None)
+                reason = "abort" if out.error else next(
+                    (o.finish_reason for o in out.outputs if o.finish_reason), "stop")
+                self.metrics.record_finished(out.metrics, reason)
+        if outputs:
+            self._to_loop([(out.request_id, out) for out in outputs])
+
+    def _to_loop(self, items: list[tuple[str, object]]) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _abort_live(self, err: Exception) -> None:
+        failed = []
+        for rid in list(self._live):
+            try:
+                self.core.abort_request(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+            failed.append((rid, RuntimeError(f"engine step failed: {err!r}")))
+        self._to_loop(failed)
+
+    def _drain(self) -> None:
+        """Shutdown: abort everything the core still holds and deliver the final outputs."""
+        for rid in list(self._live):
+            self.core.abort_request(rid)
+        for _ in range(3):
+            if not self.core.has_unfinished_requests():
+                break
+            self._deliver(self.core.step())
+        self.metrics.record_stats(self.core.stats())

@@ -1,0 +1,120 @@
+"""Incremental detokenization with stop strings, safe for streaming.
+
+Two offsets into the token list (vLLM's technique) keep the cost per token O(1):
+``prefix_offset`` starts a short window of already-emitted tokens that gives the decoder
+its context (leading spaces, merged bytes), ``read_offset`` is where unemitted tokens
+begin. Each step decodes ``ids[prefix_offset:read_offset]`` and ``ids[prefix_offset:]``
+and emits the difference. When the new text ends in U+FFFD the last token stopped inside
+a multi-byte UTF-8 character: nothing is emitted and the offsets stay, so the next token
+completes it. The whole output is never re-decoded.
+
+Stop strings are matched on the decoded text. Text that could still be the start of a
+stop string is held back (never streamed) until the next token settles it; ``flush``
+releases it when the request ends for another reason.
+"""
+from __future__ import annotations
+
+from kvserve.sampling_params import SamplingParams
+
+# Tokens of the prompt decoded together with the first output token for context.
+_PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into streamed text deltas.
+
+    ``tokenizer`` needs ``decode(ids, skip_special_tokens=bool) -> str``. After a stop
+    string matched, ``stopped`` is True and ``stop_reason`` holds that string.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = list(params.stop)
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._chunks: list[str] = []  # emitted text
+        self._pending = ""  # decoded but held back: might begin a stop string
+        self.stopped = False
+        self.stop_reason: str | None = None  # the stop string that matched
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def add_tokens(self, new_token_ids: list[int]) -> tuple[str, bool]:
+        """Feed newly generated tokens; return (text safe to emit now, stop string matched).
+
+        After a stop string matched, further tokens are ignored and return ("", True).
+        """
+        if self.stopped:
+            return "", True
+        self._ids.extend(new_token_ids)
+        buf = self._pending + self._decode_new()
+        self._pending = ""
+
+        cut = self._find_stop(buf)
+        if cut is not None:
+            self.stopped = True
+            return self._emit(buf[:cut]), True
+
+        hold = self._stop_prefix_len(buf)
+        self._pending = buf[len(buf) - hold:] if hold else ""
+        return self._emit(buf[: len(buf) - hold]), False
+
+    def flush(self) -> str:
+        """At finish (length/eos): release held-back text. Incomplete UTF-8 bytes stay dropped."""
+        if self.stopped:
+            return ""
+        text, self._pending = self._pending, ""
+        return self._emit(text)
+
+    # ---------------------------------------------------------------- internals
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._chunks.append(text)
+        return text
+
+    def _decode_new(self) -> str:
+        """Text of the tokens after read_offset, or "" while it ends mid-character."""
+        ids, skip = self._ids, self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        # Drop tokens before the window so the list does not grow with the output.
+        del ids[: self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+        return new_text[len(prefix_text) :]
+
+    def _find_stop(self, buf: str) -> int | None:
+        """Where to cut `buf` for the stop string that completes first, or None.
+
+        Ties (several ending at the same character) go to the longest one.
+        """
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for s in self.stop:
+            start = buf.find(s)
+            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                best = (start + len(s), start, s)
+        if best is None:
+            return None
+        end, start, self.stop_reason = best
+        return end if self.params.include_stop_str_in_output else start
+
+    def _stop_prefix_len(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        for k in range(min(self._max_stop_len - 1, len(buf)), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

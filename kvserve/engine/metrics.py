@@ -1,0 +1,99 @@
+"""Prometheus metrics of the serving engine, named like vLLM's (`kvserve:` instead of `vllm:`),
+so dashboards built for vLLM port over by renaming the prefix.
+
+Everything lives in one registry owned by an `EngineMetrics` object (no global state: tests and
+several engines in one process do not collide). The engine thread records; /metrics renders.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvserve.outputs import RequestMetrics
+
+# Bucket edges follow vLLM's, so percentiles line up with its dashboards.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# core.stats() counter key -> our counter attribute (the core counts; we publish the increase)
+_COUNTER_STATS = {"prompt_tokens_total": "prompt_tokens", "generation_tokens_total": "generation_tokens",
+                  "num_preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
+                  "prefix_cache_hits": "prefix_cache_hits"}
+
+
+class EngineMetrics:
+    """Every metric kvserve exports. Thread-safe (prometheus-client locks internally)."""
+
+    def __init__(self, model_name: str):
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        label = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: list[float]):
+            return Histogram(f"kvserve:{name}", doc, label, registry=reg, buckets=buckets).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(f"kvserve:{name}", doc, label, registry=reg).labels(model_name)
+
+        def gauge(name: str, doc: str):
+            return Gauge(f"kvserve:{name}", doc, label, registry=reg).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive token deliveries of a request.",
+                        TOKEN_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request.", TOKEN_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish, per request.", REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled, per request.", REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token, per request.",
+                            REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to last token, per request.",
+                           REQUEST_BUCKETS)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        success = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self._last_stats: dict[str, float] = {}
+
+    def record_finished(self, m: RequestMetrics | None, finish_reason: str | None) -> None:
+        """One finished request (all its samples done)."""
+        reason = finish_reason if finish_reason in self.success else "abort"
+        self.success[reason].inc()
+        if m is None or reason == "abort":
+            return
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),
+                            (self.queue, m.queue_time), (self.prefill, m.prefill_time),
+                            (self.decode, m.decode_time)):
+            if value is not None:
+                hist.observe(max(0.0, value))
+
+    def record_stats(self, stats: dict) -> None:
+        """A fresh core.stats(): set the gauges, add the counters' increase since the last call."""
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        for key, attr in _COUNTER_STATS.items():
+            if key not in stats:
+                continue
+            delta = stats[key] - self._last_stats.get(key, 0)
+            if delta > 0:
+                getattr(self, attr).inc(delta)
+            self._last_stats[key] = stats[key]
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,34 @@
+"""ModelArch: the hyper-parameters a model is built from, whichever file they came from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.config import KVShape
+
+# Architectures the llama module implements (names as the file states them).
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "smollm"}
+
+
+@dataclass
+class ModelArch:
+    name: str                          # "llama" | "mistral" | "qwen2"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # HF style: {"rope_type": "llama3", "factor": ...}
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False       # q/k/v projections carry a bias (Qwen2)
+    o_proj_bias: bool = False          # the output projection too (Llama's attention_bias=True)
+    bos_token_id: int | None = None
+    eos_token_ids: set[int] = field(default_factory=set)
+    sliding_window: int | None = None
+
+    def kv_shape(self, dtype_bytes: int) -> KVShape:
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)

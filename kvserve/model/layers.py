@@ -1,0 +1,153 @@
+"""Building blocks: Linear (owns its weight through a quant method), RMSNorm, rotary embedding.
+
+Loaders hand plain tensors (HF layout, [out, in]) to `Linear.load_weight`; a layer never parses a
+file format. How a weight is stored and multiplied lives in the layer's `quant_method`:
+`UnquantizedMethod` keeps a dense tensor in the model dtype. Packed int8/int4/GGUF methods plug in
+here with the same three hooks (create_weights, load, apply).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class UnquantizedMethod:
+    """A dense [out, in] weight in the model dtype: y = x W^T + b."""
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        # torch.empty touches no memory: pages appear only when a loader writes them.
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
+                                    requires_grad=False)
+
+    def load(self, layer: "Linear", w: torch.Tensor, offset: int, whole: bool) -> None:
+        if whole:   # take the tensor as it is (no copy when dtype already matches)
+            layer.weight = nn.Parameter(w.to(layer.weight.dtype).contiguous(), requires_grad=False)
+        else:       # one shard of a fused weight (q/k/v, gate/up): rows [offset, offset + n)
+            layer.weight.data[offset:offset + w.shape[0]].copy_(w)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b. `out_features` may be a list: the output is those shards side by side
+    (fused q/k/v or gate/up), and each shard is loaded separately with its index."""
+
+    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32, quant_method=None):
+        super().__init__()
+        self.shard_sizes = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
+        self.in_features = in_features
+        self.out_features = sum(self.shard_sizes)
+        self.quant_method = quant_method or UnquantizedMethod()
+        self.quant_method.create_weights(self, dtype)
+        self.bias = (nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def _span(self, shard: int, rows: int) -> tuple[int, bool]:
+        if rows != self.shard_sizes[shard]:
+            raise ValueError(f"shard {shard} has {self.shard_sizes[shard]} rows, got {rows}")
+        return sum(self.shard_sizes[:shard]), len(self.shard_sizes) == 1
+
+    def load_weight(self, w: torch.Tensor, shard: int = 0) -> None:
+        if w.shape[-1] != self.in_features:
+            raise ValueError(f"weight has {w.shape[-1]} input features, layer wants {self.in_features}")
+        offset, whole = self._span(shard, w.shape[0])
+        self.quant_method.load(self, w, offset, whole)
+
+    def load_bias(self, b: torch.Tensor, shard: int = 0) -> None:
+        offset, _ = self._span(shard, b.shape[0])
+        self.bias.data[offset:offset + b.shape[0]].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.shard_sizes}, bias={self.bias is not None}, "
+                f"quant={type(self.quant_method).__name__}")
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+
+    def load_weight(self, w: torch.Tensor) -> None:
+        if w.shape != self.weight.shape:
+            raise ValueError(f"embedding is {tuple(self.weight.shape)}, got {tuple(w.shape)}")
+        self.weight = nn.Parameter(w.to(self.weight.dtype).contiguous(), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in float32 (as Llama's reference does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def load_weight(self, w: torch.Tensor) -> None:
+        self.weight.data.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding (float32), with optional scaling:
+    - {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
+    - {"rope_type": "linear", factor}
+    - {"rope_type": "freq_factors", "factors": [...]}  (GGUF rope_freqs.weight: divide each frequency)
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: llama3, linear)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, "rotate half" layout (HF Llama): dimension i pairs with
+    i + head_dim/2. cos/sin are precomputed for every position up to max_positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)   # [max_positions, head_dim/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,0 +1,144 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2) over a flat, unpadded token batch.
+
+    h = embed(ids)
+    for each layer:  h = h + Attention(RMSNorm(h));  h = h + SwiGLU(RMSNorm(h))
+    logits = RMSNorm(h) @ E^T          (E: lm_head, or the embedding when tied)
+
+Attention writes this step's K/V into the paged pool, then attends each query over its request's
+whole context in the pool (kvserve.ops.attention).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.arch import ModelArch
+from kvserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from kvserve.ops.attention import AttentionMetadata, paged_attention, write_kv
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = arch.sliding_window
+        self.qkv_proj = Linear(arch.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               bias=arch.attention_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype)
+        self.rotary = rotary
+
+    def forward(self, positions, x, meta: AttentionMetadata, k_cache, v_cache):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(arch.hidden_size, [arch.intermediate_size] * 2, dtype=dtype)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = Attention(arch, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = MLP(arch, dtype)
+
+    def forward(self, positions, h, meta, k_cache, v_cache):
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings,
+                                 arch.rope_theta, arch.rope_scaling)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, dtype) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, H] (final norm applied)."""
+        h = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h = layer(positions, h, meta, k_cache, v_cache)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in float32."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    # ---- weights (HF names) ----
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+    def weight_names(self) -> set[str]:
+        """Every tensor (HF names) the checkpoint must provide."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        for i in range(self.arch.num_layers):
+            p = f"model.layers.{i}."
+            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
+            names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+            if self.arch.attention_bias:
+                names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
+            if self.arch.o_proj_bias:
+                names.add(f"{p}self_attn.o_proj.bias")
+        return names
+
+    def load_weight(self, name: str, w: torch.Tensor) -> None:
+        """Load one tensor named as in a HF checkpoint (model.layers.3.self_attn.q_proj.weight)."""
+        m = self._LAYER.match(name)
+        if m:
+            layer, block, proj, kind = m.groups()
+            module = getattr(self.layers[int(layer)], block)
+            target, shard = self._FUSED.get(proj, (proj, 0))
+            linear = getattr(module, target)
+            (linear.load_weight if kind == "weight" else linear.load_bias)(w, shard)
+        elif name == "model.embed_tokens.weight":
+            self.embed_tokens.load_weight(w)
+        elif name == "lm_head.weight":
+            if self.lm_head is not None:
+                self.lm_head.load_weight(w)
+        elif name == "model.norm.weight":
+            self.norm.load_weight(w)
+        elif (m := re.match(r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", name)):
+            getattr(self.layers[int(m.group(1))], m.group(2)).load_weight(w)
+        elif "rotary_emb.inv_freq" in name:
+            pass  # recomputed from rope_theta
+        else:
+            raise KeyError(f"unexpected weight {name!r}")

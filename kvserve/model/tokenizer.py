@@ -1,0 +1,204 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the model's special ids and chat template.
+
+Built from a HF `tokenizer.json`, or directly from a GGUF file's metadata (byte-level BPE:
+tokens, merges, token types, pre-tokenizer name). No transformers, no torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from datetime import datetime
+from functools import cached_property
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+
+# Special tokens that end a generation wherever a model marks them special (llama.cpp's EOG list).
+EOG_TEXTS = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+             "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>", "<end_of_utterance>",
+             "<\uff5cend\u2581of\u2581sentence\uff5c>"}
+
+# Pre-tokenizer split regexes, by GGUF `tokenizer.ggml.pre` (the same as llama.cpp's).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
+_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen", "megrez"}
+# GPT-2's regex after isolating every digit: SmolLM, StarCoder and kin (their tokenizer.json is
+# Sequence[Digits(individual_digits=True), ByteLevel]; llama.cpp splits \p{N} first, the same).
+_DIGITS_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
+_GPT2_PRE = {None, "gpt2", "gpt-2", "default"}
+
+CONTROL, USER_DEFINED = 3, 4   # GGUF token types
+
+
+def _byte_level_pre_tokenizer(pre: str | None):
+    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
+        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre not in _GPT2_PRE:
+        warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}: splitting text like GPT-2")
+    return byte_level
+
+
+def backend_from_gguf(md: dict) -> Backend:
+    """A tokenizers.Tokenizer equivalent to the GGUF's vocabulary (model 'gpt2': byte-level BPE)."""
+    kind = md.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise NotImplementedError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
+            "pass a tokenizer.json with --tokenizer")
+    tokens = md["tokenizer.ggml.tokens"]
+    types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    pre = md.get("tokenizer.ggml.pre")
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tk = Backend(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_PRE))
+    tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    bos, eos = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
+    pieces, special = ["$A:0"], []
+    if md.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        pieces.insert(0, f"{tokens[bos]}:0")
+        special.append((tokens[bos], bos))
+    if md.get("tokenizer.ggml.add_eos_token", False) and eos is not None:
+        pieces.append(f"{tokens[eos]}:0")
+        special.append((tokens[eos], eos))
+    if special:
+        tk.post_processor = processors.TemplateProcessing(single=" ".join(pieces), special_tokens=special)
+    return tk
+
+
+def _raise_exception(message):
+    from jinja2.exceptions import TemplateError
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Tokenizer:
+    """encode/decode, special ids, chat template. `backend` is the tokenizers.Tokenizer."""
+
+    def __init__(self, backend: Backend, *, bos_token_id: int | None, eos_token_id: int | None,
+                 pad_token_id: int | None = None, chat_template: str | None = None,
+                 extra_eos_ids: tuple[int, ...] = ()):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+        added = backend.get_added_tokens_decoder()
+        self.all_special_ids = sorted(i for i, t in added.items() if t.special)
+        # Every token that ends a generation: the file's EOS, any extra EOS ids it names
+        # (EOT/EOM, generation_config), and special tokens that are end markers by name.
+        eos = {i for i in (eos_token_id, *extra_eos_ids) if i is not None}
+        eos |= {i for i in self.all_special_ids if added[i].content in EOG_TEXTS}
+        self.eos_token_ids: set[int] = eos
+
+    # ---- construction ----
+    @classmethod
+    def from_gguf_metadata(cls, md: dict) -> "Tokenizer":
+        extra = tuple(md[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md)
+        return cls(backend_from_gguf(md), bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+                   pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+                   chat_template=md.get("tokenizer.chat_template"), extra_eos_ids=extra)
+
+    @classmethod
+    def from_gguf(cls, path: str) -> "Tokenizer":
+        from kvserve.model.gguf_file import GGUFFile
+        return cls.from_gguf_metadata(GGUFFile(path).metadata)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Tokenizer":
+        """A HF model directory (tokenizer.json, tokenizer_config.json, generation_config.json),
+        or a tokenizer.json file (its directory is searched for the rest)."""
+        directory = os.path.dirname(path) if path.endswith(".json") else path
+        tk = Backend.from_file(path if path.endswith(".json") else os.path.join(path, "tokenizer.json"))
+        cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        gen = _read_json(os.path.join(directory, "generation_config.json"))
+        model_cfg = _read_json(os.path.join(directory, "config.json"))
+
+        def token_id(key):
+            tok = cfg.get(key)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            return tk.token_to_id(tok) if tok else model_cfg.get(f"{key}_id")
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        jinja_path = os.path.join(directory, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        gen_eos = gen.get("eos_token_id", model_cfg.get("eos_token_id"))
+        gen_eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,) if gen_eos is not None else ()
+        eos = token_id("eos_token")
+        return cls(tk, bos_token_id=token_id("bos_token"), eos_token_id=eos if eos is not None else (gen_eos or (None,))[0],
+                   pad_token_id=token_id("pad_token"), chat_template=template, extra_eos_ids=gen_eos)
+
+    # ---- the tokenizer interface ----
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self.backend.id_to_token(self.eos_token_id)
+
+    @cached_property
+    def _template(self):
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render the model's chat template (a string; encode it with add_special_tokens=False)."""
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,141 @@
+"""Paged attention over a flat, unpadded batch (torch reference path).
+
+The KV pool of one layer is two tensors `[num_blocks, block_size, kv_heads, head_dim]`.
+A request's context lives in the blocks its block table names, in order: token `p` of the
+request sits in block `block_table[p // block_size]` at offset `p % block_size`, i.e. at the
+flat slot `block_table[p // block_size] * block_size + p % block_size`.
+
+One step's batch is every scheduled token of every request, concatenated (no padding):
+request `b` owns queries `query_start_loc[b]:query_start_loc[b + 1]`, which are the last
+`q_len` tokens of its `seq_lens[b]` context. A decode is simply a chunk of one token.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor       # [T] int64: flat slot of each new token
+    query_start_loc: list[int]       # [B + 1] query spans in the flat batch
+    seq_lens: list[int]              # [B] context length after this step (start_pos + q_len)
+    block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys and values ([T, Hkv, D]) at their slots in the pool."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` tokens of one request's context: [n, Hkv, D]."""
+    bs = cache.shape[1]
+    return cache[block_table[: (n + bs - 1) // bs]].flatten(0, 1)[:n]
+
+
+def causal_mask(q_len: int, seq_len: int, sliding_window: int | None = None,
+                device=None) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where query i (at position seq_len - q_len + i) sees key j."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of every query in the flat batch over its request's paged context.
+
+    q: [T, Hq, D]; the batch's own keys/values must already be in the cache (write_kv).
+    Returns [T, Hq, D]. GQA: each KV head serves Hq // Hkv query heads.
+    Single-token decodes are batched into one SDPA call (context padded inside the call and
+    masked); prompt chunks run one SDPA call each.
+    """
+    out = torch.empty_like(q)
+    qsl, seq_lens = meta.query_start_loc, meta.seq_lens
+    decodes = [b for b in range(len(seq_lens)) if qsl[b + 1] - qsl[b] == 1]
+    if decodes:
+        _decode_batch(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out)
+    for b in range(len(seq_lens)):
+        q_len, seq_len = qsl[b + 1] - qsl[b], seq_lens[b]
+        if q_len <= 1:
+            continue
+        k = gather_kv(k_cache, meta.block_tables[b], seq_len).to(q.dtype)
+        v = gather_kv(v_cache, meta.block_tables[b], seq_len).to(q.dtype)
+        qb = q[qsl[b]:qsl[b + 1]].transpose(0, 1)[None]           # [1, Hq, q_len, D]
+        kb, vb = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
+        if q_len == seq_len and sliding_window is None:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            mask = causal_mask(q_len, seq_len, sliding_window, q.device)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[qsl[b]:qsl[b + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode_batch(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out):
+    bs = meta.block_size
+    rows = torch.tensor([meta.query_start_loc[b] for b in decodes], device=q.device)
+    lens = torch.tensor([meta.seq_lens[b] for b in decodes], device=q.device)
+    max_len = max(meta.seq_lens[b] for b in decodes)
+    nblk = (max_len + bs - 1) // bs
+    tables = meta.block_tables[decodes, :nblk]                         # [Bd, nblk]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)        # [Bd, Lmax, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
+    k_pos = torch.arange(max_len, device=q.device)[None, :]
+    mask = k_pos < lens[:, None]                                       # padding past each context
+    if sliding_window is not None:
+        mask &= k_pos >= (lens[:, None] - sliding_window)
+    qd = q[rows][:, :, None]                                           # [Bd, Hq, 1, D]
+    o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    out[rows] = o[:, :, 0]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Dead-simple reference: explicit loops and softmax. Tests only."""
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    bs = meta.block_size
+    out = torch.zeros(T, Hq, D, dtype=torch.float64)
+    for b in range(len(meta.seq_lens)):
+        start_q, end_q, seq_len = meta.query_start_loc[b], meta.query_start_loc[b + 1], meta.seq_lens[b]
+        start = seq_len - (end_q - start_q)
+        for i in range(end_q - start_q):
+            pos = start + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            keys = range(lo, pos + 1)
+            for h in range(Hq):
+                kvh = h // group
+                ks = torch.stack([k_cache[meta.block_tables[b, j // bs], j % bs, kvh] for j in keys])
+                vs = torch.stack([v_cache[meta.block_tables[b, j // bs], j % bs, kvh] for j in keys])
+                scores = (ks.double() @ q[start_q + i, h].double()) * scale
+                p = torch.exp(scores - scores.max())
+                p = p / p.sum()
+                out[start_q + i, h] = p @ vs.double()
+    return out.to(q.dtype)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,166 @@
+"""The OpenAI-compatible HTTP app: `build_app(engine, args) -> FastAPI`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
+GET /version, GET /metrics, POST /tokenize, POST /detokenize.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from kvserve import __version__
+from kvserve.config import parse_size
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.server.errors import (BadRequest, NotFound, TooLarge, Unauthorized, Unavailable,
+                                   install_error_handlers)
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, chat_messages)
+from kvserve.server.serving import ServerState, check_request, with_cancellation
+from kvserve.server.serving_chat import create_chat_completion, render_chat
+from kvserve.server.serving_completions import create_completion
+
+DEFAULT_MAX_BODY_BYTES = 2 * 2**20
+DRAIN_LIMIT = 64 * 2**20  # past this much of an oversized body, stop reading and close
+
+
+class GuardMiddleware:
+    """Pure ASGI (streaming and disconnects pass through untouched): the API key on /v1 routes,
+    and the request body size limit (read here, then replayed to the app)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not secrets.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+                return await _send_error(send, Unauthorized(
+                    "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'"))
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self.max_body_bytes
+        too_large = TooLarge(f"request body is larger than the limit of {limit} bytes (--max-body-bytes)")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT:
+            return await _send_error(send, too_large, close=True)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            more = message.get("more_body", False)
+            if size > DRAIN_LIMIT:
+                return await _send_error(send, too_large, close=True)
+            if size <= limit:
+                chunks.append(body)
+        if size > limit:
+            return await _send_error(send, too_large)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _send_error(send, err, close: bool = False) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(engine: AsyncEngine, args=None) -> FastAPI:
+    """`args`: the parsed `kvserve serve` flags (served_model_name, api_key, max_body_bytes);
+    any of them may be missing."""
+    api_key = getattr(args, "api_key", None) or None
+    max_body = parse_size(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
+    state = ServerState(engine=engine,
+                        served_model_names=[getattr(args, "served_model_name", None) or engine.model_name],
+                        api_key=api_key, max_body_bytes=max_body)
+    app = FastAPI(title="kvserve", version=__version__,
+                  description="OpenAI-compatible API of the kvserve LLM serving engine")
+    app.state.kv = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body)
+
+    @app.post("/v1/completions")
+    @with_cancellation
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await create_completion(request, state)
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await create_chat_completion(request, state)
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "kvserve",
+                "root": name, "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(n) for n in state.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in state.served_model_names:
+            raise NotFound(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return model_card(model_id)
+
+    @app.get("/health")
+    async def health():
+        try:
+            engine.check_health()
+        except EngineDeadError as e:
+            raise Unavailable(str(e)) from None
+        if not engine.accepting:
+            raise Unavailable("shutting down")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = engine.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        check_request(state, request.model)
+        request.check()
+        tok = engine.tokenizer
+        if request.messages is not None:
+            ids = render_chat(tok, chat_messages(request.messages), request.add_generation_prompt)
+        else:
+            ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        check_request(state, request.model)
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+
+    return app

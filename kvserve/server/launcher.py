@@ -1,0 +1,122 @@
+"""`kvserve serve`: parse the flags, load the engine, serve the OpenAI-compatible API with uvicorn.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503 and /health turns 503, running requests finish
+(for up to --shutdown-timeout seconds; the rest are aborted), then the process exits 0.
+A second signal exits at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import uvicorn
+
+from kvserve.config import add_engine_args, engine_config_from_args, parse_size
+
+log = logging.getLogger("kvserve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve serve",
+                                description="Serve a model over an OpenAI-compatible HTTP API "
+                                            "(/v1/completions, /v1/chat/completions, /metrics, ...).")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; 0.0.0.0 exposes the server to the network (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and see (default: the model file's name)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route "
+                        "(default: $KVSERVE_API_KEY when set, else no key)")
+    g.add_argument("--max-body-bytes", default="2MiB",
+                   help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish before aborting them "
+                        "(default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="(default: %(default)s)")
+    g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request (default: log)")
+    add_engine_args(p)
+    return p
+
+
+class Server(uvicorn.Server):
+    """uvicorn, with a draining shutdown instead of its immediate one."""
+
+    def __init__(self, config: uvicorn.Config, engine, shutdown_timeout: float, banner: str):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.banner = banner
+        self.drain_requested = False
+        self.drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(self.banner, file=sys.stderr, flush=True)
+
+    def handle_exit(self, sig, frame) -> None:  # a signal handler: only set flags here
+        if self.drain_requested:
+            self.should_exit = self.force_exit = True
+        self.drain_requested = True
+        self.engine.accepting = False  # from now on new requests get 503
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_requested and self.drain_task is None:
+            log.info("draining: admitting no new request; waiting up to %.0fs for %d running",
+                     self.shutdown_timeout, self.engine.num_in_flight)
+            self.drain_task = asyncio.create_task(self.engine.shutdown(self.shutdown_timeout))
+        if self.drain_task is not None and self.drain_task.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def banner(core, host: str, port: int, model_name: str, api_key: str | None) -> str:
+    block = core.config.cache.block_size
+    url = f"http://{host}:{port}"
+    auth = " -H 'Authorization: Bearer $KVSERVE_API_KEY'" if api_key else ""
+    return (f"kvserve listening on {url}\n"
+            f"  model {model_name} ({core.model_path}), dtype {core.config.model.dtype}, "
+            f"context {core.max_model_len} tokens\n"
+            f"  KV cache capacity {core.num_blocks * block} tokens ({core.num_blocks} blocks x {block})\n"
+            f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"\"max_tokens\": 32}}'")
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.api_key = args.api_key or os.environ.get("KVSERVE_API_KEY") or None
+    try:
+        parse_size(args.max_body_bytes)
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"kvserve serve: {e}", file=sys.stderr)
+        return 2
+
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.core import EngineCore
+    from kvserve.server.app import build_app
+
+    core = EngineCore(config)
+    print(core.describe(), file=sys.stderr, flush=True)
+    engine = AsyncEngine(core)
+    app = build_app(engine, args)
+    name = args.served_model_name or core.model_name
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                               access_log=not args.no_access_log,
+                               timeout_graceful_shutdown=max(5, int(args.shutdown_timeout) + 5))
+    server = Server(uv_config, engine, args.shutdown_timeout,
+                    banner(core, args.host, args.port, name, args.api_key))
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,86 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of them) in, text completions out."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.server.errors import BadRequest
+from kvserve.server.protocol import CompletionRequest
+from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, check_context, check_output,
+                                    check_request, completion_logprobs, merge, open_streams, sse_stream,
+                                    usage)
+
+
+async def create_completion(req: CompletionRequest, state: ServerState):
+    check_request(state, req.model)
+    req.check()
+    params = req.to_sampling_params()
+    engine = state.engine
+    tok = engine.tokenizer
+    prompt_ids: list[list[int]] = []
+    echo_texts: list[str] = []
+    for p in req.prompts():
+        ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise BadRequest("the prompt is empty after tokenization", "prompt")
+        check_context(len(ids), params.max_tokens, engine.max_model_len, "prompt")
+        prompt_ids.append(ids)
+        if req.echo:
+            echo_texts.append(p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False))
+        else:
+            echo_texts.append("")
+
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await open_streams(engine, prompt_ids, params, request_id, req.priority, req.cache_salt)
+    n = params.n
+    choices = [Choice(i) for i in range(len(prompt_ids) * n)]
+    cached = [0] * len(prompt_ids)
+    head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+
+    def total_usage() -> dict:
+        return usage(sum(len(ids) for ids in prompt_ids), sum(c.num_tokens for c in choices), sum(cached))
+
+    if not req.stream:
+        async for i, out in merge(streams):
+            check_output(out)
+            cached[i] = out.num_cached_tokens
+            for o in out.outputs:
+                choices[i * n + o.index].add(o)
+        body = []
+        for c in choices:
+            echo = echo_texts[c.index // n]
+            lp = completion_logprobs(c.logprobs, req.logprobs, len(echo))[0] if req.logprobs is not None else None
+            body.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({**head, "choices": body, "usage": total_usage()})
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+
+    async def chunks() -> AsyncIterator[dict]:
+        async for i, out in merge(streams):
+            check_output(out)
+            cached[i] = out.num_cached_tokens
+            for o in out.outputs:
+                c = choices[i * n + o.index]
+                c.add(o)
+                text = o.delta_text
+                if not c.started:
+                    c.started = True
+                    text = echo_texts[i] + text
+                    c.text_offset = len(echo_texts[i])
+                if not text and not o.finish_reason and not o.delta_logprobs:
+                    continue
+                lp = None
+                if req.logprobs is not None:
+                    lp, c.text_offset = completion_logprobs(o.delta_logprobs or [], req.logprobs, c.text_offset)
+                yield {**head, "choices": [{"index": c.index, "text": text, "logprobs": lp,
+                                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}],
+                       **extra}
+        if include_usage:
+            yield {**head, "choices": [], "usage": total_usage()}
+
+    return StreamingResponse(sse_stream(chunks()), media_type="text/event-stream", headers=SSE_HEADERS)

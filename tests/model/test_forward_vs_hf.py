@@ -1,0 +1,130 @@
+"""Our model through a real paged KV pool against HF transformers on the same GGUF."""
+import random
+
+import pytest
+import torch
+
+from kvserve.ops.attention import AttentionMetadata
+
+BLOCK = 16
+
+PROMPTS = {
+    "english": "The capital of France is",
+    "korean": "대한민국의 수도는 서울입니다. 서울은 한강을 따라 펼쳐진 큰 도시이며, 많은 사람들이 살고 있습니다. 오늘 날씨는",
+    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+            "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nclass Stack:\n    def __init__(self):\n"
+            "        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n",
+    "long": " ".join(
+        f"Chapter {i}. The river keeps running past the old mill, and the miller counts {i * 7} sacks of flour "
+        f"before the sun goes down; the children of the village watch the water wheel turn and turn."
+        for i in range(1, 15)) + " In the end, the miller",
+}
+
+
+class PagedPool:
+    """A real KV pool for every layer and a shuffled free list: each request gets a ragged,
+    non-contiguous block table, as the scheduler would hand out."""
+
+    def __init__(self, arch, num_blocks=160, seed=0):
+        shape = (num_blocks, BLOCK, arch.num_kv_heads, arch.head_dim)
+        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+
+    def slots(self, rid, start, n):
+        table = self.tables.setdefault(rid, [])
+        while len(table) * BLOCK < start + n:
+            table.append(self.free.pop())
+        return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+
+
+def step(lm, pool, chunks):
+    """chunks: [(rid, token_ids, start_pos)] -> logits [len(chunks), V] at each chunk's last token."""
+    ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+    for rid, toks, start in chunks:
+        ids += toks
+        pos += range(start, start + len(toks))
+        slots += pool.slots(rid, start, len(toks))
+        qsl.append(qsl[-1] + len(toks))
+        seq_lens.append(start + len(toks))
+    width = max(len(pool.tables[rid]) for rid, _, _ in chunks)
+    tables = torch.tensor([pool.tables[rid] + [0] * (width - len(pool.tables[rid])) for rid, _, _ in chunks])
+    meta = AttentionMetadata(torch.tensor(slots), qsl, seq_lens, tables, BLOCK)
+    hidden = lm.model(torch.tensor(ids), torch.tensor(pos), meta, pool.kv)
+    return lm.model.compute_logits(hidden[[q - 1 for q in qsl[1:]]])
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, ids, n):
+    """Last-position logits of the prompt and the greedy next n tokens (full recompute)."""
+    ids = list(ids)
+    first = hf_model(torch.tensor([ids])).logits[0, -1]
+    out = [int(first.argmax())]
+    for _ in range(n - 1):
+        out.append(int(hf_model(torch.tensor([ids + out])).logits[0, -1].argmax()))
+    return first, out
+
+
+def assert_logits_close(ours, ref):
+    scale = ref.abs().max().item()
+    assert (ours - ref).abs().max().item() < 1e-3 * scale
+    assert int(ours.argmax()) == int(ref.argmax())
+
+
+@pytest.fixture(scope="module")
+def references(kv_model, hf_model):
+    refs = {}
+    for name, text in PROMPTS.items():
+        ids = kv_model.tokenizer.encode(text)
+        refs[name] = (ids, *hf_greedy(hf_model, ids, 8))
+    return refs
+
+
+def test_prompt_lengths_cover_5_to_500(references):
+    lengths = sorted(len(ids) for ids, _, _ in references.values())
+    assert lengths[0] >= 5 and 400 <= lengths[-1] <= 520, lengths
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_whole_prefill_then_decode_matches_hf(kv_model, references, name):
+    ids, ref_logits, ref_tokens = references[name]
+    pool = PagedPool(kv_model.arch, seed=len(ids))
+    logits = step(kv_model, pool, [(0, ids, 0)])[0]
+    assert_logits_close(logits, ref_logits)
+    tokens = [int(logits.argmax())]
+    for _ in range(7):
+        logits = step(kv_model, pool, [(0, tokens[-1:], len(ids) + len(tokens) - 1)])[0]
+        tokens.append(int(logits.argmax()))
+    assert tokens == ref_tokens
+
+
+def test_chunked_prefill_matches_whole(kv_model, references):
+    ids, ref_logits, _ = references["code"]
+    pool = PagedPool(kv_model.arch, seed=1)
+    for start in range(0, len(ids), 23):
+        logits = step(kv_model, pool, [(0, ids[start:start + 23], start)])[0]
+    assert_logits_close(logits, ref_logits)
+
+
+def test_mixed_batch_of_all_prompts_matches_hf(kv_model, references):
+    """Every prompt prefilled in one flat batch, then decoded together; one request joins late
+    as a prefill chunk alongside the others' decodes."""
+    names = list(PROMPTS)
+    pool = PagedPool(kv_model.arch, seed=2)
+    late = names[-1]
+    first = [(i, references[n][0], 0) for i, n in enumerate(names) if n != late]
+    logits = step(kv_model, pool, first)
+    tokens = {i: [int(row.argmax())] for (i, _, _), row in zip(first, logits)}
+    for (i, _, _), row in zip(first, logits):
+        assert_logits_close(row, references[names[i]][1])
+    for k in range(7):
+        chunks = [(i, tokens[i][-1:], len(references[names[i]][0]) + len(tokens[i]) - 1) for i in tokens]
+        if k == 2:
+            chunks.insert(1, (names.index(late), references[late][0], 0))
+        logits = step(kv_model, pool, chunks)
+        for (i, _, _), row in zip(chunks, logits):
+            tokens.setdefault(i, []).append(int(row.argmax()))
+    for i, n in enumerate(names):
+        want = references[n][2]
+        assert tokens[i] == want[:len(tokens[i])], n

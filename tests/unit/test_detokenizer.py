@@ -1,0 +1,149 @@
+"""IncrementalDetokenizer on a tiny byte-level BPE trained here (Korean, emoji, English)."""
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.sampling_params import SamplingParams
+
+CORPUS = [
+    "Hello there, how are you today? The end is near, the enormous cat said.",
+    "안녕하세요, 세계! 오늘 날씨가 정말 좋네요. 감사합니다.",
+    "Emoji time 🙂🚀👍🏽 and 🎉 party with friends 🍕🍺",
+    "Mixed 한국어 text with emoji 😀 and words, then STOP NOW please.",
+] * 3
+EOS = "<|eos|>"
+
+
+class TinyTokenizer:
+    """The few methods the detokenizer relies on, over a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.all_special_ids = [tok.token_to_id(EOS)]
+        self.decoded_lengths: list[int] = []  # length of every id list passed to decode
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        self.decoded_lengths.append(len(ids))
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.tok.id_to_token(i) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TinyTokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return TinyTokenizer(tok)
+
+
+def stream(tokenizer, text: str, params: SamplingParams, chunk: int = 1, prompt: str = "Say it:"):
+    """Feed `text`'s tokens `chunk` at a time; return (deltas, stop flags, detokenizer)."""
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), params)
+    deltas, stops = [], []
+    for i in range(0, len(ids), chunk):
+        delta, stop = detok.add_tokens(ids[i : i + chunk])
+        deltas.append(delta)
+        stops.append(stop)
+    return deltas, stops, detok
+
+
+def test_tokenizer_splits_characters_across_tokens(tokenizer):
+    """Guard: the test text really has tokens that end inside a UTF-8 character."""
+    ids = tokenizer.encode("안녕하세요, 세계! 🙂🚀👍🏽 오늘")
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_korean_and_emoji_stream_exactly(tokenizer, chunk):
+    text = "안녕하세요, 세계! 🙂🚀👍🏽 오늘 날씨가 😀 좋네요 🎉🍕 The end."
+    deltas, stops, detok = stream(tokenizer, text, SamplingParams(), chunk=chunk)
+    assert not any(stops)
+    assert all("\ufffd" not in d for d in deltas)
+    assert detok.flush() == ""
+    assert "".join(deltas) == tokenizer.decode(tokenizer.encode(text)) == text
+    assert detok.text == text
+
+
+def test_decode_window_stays_small(tokenizer):
+    text = "안녕하세요 🙂 hello there, " * 30
+    tokenizer.decoded_lengths.clear()
+    deltas, _, detok = stream(tokenizer, text, SamplingParams())
+    assert "".join(deltas) == text
+    assert len(tokenizer.encode(text)) > 200
+    assert max(tokenizer.decoded_lengths) <= 12  # never the whole output
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_leaked(tokenizer):
+    text = "안녕하세요, 세계! then STOP NOW please and more"
+    stop = "STOP NOW"
+    assert len(tokenizer.encode(stop)) >= 3
+    expected = text[: text.index(stop)]
+    deltas, stops, detok = stream(tokenizer, text, SamplingParams(stop=[stop]))
+    emitted = ""
+    for delta in deltas:
+        emitted += delta
+        assert expected.startswith(emitted)  # no delta ever holds a piece of the stop string
+    assert emitted == expected == detok.text
+    assert stops[-1] and stops.index(True) < len(stops) - 1  # matched before the end, then stays
+    assert detok.add_tokens(tokenizer.encode(" x")) == ("", True)
+    assert detok.flush() == ""
+
+
+def test_korean_stop_string_with_include_stop_str(tokenizer):
+    text = "오늘 날씨가 정말 좋네요. 감사합니다."
+    deltas, stops, _ = stream(tokenizer, text, SamplingParams(stop=["좋네요"], include_stop_str_in_output=True))
+    assert "".join(deltas) == "오늘 날씨가 정말 좋네요"
+    assert any(stops)
+
+
+@pytest.mark.parametrize("stop", [["later", "first"], ["first", "later"]])
+def test_earliest_stop_string_wins(tokenizer, stop):
+    text = "Hello first there, then later the end"
+    deltas, _, detok = stream(tokenizer, text, SamplingParams(stop=stop), chunk=len(tokenizer.encode(text)))
+    assert "".join(deltas) == "Hello "
+    assert detok.stop_reason == "first"
+
+
+def test_held_back_prefix_released_when_it_diverges(tokenizer):
+    params = SamplingParams(stop=["the end!"])
+    deltas, stops, detok = stream(tokenizer, "the enormous cat", params)
+    assert not any(stops)
+    joined = "".join(deltas)
+    assert "the enormous cat".startswith(joined) and "enormous" in joined
+    assert joined + detok.flush() == "the enormous cat"
+
+
+def test_flush_releases_held_text_when_no_stop_came(tokenizer):
+    text = "Hello there, the en"
+    deltas, stops, detok = stream(tokenizer, text, SamplingParams(stop=["the end!"]))
+    assert not any(stops)
+    assert "".join(deltas) == "Hello there, "
+    assert detok.flush() == "the en"
+    assert detok.text == text
+
+
+def test_flush_never_emits_a_partial_character(tokenizer):
+    ids = tokenizer.encode("좋네요 🙂")
+    partial = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    delta, _ = detok.add_tokens(ids[:partial])
+    assert "\ufffd" not in delta + detok.flush()
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(tokenizer, skip):
+    ids = tokenizer.encode("Hello there") + tokenizer.all_special_ids
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
+    text = "".join(detok.add_tokens([i])[0] for i in ids) + detok.flush()
+    assert text == ("Hello there" if skip else "Hello there" + EOS)

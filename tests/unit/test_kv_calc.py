@@ -1,0 +1,105 @@
+"""KV memory calculator: the textbook figures, sliding windows, loaders, the CLI."""
+import json
+import os
+
+import pytest
+
+from kvserve import kv_calc
+from kvserve.kv_calc import KVArch
+
+
+def test_llama3_8b_fp16_8k_is_one_gib_per_sequence():
+    arch = kv_calc.load_arch("llama-3-8b")
+    assert kv_calc.kv_bytes_per_token(arch, "float16") == 131_072
+    assert kv_calc.kv_bytes_per_sequence(arch, "fp16", 8192) == 1_073_741_824
+
+
+def test_llama_7b_mha_fp16_2k_is_one_gib_per_sequence():
+    arch = kv_calc.load_arch("llama-7b")
+    assert kv_calc.kv_bytes_per_token(arch, "bf16") == 524_288
+    assert kv_calc.kv_bytes_per_sequence(arch, "float16", 2048) == 1_073_741_824
+
+
+def test_sliding_window_layers_cap_at_the_window():
+    full = KVArch("x", 4, 2, 8)
+    swa = KVArch("x", 4, 2, 8, sliding_window=100)
+    half = KVArch("x", 4, 2, 8, sliding_window=100, sliding_layers=[0, 2])
+    per_layer_token = 2 * 2 * 8 * 4
+    assert kv_calc.kv_bytes_per_sequence(full, "fp32", 1000) == 4 * 1000 * per_layer_token
+    assert kv_calc.kv_bytes_per_sequence(swa, "fp32", 1000) == 4 * 100 * per_layer_token
+    assert kv_calc.kv_bytes_per_sequence(swa, "fp32", 50) == 4 * 50 * per_layer_token
+    assert kv_calc.kv_bytes_per_sequence(half, "fp32", 1000) == (2 * 100 + 2 * 1000) * per_layer_token
+
+
+def test_static_vs_paged_capacity():
+    arch = kv_calc.load_arch("llama-3-8b")
+    memory = 16 * 2**30
+    assert kv_calc.max_seqs_static(arch, "fp16", memory, 8192) == 16
+    # 1000 tokens -> 63 blocks of 16 -> 1008 tokens of KV each.
+    lengths = kv_calc.length_distribution(1000)
+    assert kv_calc.max_seqs_paged(arch, "fp16", memory, lengths, 16) == memory // (1008 * 131_072)
+
+
+def test_length_distributions_keep_their_mean():
+    for kind in ("fixed", "uniform", "geometric"):
+        dist = kv_calc.length_distribution(100, kind)
+        assert sum(dist.values()) == pytest.approx(1.0)
+        assert sum(n * q for n, q in dist.items()) == pytest.approx(100, rel=1e-3)
+    capped = kv_calc.length_distribution(100, "uniform", cap=50)
+    assert max(capped) == 50
+    with pytest.raises(ValueError):
+        kv_calc.length_distribution(10, "zipf")
+
+
+def test_hf_config_defaults_and_sliding_patterns():
+    arch = kv_calc.from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512})
+    assert (arch.num_kv_heads, arch.head_dim) == (8, 64)
+    gemma3 = kv_calc.from_hf_config({
+        "model_type": "gemma3_text", "num_hidden_layers": 12, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 1152, "sliding_window": 512,
+        "sliding_window_pattern": 6})
+    assert gemma3.sliding_layers == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+    typed = kv_calc.from_hf_config({
+        "text_config": {"num_hidden_layers": 3, "num_attention_heads": 4, "hidden_size": 64,
+                        "sliding_window": 16,
+                        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}})
+    assert typed.sliding_layers == [0, 2]
+    qwen = kv_calc.from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
+                                   "sliding_window": 4096, "use_sliding_window": False})
+    assert qwen.sliding_window is None
+
+
+def test_hf_directory(tmp_path):
+    cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152,
+           "max_position_embeddings": 8192, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    arch = kv_calc.load_arch(str(tmp_path))
+    assert (arch.num_layers, arch.num_kv_heads, arch.head_dim) == (30, 3, 64)
+    assert arch.num_params == 134_515_008          # SmolLM2-135M's real count
+    assert arch.weight_bytes == 1000
+
+
+def test_smollm2_gguf_figures():
+    path = kv_calc.default_model_path()
+    if not os.path.exists(path):
+        pytest.skip("default model not installed")
+    arch = kv_calc.load_arch(None)
+    assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.num_heads) == (30, 3, 64, 9)
+    assert arch.context_length == 8192 and arch.sliding_window is None
+    assert kv_calc.kv_bytes_per_token(arch, "float32") == 46_080
+    assert arch.num_params == 134_515_008
+    assert 0 < arch.weight_bytes < os.path.getsize(path)
+
+
+def test_report_and_cli(capsys):
+    arch = kv_calc.load_arch("llama-3-8b")
+    text = kv_calc.format_report(arch, "fp16", 8192, 24 * 2**30, 512, 256)
+    assert "1,073,741,824 bytes" in text and "131,072 bytes" in text
+    assert kv_calc.main(["--model", "llama-7b", "--dtype", "fp16", "--context-len", "2048",
+                         "--memory", "24GiB", "--mean-output-len", "128", "--block-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "1.07 GB" in out and "static           24 sequences" in out
+    assert kv_calc.main(["--model", "no-such-model"]) == 2
+    assert kv_calc.main(["--model", "llama-7b", "--dtype", "fp7"]) == 2

@@ -1,0 +1,113 @@
+"""Random add / step / abort / finish sequences against the scheduler's block bookkeeping.
+
+After every operation: each block is free exactly when no table holds it, and otherwise its
+refcount is the number of tables holding it. Every step also runs a fake KV cache (token ids
+instead of vectors): copies first, then every chunk's writes, then each chunk's whole context
+must read back as the request's own tokens, which catches a wrong prefix hit, a missing
+copy-on-write or a block reused while still in use. At the end everything is free.
+"""
+import random
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import QueueFullError, Scheduler
+from kvserve.sampling_params import SamplingParams
+
+BS = 4
+EOS = 1
+BASES = [[random.Random(i).randrange(2, 50) for _ in range(64)] for i in range(3)]
+
+add_op = st.tuples(st.just("add"), st.integers(1, 40), st.integers(0, 2), st.integers(0, 6),
+                   st.integers(1, 24), st.integers(0, 2), st.integers(1, 3), st.booleans())
+step_op = st.tuples(st.just("step"), st.integers(0, 2**16))
+abort_op = st.tuples(st.just("abort"), st.integers(0, 50))
+finish_op = st.tuples(st.just("finish"), st.integers(0, 50))
+ops = st.lists(st.one_of(add_op, add_op, step_op, step_op, step_op, abort_op, finish_op),
+               min_size=5, max_size=60)
+
+
+def check_blocks(s: Scheduler) -> None:
+    kv = s.kv_cache_manager
+    holders = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    for blocks in kv.req_to_blocks.values():
+        assert len({b.block_id for b in blocks}) == len(blocks), "a table holds a block twice"
+    for b in kv.pool.blocks:
+        assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
+        assert (b.block_id in kv.pool.free_queue) == (b.ref_cnt == 0), b
+    for h, b in kv.pool.cached.items():
+        assert b.block_hash == h
+    for rid in kv.req_to_blocks:
+        assert s.requests[rid].status == RequestStatus.RUNNING
+    for r in s.waiting:
+        assert r.num_computed_tokens == 0 and not kv.req_to_blocks.get(r.request_id)
+    assert s.num_running <= s.sched.max_num_seqs
+
+
+def run_step(s: Scheduler, store: dict[int, list], rng: random.Random) -> None:
+    out = s.schedule()
+    assert out.num_batched_tokens == sum(len(c.token_ids) for c in out.chunks)
+    assert out.num_batched_tokens <= s.sched.max_num_batched_tokens
+    assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
+    for src, dst in out.copy_blocks:
+        store[dst] = list(store.get(src, [None] * BS))
+    for c in out.chunks:
+        for i, tok in enumerate(c.token_ids):
+            pos = c.start_pos + i
+            store.setdefault(c.block_table[pos // BS], [None] * BS)[pos % BS] = tok
+    for c in out.chunks:
+        seen = [store[c.block_table[p // BS]][p % BS] for p in range(c.start_pos + len(c.token_ids))]
+        assert seen == c.request.all_token_ids[:len(seen)], c.request
+        assert c.sample == (c.start_pos + len(c.token_ids) == c.request.num_tokens)
+    sampled = {c.request.request_id: [rng.choice([EOS] + list(range(2, 32)))]
+               for c in out.chunks if c.sample}
+    for r in s.update_from_output(out, sampled):
+        assert r.is_finished and r.request_id not in s.requests
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, num_blocks=st.integers(12, 30), budget=st.integers(4, 40),
+       max_seqs=st.integers(1, 6), caching=st.booleans())
+def test_random_workloads_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, caching):
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_waiting=12),
+                  CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks, max_model_len=64)
+    store: dict[int, list] = {}
+    ids: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            _, length, base, suffix, max_tokens, priority, n, salted = op
+            prompt = BASES[base][:length] + [60 + i for i in range(suffix)]
+            rid = f"r{len(ids)}"
+            for i in range(n):
+                req = Request(f"{rid}-{i}" if i else rid, prompt,
+                              SamplingParams(max_tokens=max_tokens, min_tokens=min(2, max_tokens)),
+                              eos_token_ids={EOS}, priority=priority, arrival_time=float(len(ids)),
+                              cache_salt="salt" if salted else None, fork_of=rid if i else None)
+                try:
+                    s.add_request(req)
+                    ids.append(req.request_id)
+                except (ValueError, QueueFullError):
+                    pass
+        elif op[0] == "step":
+            run_step(s, store, random.Random(op[1]))
+        elif ids:
+            rid = ids[op[1] % len(ids)]
+            if op[0] == "abort":
+                s.abort_request(rid)
+            else:
+                s.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        check_blocks(s)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s, store, rng)
+        check_blocks(s)
+    assert not s.has_unfinished_requests(), "requests never finished"
+    assert s.num_free_blocks == s.num_total_blocks and s.kv_cache_usage == 0.0
+    assert all(b.ref_cnt == 0 for b in s.kv_cache_manager.pool.blocks)
+    assert not s.kv_cache_manager.req_to_blocks
