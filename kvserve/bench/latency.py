@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import random
 import shlex
 import statistics
@@ -32,6 +33,8 @@ def add_args(p) -> None:
     g.add_argument("--dataset-path", default=None, help="w1-w2.json (default: <repo>/../shared/bench/w1-w2.json)")
     g.add_argument("--repeat", type=int, default=3, help="timed repeats (default: %(default)s)")
     g.add_argument("--base-url", default=None, help="measure kvserve through this running server instead")
+    g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key for --base-url (default: $KVSERVE_API_KEY or $OPENAI_API_KEY)")
     add_engine_args(p)
     add_peer_args(p, "measure")
     add_output_args(p)
@@ -100,18 +103,20 @@ def run_hf(args, req: BenchRequest, gguf: str) -> dict:
             "summary": summarize_runs(samples)}
 
 
-def server_samples(url: str, req: BenchRequest, repeat: int, kwargs: dict, flush: bool) -> list[dict]:
+def server_samples(url: str, req: BenchRequest, repeat: int, kwargs: dict, flush: bool,
+                   api_key: str | None = None) -> list[dict]:
     """Streamed single requests. `flush` sends a short unrelated prompt before each timed one, so a
     server that reuses its last context's common prefix (llama-cpp-python) recomputes the prompt."""
     from kvserve.bench.loadgen import run_load, served_model
     from kvserve.bench.serve import reset_prefix_cache
-    model = served_model(url)
+    model = served_model(url, api_key)
+    kwargs = {**kwargs, "api_key": api_key}
 
     def one(r: BenchRequest):
         if flush:
             asyncio.run(run_load(url, [BenchRequest([], 1)], model, progress=False,
                                  **{**kwargs, "prompt_texts": ["Hello"]}))
-        reset_prefix_cache(url)
+        reset_prefix_cache(url, api_key)
         (t,), _ = asyncio.run(run_load(url, [r], model, progress=False, **kwargs))
         if not t.ok:
             raise RuntimeError(f"request failed: {t.error}")
@@ -127,7 +132,7 @@ def server_samples(url: str, req: BenchRequest, repeat: int, kwargs: dict, flush
 
 
 def run_server_kvserve(args, req: BenchRequest) -> dict:
-    samples = server_samples(args.base_url, req, args.repeat, {}, flush=False)
+    samples = server_samples(args.base_url, req, args.repeat, {}, flush=False, api_key=args.api_key)
     return {"engine": "kvserve", "mode": f"server {args.base_url}", "samples": samples,
             "summary": summarize_runs(samples)}
 

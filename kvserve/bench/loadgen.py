@@ -72,7 +72,7 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, prompt_token
 async def run_load(base_url: str, requests: list[BenchRequest], model: str, rate: float = math.inf,
                    max_concurrency: int | None = None, seed: int = 0, prompt_texts: list[str] | None = None,
                    min_tokens: bool = False, extra: dict | None = None, progress: bool = True,
-                   timeout: float = 600) -> tuple[list[RequestTiming], float]:
+                   timeout: float = 600, api_key: str | None = None) -> tuple[list[RequestTiming], float]:
     """Send every request; returns their timings and the wall time from first send to last reply."""
     url = base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(seed)
@@ -81,7 +81,8 @@ async def run_load(base_url: str, requests: list[BenchRequest], model: str, rate
                unit="req", disable=not progress, dynamic_ncols=True)
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 1, max_keepalive_connections=64)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits,
+                                 headers=auth_headers(api_key)) as client:
         async def one(i: int, req: BenchRequest) -> RequestTiming:
             body = completion_payload(req, model, prompt_texts[i] if prompt_texts else None, min_tokens, extra)
             if sem is None:
@@ -104,24 +105,29 @@ async def run_load(base_url: str, requests: list[BenchRequest], model: str, rate
     return list(timings), duration
 
 
-def served_model(base_url: str) -> str:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_model(base_url: str, api_key: str | None = None) -> str:
     """The first model id the server lists (GET /v1/models), or 'default'."""
     try:
-        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10)
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10, headers=auth_headers(api_key))
         data = r.json().get("data") or []
         return data[0]["id"] if data else "default"
     except (httpx.HTTPError, ValueError, KeyError):
         return "default"
 
 
-def wait_ready(base_url: str, timeout: float, proc=None) -> None:
+def wait_ready(base_url: str, timeout: float, proc=None, api_key: str | None = None) -> None:
     """Poll /v1/models until the server answers 200 (or the process dies, or time runs out)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
         try:
-            if httpx.get(base_url.rstrip("/") + "/v1/models", timeout=2).status_code == 200:
+            if httpx.get(base_url.rstrip("/") + "/v1/models", timeout=2,
+                         headers=auth_headers(api_key)).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

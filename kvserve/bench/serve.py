@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -33,6 +34,8 @@ def add_args(p) -> None:
     g.add_argument("--base-url", default=None,
                    help="server to load, e.g. http://127.0.0.1:8000 (default: start `kvserve serve` here)")
     g.add_argument("--model", default=None, help="GGUF for the servers this command starts (default: SmolLM2-135M)")
+    g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key for --base-url (default: $KVSERVE_API_KEY or $OPENAI_API_KEY)")
     g.add_argument("--model-name", default=None, help="`model` field of requests (default: the server's first)")
     g.add_argument("--server-args", default="", help="extra `kvserve serve` flags when it is started here")
     g.add_argument("--threads", type=int, default=None, help="peer server threads (default: all cores)")
@@ -62,26 +65,28 @@ def sweep_points(args) -> tuple[str | None, list[tuple[float, int | None]]]:
     return None, [(args.request_rate, args.max_concurrency)]
 
 
-def reset_prefix_cache(url: str) -> None:
+def reset_prefix_cache(url: str, key: str | None = None) -> None:
     """Best effort: servers with vLLM's /reset_prefix_cache forget earlier points' prompts."""
+    from kvserve.bench.loadgen import auth_headers
     with contextlib.suppress(httpx.HTTPError):
-        httpx.post(url.rstrip("/") + "/reset_prefix_cache", timeout=10)
+        httpx.post(url.rstrip("/") + "/reset_prefix_cache", timeout=10, headers=auth_headers(key))
 
 
-def load_engine(args, url: str, reqs: list[BenchRequest], points, slo, request_kwargs: dict) -> list[dict]:
+def load_engine(args, url: str, reqs: list[BenchRequest], points, slo, request_kwargs: dict,
+                key: str | None = None) -> list[dict]:
     from kvserve.bench.loadgen import run_load, served_model
-    model = args.model_name or served_model(url)
+    model = args.model_name or served_model(url, key)
     if args.warmup:
         warm = [BenchRequest(r.prompt_ids[:8], 4) for r in reqs[:args.warmup]]
         wk = dict(request_kwargs)
         if wk.get("prompt_texts"):
             wk["prompt_texts"] = [t[:32] for t in wk["prompt_texts"][:args.warmup]]
-        asyncio.run(run_load(url, warm, model, progress=False, **wk))
+        asyncio.run(run_load(url, warm, model, progress=False, api_key=key, **wk))
     out = []
     for rate, conc in points:
-        reset_prefix_cache(url)
+        reset_prefix_cache(url, key)
         timings, duration = asyncio.run(run_load(url, reqs, model, rate=rate, max_concurrency=conc, seed=args.seed,
-                                                 progress=not args.no_progress, **request_kwargs))
+                                                 progress=not args.no_progress, api_key=key, **request_kwargs))
         rep = serve_report(timings, duration, slo)
         out.append({"request_rate": rate, "max_concurrency": conc, "metrics": rep})
         print_point(rep, rate, conc)
@@ -190,11 +195,11 @@ def main(args, argv: list[str]) -> int:
 
     if not args.only_peers:
         server = (contextlib.nullcontext(args.base_url) if args.base_url
-                  else kvserve_server(args.model, shlex.split(args.server_args)))
+                  else kvserve_server(args.model, shlex.split(args.server_args), args.api_key))
         with server as url:
             result["runs"].append({"engine": "kvserve", "base_url": args.base_url,
                                    "config": {"server_args": args.server_args},
-                                   "points": load_engine(args, url, reqs, points, slo, text_kwargs)})
+                                   "points": load_engine(args, url, reqs, points, slo, text_kwargs, args.api_key)})
     if "llamacpp" in args.peer:
         server = llamacpp_server(gguf, threads(args), args.llamacpp_slots, args.llamacpp_ctx, args.llamacpp_bin,
                                  shlex.split(args.llamacpp_args))

@@ -25,8 +25,10 @@ LLAMACPP_INSTALL = ("the llama.cpp peer needs llama-cpp-python's server: pip ins
 class ServerProcess:
     """`with ServerProcess(name, cmd, port) as base_url:` — started, ready, stopped."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, ready_timeout: float = 300):
+    def __init__(self, name: str, cmd: list[str], port: int, ready_timeout: float = 300,
+                 api_key: str | None = None):
         self.name, self.cmd, self.port, self.ready_timeout = name, cmd, port, ready_timeout
+        self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(prefix=f"kvserve-bench-{name}-", suffix=".log", delete=False)
@@ -36,7 +38,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            wait_ready(self.base_url, self.ready_timeout, self.proc)
+            wait_ready(self.base_url, self.ready_timeout, self.proc, self.api_key)
         except RuntimeError as e:
             self.stop()
             raise RuntimeError(f"{self.name}: {e}\n--- last lines of {self.log.name} ---\n{self.tail()}") from e
@@ -60,12 +62,15 @@ class ServerProcess:
             self.proc.wait()
 
 
-def kvserve_server(model: str | None, extra_args: list[str]) -> ServerProcess:
+def kvserve_server(model: str | None, extra_args: list[str], api_key: str | None = None) -> ServerProcess:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--no-access-log"]
     if model:
         cmd += ["--model", model]
-    return ServerProcess("kvserve", cmd + extra_args, port)
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return ServerProcess("kvserve", cmd + extra_args, port, api_key=api_key)
 
 
 def llamacpp_available(binary: str | None) -> bool:
