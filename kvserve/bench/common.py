@@ -101,6 +101,12 @@ def _json_default(o):
 
 
 def new_result(kind: str, argv: list[str], args) -> dict:
+    """The record a benchmark fills in. Warns when other work is loading the machine."""
+    load = os.getloadavg()[0]
+    cores = len(os.sched_getaffinity(0))
+    if load > cores / 2:
+        print(f"warning: load average {load:.1f} on {cores} cores: other work is running, figures will be low",
+              file=sys.stderr)
     return {
         "kind": kind,
         "command": command_line(argv),
@@ -108,6 +114,7 @@ def new_result(kind: str, argv: list[str], args) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine_info(),
         "versions": versions(),
+        "load_avg_before": load,
         "runs": [],
     }
 

@@ -72,7 +72,7 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, prompt_token
 async def run_load(base_url: str, requests: list[BenchRequest], model: str, rate: float = math.inf,
                    max_concurrency: int | None = None, seed: int = 0, prompt_texts: list[str] | None = None,
                    min_tokens: bool = False, extra: dict | None = None, progress: bool = True,
-                   timeout: float = 600, api_key: str | None = None) -> tuple[list[RequestTiming], float]:
+                   timeout: float = 3600, api_key: str | None = None) -> tuple[list[RequestTiming], float]:
     """Send every request; returns their timings and the wall time from first send to last reply."""
     url = base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(seed)

@@ -33,7 +33,7 @@ def x(r: float) -> str:
 def engine_label(run: dict) -> str:
     cfg = run.get("config") or {}
     if run["engine"] == "hf":
-        return f"hf transformers, fp32, static batch {cfg.get('batch_size', '')}".rstrip(", ")
+        return "hf transformers, fp32" + (f", static batch {cfg['batch_size']}" if cfg.get("batch_size") else "")
     if run["engine"] == "llamacpp":
         return f"llama.cpp ({cfg.get('server', '?')}, {cfg.get('slots', '?')} slot(s))"
     return "kvserve"
@@ -148,7 +148,10 @@ def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
             continue
         lines += ["", f"## {title}"]
         for path, r in of_kind:
-            lines += ["", f"### {path.stem}", "", f"`{r['command']}`  ", f"{r['date']}, kvserve {r['versions'].get('kvserve_commit')}", ""]
+            load = r.get("load_avg_before")
+            lines += ["", f"### {path.stem}", "", f"`{r['command']}`  ",
+                      f"{r['date']}, kvserve {r['versions'].get('kvserve_commit')}"
+                      + (f", load average {load:.1f} on {r['machine']['cores']} cores before the run" if load else ""), ""]
             if kind == "throughput":
                 lines += section_throughput(r)
             elif kind == "latency":

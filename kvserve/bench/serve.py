@@ -151,9 +151,12 @@ def plot_sweep(runs: list[dict], knob: str, path: Path, title: str) -> None:
                         label=r["engine"])
     axes[1][0].set_ylabel("output tokens/s")
     axes[1][1].set_ylabel("goodput (requests/s meeting the SLO)")
+    ticks = sorted({p[knob] for r in runs for p in r["points"]})
     for ax in axes.flat:
         ax.set_xlabel("request rate (req/s)" if knob == "request_rate" else "max concurrency")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)

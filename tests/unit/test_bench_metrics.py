@@ -92,3 +92,42 @@ def test_throughput_report():
     assert r["requests_per_s"] == 2.0
     assert r["output_tokens_per_s"] == 30.0 and r["useful_output_tokens_per_s"] == 25.0
     assert r["total_tokens_per_s"] == 80.0
+
+
+# ---- workloads and the report page (pure parts of kvserve/bench) ----
+
+def test_parse_range_and_random_workload_is_seeded():
+    from kvserve.bench.datasets import parse_range, random_requests
+    assert parse_range("128") == (128, 128) and parse_range("16:256") == (16, 256) and parse_range(7) == (7, 7)
+    for bad in ("0", "9:3", "a"):
+        with pytest.raises(ValueError):
+            parse_range(bad)
+    a = random_requests(20, "4:8", "2:3", seed=5, vocab_size=1000)
+    assert a == random_requests(20, "4:8", "2:3", seed=5, vocab_size=1000)
+    assert a != random_requests(20, "4:8", "2:3", seed=6, vocab_size=1000)
+    assert all(4 <= len(r.prompt_ids) <= 8 and 2 <= r.max_tokens <= 3 for r in a)
+    assert all(10 <= t < 1000 for r in a for t in r.prompt_ids)
+
+
+def test_prefix_workload_shares_one_prompt_per_group():
+    from kvserve.bench import common
+    from kvserve.bench.datasets import prefix_requests
+    if not (common.REPO_ROOT.parent / "shared" / "bench" / "w1-w2.json").is_file():
+        pytest.skip("standard workloads (../shared/bench/w1-w2.json) not present")
+    reqs = prefix_requests(8, groups=2, prefix_len=100, question_len=10, output_len=5, seed=0)
+    assert [len(r.prompt_ids) for r in reqs] == [110] * 8 and {r.max_tokens for r in reqs} == {5}
+    assert reqs[0].prompt_ids[:100] == reqs[2].prompt_ids[:100] != reqs[1].prompt_ids[:100]
+    assert len({tuple(r.prompt_ids[100:]) for r in reqs}) == 8
+
+
+def test_report_page_shows_ratios(tmp_path):
+    from kvserve.bench.report import build_page
+    machine = {"cpu": "test cpu", "cores": 2, "simd": ["avx2"], "memory_gib": 8, "os": "linux", "python": "3.11"}
+    run = lambda engine, tps: {"engine": engine, "config": {}, "metrics": throughput_report(4, 100, 80, 80, 80 / tps)}  # noqa: E731
+    res = {"kind": "throughput", "command": "kvserve bench throughput --peer hf", "date": "2026-01-01",
+           "machine": machine, "versions": {"kvserve": "0.1.0"}, "load_avg_before": 0.1,
+           "workload": {"dataset": "w2", "num_requests": 4, "prompt_tokens": 100, "max_tokens_total": 80},
+           "runs": [run("kvserve", 40.0), run("hf", 20.0)]}
+    page = build_page([(tmp_path / "throughput-w2.json", res)], tmp_path)
+    assert "`kvserve bench throughput --peer hf`" in page and "test cpu, 2 cores" in page
+    assert "| hf transformers, fp32 | 20.0 |" in page and "2.00x" in page
