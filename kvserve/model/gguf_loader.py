@@ -71,7 +71,8 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
     vocab = md.get(f"{a}.vocab_size") or len(md["tokenizer.ggml.tokens"])
     scaling = None
     if "rope_freqs.weight" in g.tensors:     # llama3-style scaling stored as per-frequency divisors
-        scaling = {"rope_type": "freq_factors", "factors": load_tensor(g, g.tensors["rope_freqs.weight"]).flatten().tolist()}
+        factors = load_tensor(g, g.tensors["rope_freqs.weight"]).flatten().tolist()
+        scaling = {"rope_type": "freq_factors", "factors": factors}
     elif md.get(f"{a}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": md[f"{a}.rope.scaling.factor"]}
     elif md.get(f"{a}.rope.scaling.type") not in (None, "none"):

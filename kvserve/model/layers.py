@@ -59,6 +59,8 @@ class Linear(nn.Module):
         self.quant_method.load(self, w, offset, whole)
 
     def load_bias(self, b: torch.Tensor, shard: int = 0) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
         offset, _ = self._span(shard, b.shape[0])
         self.bias.data[offset:offset + b.shape[0]].copy_(b)
 

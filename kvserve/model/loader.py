@@ -61,7 +61,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         from kvserve.model import gguf_loader
         g = gguf_loader.GGUFFile(path)
         arch = gguf_loader.gguf_arch(g)
-        tokenizer = Tokenizer.from_pretrained(cfg.tokenizer) if cfg.tokenizer else Tokenizer.from_gguf_metadata(g.metadata)
+        tokenizer = (Tokenizer.from_pretrained(cfg.tokenizer) if cfg.tokenizer
+                     else Tokenizer.from_gguf_metadata(g.metadata))
         weights = gguf_loader.iter_gguf_weights(g, arch)
     else:
         raise FileNotFoundError(f"model {path!r}: no such GGUF file or HF directory")

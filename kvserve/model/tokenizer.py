@@ -43,7 +43,7 @@ def _byte_level_pre_tokenizer(pre: str | None):
     if pre in _DIGITS_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre not in _GPT2_PRE:
-        warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}: splitting text like GPT-2")
+        warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}: splitting text like GPT-2", stacklevel=3)
     return byte_level
 
 
@@ -134,7 +134,10 @@ class Tokenizer:
         def token_id(key):
             tok = cfg.get(key)
             tok = tok.get("content") if isinstance(tok, dict) else tok
-            return tk.token_to_id(tok) if tok else model_cfg.get(f"{key}_id")
+            if tok:
+                return tk.token_to_id(tok)
+            value = model_cfg.get(f"{key}_id")
+            return value[0] if isinstance(value, list) else value
 
         template = cfg.get("chat_template")
         if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
@@ -146,8 +149,10 @@ class Tokenizer:
         gen_eos = gen.get("eos_token_id", model_cfg.get("eos_token_id"))
         gen_eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,) if gen_eos is not None else ()
         eos = token_id("eos_token")
-        return cls(tk, bos_token_id=token_id("bos_token"), eos_token_id=eos if eos is not None else (gen_eos or (None,))[0],
-                   pad_token_id=token_id("pad_token"), chat_template=template, extra_eos_ids=gen_eos)
+        if eos is None and gen_eos:
+            eos = gen_eos[0]
+        return cls(tk, bos_token_id=token_id("bos_token"), eos_token_id=eos, pad_token_id=token_id("pad_token"),
+                   chat_template=template, extra_eos_ids=gen_eos)
 
     # ---- the tokenizer interface ----
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

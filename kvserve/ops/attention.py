@@ -11,7 +11,6 @@ request `b` owns queries `query_start_loc[b]:query_start_loc[b + 1]`, which are 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +134,3 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 p = p / p.sum()
                 out[start_q + i, h] = p @ vs.double()
     return out.to(q.dtype)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

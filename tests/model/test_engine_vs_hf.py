@@ -51,9 +51,9 @@ def hf_reference(hf_model, kv_model):
         with torch.inference_mode():
             out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                     max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                    output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         gen = out.sequences[0, len(ids):].tolist()
-        tops = [set(torch.log_softmax(s[0].float(), -1).topk(TOP).indices.tolist()) for s in out.scores]
+        tops = [set(torch.log_softmax(s[0].float(), -1).topk(TOP).indices.tolist()) for s in out.logits]  # raw logits: min_new_tokens masks EOS in `scores`
         refs.append((ids, gen, tops))
     lengths = [len(r[0]) for r in refs]
     assert min(lengths) <= 8 and max(lengths) >= 400, lengths

@@ -184,3 +184,61 @@ def test_hf_directory_model_matches_hf(tiny_hf_dir):
         meta = AttentionMetadata(slots, [0, end - start], [end], torch.tensor([pool.tables[0]]), BLOCK)
         outs.append(lm.model.compute_logits(lm.model(ids_t, pos, meta, pool.kv)))
     torch.testing.assert_close(torch.cat(outs), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_weights_and_cache(references):
+    """dtype=bfloat16 loads and runs (RMSNorm in fp32, bf16 pool); greedy top-1 mostly agrees."""
+    from kvserve.config import ModelConfig
+    from kvserve.model.loader import load_model
+    lm = load_model(ModelConfig(dtype="bfloat16"))
+    assert lm.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids, ref_logits, _ = references["english"]
+    pool = PagedPool(lm.arch, num_blocks=4)
+    pool.kv = [(k.bfloat16(), v.bfloat16()) for k, v in pool.kv]
+    logits = step(lm, pool, [(0, ids, 0)])[0]
+    assert logits.dtype == torch.float32
+    assert int(logits.argmax()) == int(ref_logits.argmax())
+    assert torch.nn.functional.cosine_similarity(logits, ref_logits, dim=0) > 0.99
+
+
+# ---- GGUF reading ----
+
+def test_gguf_header_matches_gguf_reader(default_gguf):
+    import numpy as np
+    from gguf import GGUFReader
+    from kvserve.model.gguf_file import GGUFFile
+    ours, ref = GGUFFile(default_gguf), GGUFReader(default_gguf)
+    for key, field in ref.fields.items():
+        if not key.startswith("GGUF."):
+            want = field.contents()
+            assert ours.metadata[key] == (pytest.approx(want) if isinstance(want, float) else want), key
+    assert len(ours.tensors) == len(ref.tensors)
+    for t in ref.tensors[:40]:
+        mine = ours.tensors[t.name]
+        assert (mine.qtype, mine.offset, mine.shape) == (t.tensor_type, t.data_offset, tuple(reversed(t.shape.tolist())))
+        assert np.array_equal(ours.raw(mine).view(np.uint8).ravel(), np.asarray(t.data).view(np.uint8).ravel())
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q5_0"])
+def test_dequantize_matches_gguf_quants(qtype):
+    import numpy as np
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+    from kvserve.model.gguf_loader import dequantize_rows
+    qt = GGMLQuantizationType[qtype]
+    x = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    packed = x if qt == GGMLQuantizationType.F32 else quants.quantize(x, qt)
+    raw = np.ascontiguousarray(packed).view(np.uint8)
+    want = quants.dequantize(raw, qt)
+    got = dequantize_rows(raw.copy(), qt)
+    assert got.shape == (6, 96) and got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), want)
+
+
+def test_unpermute_undoes_llama_cpp_permute():
+    from kvserve.model.gguf_loader import unpermute_rows
+    n_heads, head_dim = 3, 8
+    w = torch.arange(n_heads * head_dim * 2, dtype=torch.float32).view(n_heads * head_dim, 2)
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
+    permuted = w.reshape(n_heads, 2, head_dim // 2, 2).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(permuted[torch.from_numpy(unpermute_rows(n_heads * head_dim, n_heads))], w)
