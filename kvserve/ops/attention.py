@@ -11,7 +11,7 @@ request `b` owns queries `query_start_loc[b]:query_start_loc[b + 1]`, which are 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,8 @@ class AttentionMetadata:
     seq_lens: list[int]              # [B] context length after this step (start_pos + q_len)
     block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
     block_size: int
+    # Derived once per step and reused by every layer (decode rows, masks): see _decode_plan.
+    plan: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -67,9 +69,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     out = torch.empty_like(q)
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
-    decodes = [b for b in range(len(seq_lens)) if qsl[b + 1] - qsl[b] == 1]
-    if decodes:
-        _decode_batch(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out)
+    plan = _decode_plan(meta, sliding_window, q.device)
+    if plan is not None:
+        rows, tables, max_len, mask = plan
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)    # [Bd, Lmax, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
+        o = F.scaled_dot_product_attention(q[rows][:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o[:, :, 0]
     for b in range(len(seq_lens)):
         q_len, seq_len = qsl[b + 1] - qsl[b], seq_lens[b]
         if q_len <= 1:
@@ -89,24 +96,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _decode_batch(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out):
-    bs = meta.block_size
-    rows = torch.tensor([meta.query_start_loc[b] for b in decodes], device=q.device)
-    lens = torch.tensor([meta.seq_lens[b] for b in decodes], device=q.device)
-    max_len = max(meta.seq_lens[b] for b in decodes)
-    nblk = (max_len + bs - 1) // bs
-    tables = meta.block_tables[decodes, :nblk]                         # [Bd, nblk]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)        # [Bd, Lmax, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
-    k_pos = torch.arange(max_len, device=q.device)[None, :]
-    mask = k_pos < lens[:, None]                                       # padding past each context
-    if sliding_window is not None:
-        mask &= k_pos >= (lens[:, None] - sliding_window)
-    qd = q[rows][:, :, None]                                           # [Bd, Hq, 1, D]
-    o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=True)
-    out[rows] = o[:, :, 0]
+def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device):
+    """Single-token decodes of the step, batched: (rows, block tables, max context, mask) or None.
+
+    Built on the first layer's call and cached on the metadata for the other layers."""
+    key = ("decode", sliding_window)
+    if key in meta.plan:
+        return meta.plan[key]
+    qsl, seq_lens = meta.query_start_loc, meta.seq_lens
+    decodes = [b for b in range(len(seq_lens)) if qsl[b + 1] - qsl[b] == 1]
+    plan = None
+    if decodes:
+        bs = meta.block_size
+        rows = torch.tensor([qsl[b] for b in decodes], device=device)
+        lens = torch.tensor([seq_lens[b] for b in decodes], device=device)
+        max_len = max(seq_lens[b] for b in decodes)
+        tables = meta.block_tables[decodes, :(max_len + bs - 1) // bs]   # [Bd, nblk]
+        k_pos = torch.arange(max_len, device=device)[None, :]
+        mask = k_pos < lens[:, None]                                      # padding past each context
+        if sliding_window is not None:
+            mask &= k_pos >= (lens[:, None] - sliding_window)
+        plan = (rows, tables, max_len, mask[:, None, None, :])
+    meta.plan[key] = plan
+    return plan
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
