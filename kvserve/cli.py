@@ -13,6 +13,7 @@ commands:
   chat       interactive chat in the terminal, streaming tokens as they come
   bench      benchmarks: throughput | serve | latency | roofline | report
   kv-calc    KV cache memory calculator for a model or config
+  eval-quality  perplexity / top-1 agreement / KL of weight formats against fp32
 
 `kvserve <command> --help` explains every option with its default."""
 
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "kv-calc":
         from kvserve.kv_calc import main as kv_main
         return kv_main(rest)
+    if cmd == "eval-quality":
+        from kvserve.eval_quality import main as eval_main
+        return eval_main(rest)
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,85 @@
+"""Prefix caching and n > 1 block sharing on the real default model.
+
+Reusing cached KV blocks (and forking a prompt's blocks for n samples, with copy-on-write)
+must never change what the model generates.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+SYSTEM = ("You are a careful assistant for a library of Python documentation. Answer briefly, "
+          "cite the module name, and never invent functions that do not exist. ") * 6
+QUESTIONS = ["What does os.path.join do?", "How do I read a file line by line?",
+             "What is a dataclass?", "Explain list comprehensions.", "What does zip() return?",
+             "How do I sort a dict by value?"]
+
+
+def _prompts():
+    return [SYSTEM + "\nQuestion: " + q + "\nAnswer:" for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def cached():
+    return LLM(kv_cache_memory="128MiB", enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def uncached():
+    return LLM(kv_cache_memory="128MiB", enable_prefix_caching=False)
+
+
+def _texts(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def _assert_idle(llm: LLM) -> None:
+    s = llm.engine.scheduler
+    assert s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0
+
+
+def test_greedy_same_with_and_without_prefix_cache(cached, uncached):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts()
+    ref = _texts(uncached.generate(prompts, params, use_tqdm=False))
+    hits_before = cached.engine.scheduler.stats.prefix_cache_hits
+    # One batch: requests sharing the system prompt hit each other's blocks once computed.
+    one_batch = cached.generate(prompts, params, use_tqdm=False)
+    assert _texts(one_batch) == ref
+    # Across batches: the second run finds every full block of every prompt in the cache.
+    again = cached.generate(prompts, params, use_tqdm=False)
+    assert _texts(again) == ref
+    n_prompt = len(cached.tokenizer.encode(prompts[0], add_special_tokens=True))
+    for o in again:
+        assert o.num_cached_tokens >= (n_prompt - 16) // 16 * 16 - 16, o.num_cached_tokens
+        assert o.num_cached_tokens < len(o.prompt_token_ids), "the last prompt token is always recomputed"
+    assert cached.engine.scheduler.stats.prefix_cache_hits > hits_before
+    assert all(o.num_cached_tokens == 0 for o in uncached.generate(prompts[:2], params, use_tqdm=False))
+    _assert_idle(cached)
+    _assert_idle(uncached)
+
+
+def test_n4_seeded_sampling_same_with_and_without_cache(cached, uncached):
+    params = SamplingParams(n=4, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    prompts = _prompts()[:2]
+    a = uncached.generate(prompts, params, use_tqdm=False)
+    b = cached.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs) for o in a] == [4, 4]
+    assert _texts(a) == _texts(b)
+    samples = {tuple(t) for t in _texts(a)[0]}
+    assert len(samples) > 1, "4 seeded samples at temperature 0.9 should not all be equal"
+    _assert_idle(cached)
+    _assert_idle(uncached)
+
+
+def test_n4_greedy_forks_match_single(cached):
+    """n greedy samples share the prompt's blocks (fork + copy-on-write) and equal n=1 greedy."""
+    prompt = QUESTIONS[2] * 3  # a prompt whose last block is partially filled
+    single = cached.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    many = cached.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=20, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert [c.index for c in many.outputs] == [0, 1, 2, 3]
+    assert all(c.token_ids == single for c in many.outputs)
+    _assert_idle(cached)
