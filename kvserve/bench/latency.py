@@ -82,10 +82,11 @@ def run_kvserve(args, req: BenchRequest) -> dict:
         m = out.metrics
         samples.append(_sample(prefill, m.first_token_time - m.arrival_time, m.last_token_time - m.first_token_time,
                                e2e, len(out.outputs[0].token_ids)))
+    config = {"dtype": args.dtype, "quantization": common.weight_format(llm, args.quantization)}
     del llm
     gc.collect()
-    return {"engine": "kvserve", "mode": "offline", "config": {"dtype": args.dtype, "quantization": args.quantization},
-            "samples": samples, "summary": summarize_runs(samples)}
+    return {"engine": "kvserve", "mode": "offline", "config": config, "samples": samples,
+            "summary": summarize_runs(samples)}
 
 
 def run_hf(args, req: BenchRequest, gguf: str) -> dict:

@@ -36,7 +36,10 @@ def engine_label(run: dict) -> str:
         return "hf transformers, fp32" + (f", static batch {cfg['batch_size']}" if cfg.get("batch_size") else "")
     if run["engine"] == "llamacpp":
         return f"llama.cpp ({cfg.get('server', '?')}, {cfg.get('slots', '?')} slot(s))"
-    return "kvserve"
+    parts = [cfg[k] for k in ("quantization", "dtype") if cfg.get(k)]
+    if cfg.get("prefix_caching") is False:
+        parts.append("no prefix caching")
+    return "kvserve" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def section_throughput(res: dict) -> list[str]:
@@ -113,9 +116,10 @@ def section_roofline(res: dict) -> list[str]:
     m = res.get("model")
     if m:
         d, pf, bd = m["decode_batch1"], m["prefill"], m["batch_decode"]
-        out += ["", f"Model `{Path(m['model']).name}` ({m['dtype']}): "
+        out += ["", f"Model `{Path(m['model']).name}` ({m['dtype']}, weights {m.get('quantization')}): "
                 f"{m['facts']['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step.", "",
-                md_table(["regime", "tokens/s", "achieved", "MBU", "MFU (vs fp32 peak)"], [
+                md_table(["regime", "tokens/s", "achieved", "MBU",
+                          f"MFU (vs {m.get('mfu_peak', {}).get('kernel', 'fp32')} peak)"], [
                     [f"decode, batch 1, prompt {d['prompt_len']}", d["tokens_per_s"], f"{d['achieved_gbs']:.1f} GB/s",
                      f"{d['mbu'] * 100:.0f}%", f"{d['mfu'] * 100:.1f}%"],
                     [f"prefill {pf['tokens']} tokens", pf["tokens_per_s"], f"{pf['gflops']:.1f} GFLOP/s", "-",

@@ -4,7 +4,7 @@ Machine (torch, --threads threads, about --seconds per figure): peak matmul FLOP
 int8 (fbgemm's dynamically quantized linear, and torch._int_mm), and memory bandwidth (sum over
 and copy of a 256 MiB tensor, far larger than the caches).
 Model (kvserve.LLM): decode MBU = (weight bytes + KV bytes read per step) / step time / read
-bandwidth at batch 1; MFU = achieved matmul FLOP/s / fp32 peak for a long prefill and for a
+bandwidth at batch 1; MFU = achieved matmul FLOP/s / the compute dtype's peak for a long prefill and for a
 batch of concurrent decodes. FLOPs count the linear layers (2 x in x out per token), the LM head
 at sampled positions only, and causal attention.
 """
@@ -43,6 +43,9 @@ def matmul_kernels(m: int, k: int, n: int) -> dict:
     kernels = {"fp32": lambda: torch.nn.functional.linear(a, w),
                "bf16": lambda: torch.nn.functional.linear(ab, wb),
                "int8_int_mm": lambda: torch._int_mm(ai, wi)}
+    if torch.backends.mkldnn.is_available():   # oneDNN's fp32 GEMM; F.linear's goes to MKL / OpenBLAS
+        am, wm = a.to_mkldnn(), w.to_mkldnn()
+        kernels["fp32_onednn"] = lambda: torch._C._nn.mkldnn_linear(am, wm)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -83,14 +86,24 @@ def memory_bandwidth(seconds: float, mib: int = 256) -> dict:
     return {"read_gbs": read, "copy_gbs": copy, "tensor_mib": mib}
 
 
+def _read_tensors(model):
+    """(name, tensor) of what a forward pass reads: every module's own parameters and buffers, less
+    rotary tables, and where a module keeps a packed copy of its weight (packed*, kernels read
+    that and its scales), only that copy."""
+    for mod_name, mod in model.named_modules():
+        own = list(itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False)))
+        if any(n.startswith("packed") for n, _ in own):
+            own = [(n, t) for n, t in own if n.startswith(("packed", "scale"))]
+        for n, t in own:
+            if t is not None and not any(s in n for s in ("cos", "sin", "inv_freq")):
+                yield f"{mod_name}.{n}", t
+
+
 def model_facts(llm) -> dict:
     """Weight bytes a decode step reads, and matmul parameters per token, from the loaded module."""
     model, arch = llm.engine.runner.model, llm.engine.arch
-    named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
     seen, weight_bytes, embed_bytes = set(), 0, 0
-    for name, t in named:
-        if any(s in name for s in ("rotary", "cos", "sin", "inv_freq")):
-            continue
+    for name, t in _read_tensors(model):
         key = t.untyped_storage().data_ptr()
         if key in seen:
             continue
@@ -99,9 +112,8 @@ def model_facts(llm) -> dict:
         weight_bytes += nbytes
         if "embed" in name:
             embed_bytes += nbytes
-    lm_head = getattr(model, "lm_head", None)
-    if lm_head is not None:
-        weight_bytes -= embed_bytes   # untied: the embedding is only gathered, a few rows a step
+    if getattr(model, "lm_head", None) is not None:
+        weight_bytes -= embed_bytes   # the embedding is only gathered, a few rows a step
     linear_params = sum(m.in_features * m.out_features for name, m in model.named_modules()
                         if hasattr(m, "in_features") and hasattr(m, "out_features") and not name.endswith("lm_head"))
     return {"weight_bytes_per_step": weight_bytes, "linear_params": linear_params,
@@ -137,8 +149,10 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
         return outs, time.perf_counter() - t0
 
     gen([prompt(16, 0)], 4)  # warm-up
-    peak = peaks["fp32"]["gflops"]
-    res: dict = {"facts": f}
+    prefix = "bf16" if args.dtype == "bfloat16" else "fp32"   # the compute dtype's best kernel
+    peak_kernel = max((k for k in peaks if k.startswith(prefix)), key=lambda k: peaks[k]["gflops"])
+    peak = peaks[peak_kernel]["gflops"]
+    res: dict = {"facts": f, "mfu_peak": {"kernel": peak_kernel, "gflops": peak}}
 
     # Decode, batch 1: prompt P, O tokens; step time from the first to the last token.
     p, o = args.decode_prompt_len, args.decode_len
@@ -168,6 +182,7 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
                            "mbu_weights_only": f["weight_bytes_per_step"] * (bo - 1) / wall / 1e9 / bw["read_gbs"]}
     res["model"] = llm.engine.model_path
     res["dtype"] = args.dtype
+    res["quantization"] = common.weight_format(llm, args.quantization)
     del llm
     gc.collect()
     return res
@@ -202,10 +217,10 @@ def main(args, argv: list[str]) -> int:
         m = measure_model(args, peaks, bw)
         result["model"] = m
         d, pf, bd = m["decode_batch1"], m["prefill"], m["batch_decode"]
-        print(f"\nmodel {m['model']} ({m['dtype']}): {m['facts']['weight_bytes_per_step'] / 2**20:.0f} MiB of weights "
+        print(f"\nmodel {m['model']} ({m['dtype']}, weights {m['quantization']}): {m['facts']['weight_bytes_per_step'] / 2**20:.0f} MiB of weights "
               f"read per decode step, {m['facts']['linear_params'] / 1e6:.1f}M matmul params + "
               f"{m['facts']['lm_head_params'] / 1e6:.1f}M LM head")
-        print(common.table(["regime", "tokens/s", "GB/s or GFLOP/s", "MBU", "MFU (fp32 peak)"], [
+        print(common.table(["regime", "tokens/s", "GB/s or GFLOP/s", "MBU", f"MFU (vs {m['mfu_peak']['kernel']})"], [
             [f"decode batch 1 (P{d['prompt_len']})", d["tokens_per_s"], f"{d['achieved_gbs']:.1f} GB/s",
              f"{d['mbu'] * 100:.0f}%", f"{d['mfu'] * 100:.1f}%"],
             [f"prefill {pf['tokens']} tokens", pf["tokens_per_s"], f"{pf['gflops']:.1f} GFLOP/s", "-",

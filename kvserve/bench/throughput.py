@@ -84,11 +84,12 @@ def run_kvserve(args, reqs: list[BenchRequest]) -> dict:
     inp, _ = _counts(reqs)
     useful = sum(min(n, r.max_tokens) for n, r in zip(lens, reqs))
     run = {"engine": "kvserve", "load_s": load_s, "model": llm.engine.model_path,
-           "config": {"dtype": args.dtype, "quantization": args.quantization,
+           "config": {"dtype": args.dtype, "quantization": common.weight_format(llm, args.quantization),
                       "prefix_caching": not args.no_prefix_caching,
                       "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
            "metrics": throughput_report(len(reqs), inp, sum(lens), useful, elapsed)}
+    print(f"kvserve: prefix cache served {run['cached_prompt_tokens']} of {inp} prompt tokens", file=sys.stderr)
     del llm, outs
     gc.collect()
     return run

@@ -61,6 +61,7 @@ class EngineCore:
         loaded = load_model(config.model)
         self.load_seconds = time.perf_counter() - t0
         self.model_path = loaded.path
+        self.quantization = getattr(loaded, "quantization", "none")
         self.arch = arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.model_name = getattr(arch, "model_name", None) or _stem(loaded.path)
@@ -85,6 +86,7 @@ class EngineCore:
         return (f"model {self.model_path}\n"
                 f"  {self.arch.num_layers} layers, {self.arch.num_heads} query / {self.arch.num_kv_heads} KV heads, "
                 f"head_dim {self.arch.head_dim}, context {self.max_model_len}, dtype {self.config.model.dtype}, "
+                f"weights {self.quantization}, "
                 f"loaded in {self.load_seconds:.2f}s\n"
                 f"  KV cache: {bpt} bytes/token, {self.num_blocks} blocks x {self.config.cache.block_size} tokens "
                 f"= {cap} tokens ({self.num_blocks * bpt * self.config.cache.block_size / 2**20:.0f} MiB); "
@@ -283,9 +285,9 @@ class EngineCore:
 
 
 def _stem(path: str) -> str:
+    """Served model name from a path: 'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'."""
     import os
+    import re
     name = os.path.basename(path.rstrip("/"))
-    for suffix in (".gguf",):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    return name
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    return re.sub(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", "", name, flags=re.IGNORECASE)

@@ -6,6 +6,9 @@ ops here (bit-identical to gguf.quants, ~4x faster), everything else with gguf.q
 llama.cpp's converter permutes the rows of Q and K for the "llama" architecture (its rope pairs
 adjacent dimensions; HF's pairs i with i + head_dim/2). We undo that permutation on the raw
 rows, so every loader hands the model the same HF layout.
+
+With `keep_blocks`, Q4_0/Q4_1 tensors are handed over still packed (kvserve.model.quant.BlockTensor)
+so the int4 method takes the file's nibbles and scales as they are.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from gguf.quants import dequantize
 
 from kvserve.model.arch import ModelArch
 from kvserve.model.gguf_file import GGUFFile, GGUFTensor
+from kvserve.model.quant import BlockTensor
 
 
 def dequantize_rows(raw: np.ndarray, qtype: Q) -> torch.Tensor:
@@ -126,8 +130,9 @@ def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     return np.arange(n_rows).reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
-def iter_gguf_weights(g: GGUFFile, arch: ModelArch):
-    """Yield (hf_name, float32 tensor) for every model weight in the file."""
+def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
+    """Yield (hf_name, float32 tensor) for every model weight in the file; tensors whose qtype is
+    in `keep_blocks` come as quant.BlockTensor (the raw blocks, rows already in HF order)."""
     for name, t in g.tensors.items():
         target = hf_name(name)
         if target is None:
@@ -136,4 +141,8 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch):
         if arch.name == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = arch.num_heads if ".attn_q." in name else arch.num_kv_heads
             order = unpermute_rows(t.shape[0], heads)
-        yield target, load_tensor(g, t, order)
+        if t.qtype in keep_blocks and len(t.shape) == 2:
+            data = g.raw(t)
+            yield target, BlockTensor(data[order] if order is not None else data, t.qtype, t.shape)
+        else:
+            yield target, load_tensor(g, t, order)

@@ -2,8 +2,10 @@
 
 Loaders hand plain tensors (HF layout, [out, in]) to `Linear.load_weight`; a layer never parses a
 file format. How a weight is stored and multiplied lives in the layer's `quant_method`:
-`UnquantizedMethod` keeps a dense tensor in the model dtype. Packed int8/int4/GGUF methods plug in
-here with the same three hooks (create_weights, load, apply).
+`UnquantizedMethod` keeps a dense tensor in the model dtype; the packed int8/int4/GGUF methods
+(kvserve.model.quant) use the same three hooks (create_weights, load, apply). A loader may hand
+a `quant.BlockTensor` (GGUF blocks not yet dequantized) instead of a tensor: a method that cannot
+use the blocks dequantizes them.
 """
 from __future__ import annotations
 
@@ -14,22 +16,31 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def dense(w) -> torch.Tensor:
+    """A float tensor from a tensor or a kvserve.model.quant.BlockTensor."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
+
+
 class UnquantizedMethod:
     """A dense [out, in] weight in the model dtype: y = x W^T + b."""
 
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         # torch.empty touches no memory: pages appear only when a loader writes them.
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
                                     requires_grad=False)
 
-    def load(self, layer: "Linear", w: torch.Tensor, offset: int, whole: bool) -> None:
+    def load(self, layer: Linear, w: torch.Tensor, offset: int, whole: bool) -> None:
+        w = dense(w)
         if whole:   # take the tensor as it is (no copy when dtype already matches)
             layer.weight = nn.Parameter(w.to(layer.weight.dtype).contiguous(), requires_grad=False)
         else:       # one shard of a fused weight (q/k/v, gate/up): rows [offset, offset + n)
             layer.weight.data[offset:offset + w.shape[0]].copy_(w)
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def dequantized(self, layer: Linear) -> torch.Tensor:
+        return layer.weight.float()
 
 
 class Linear(nn.Module):
@@ -78,6 +89,7 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
 
     def load_weight(self, w: torch.Tensor) -> None:
+        w = dense(w)
         if w.shape != self.weight.shape:
             raise ValueError(f"embedding is {tuple(self.weight.shape)}, got {tuple(w.shape)}")
         self.weight = nn.Parameter(w.to(self.weight.dtype).contiguous(), requires_grad=False)

@@ -82,6 +82,13 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary, dtype) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+        self.tied_head = False    # lm_head is a packed copy of the embedding (loaded with it)
+
+    def tie_quantized_head(self, head: Linear) -> None:
+        """Use `head` (a quantized Linear) as the LM head of a tied model; it is loaded from the
+        embedding's weight, while the embedding lookup keeps its dense rows."""
+        self.lm_head = head
+        self.tied_head = True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -107,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
     def weight_names(self) -> set[str]:
         """Every tensor (HF names) the checkpoint must provide."""
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if self.lm_head is not None:
+        if self.lm_head is not None and not self.tied_head:
             names.add("lm_head.weight")
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
@@ -131,8 +138,10 @@ class LlamaForCausalLM(nn.Module):
             (linear.load_weight if kind == "weight" else linear.load_bias)(w, shard)
         elif name == "model.embed_tokens.weight":
             self.embed_tokens.load_weight(w)
+            if self.tied_head:
+                self.lm_head.load_weight(w)
         elif name == "lm_head.weight":
-            if self.lm_head is not None:
+            if self.lm_head is not None and not self.tied_head:
                 self.lm_head.load_weight(w)
         elif name == "model.norm.weight":
             self.norm.load_weight(w)

@@ -9,7 +9,6 @@ import json
 import secrets
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
 
 from kvserve import __version__
 from kvserve.config import parse_size

@@ -107,9 +107,7 @@ def validation_error(exc: RequestValidationError) -> BadRequest:
         else:
             parts.append(item)
     param = ".".join(parts) or None
-    msg = err.get("msg", "invalid value")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if err.get("type") == "missing":
         msg = "field required"
     if err.get("type") == "model_attributes_type" or (not parts and err.get("type", "").endswith("_type")):

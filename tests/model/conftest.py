@@ -30,7 +30,7 @@ def default_gguf() -> str:
 def kv_model(default_gguf):
     from kvserve.config import ModelConfig
     from kvserve.model.loader import load_model
-    return load_model(ModelConfig(model=default_gguf))
+    return load_model(ModelConfig(model=default_gguf, quantization="none"))
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def llm_blocks_free(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def llm_default():
-    return LLM(kv_cache_memory="256MiB")
+    return LLM(kv_cache_memory="256MiB", quantization="none")
 
 
 def test_one_at_a_time(llm_default, hf_reference):
@@ -118,7 +118,7 @@ def test_one_batch(llm_default, hf_reference):
 
 
 def test_chunked_prefill(hf_reference):
-    llm = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=64, enable_prefix_caching=False, quantization="none")
     _assert_all(llm, hf_reference, batched=True, label="chunked")
 
 
@@ -127,6 +127,6 @@ def test_preemption(hf_reference):
     # must preempt by recompute and still produce the same tokens.
     longest = max(len(r[0]) for r in hf_reference) + NEW_TOKENS
     blocks = longest // 16 + 6
-    llm = LLM(num_blocks=blocks, max_num_batched_tokens=128, enable_prefix_caching=False)
+    llm = LLM(num_blocks=blocks, max_num_batched_tokens=128, enable_prefix_caching=False, quantization="none")
     _assert_all(llm, hf_reference, batched=True, label="preemption")
     assert llm.engine.scheduler.stats.num_preemptions > 0, "the KV pool was meant to force preemption"
