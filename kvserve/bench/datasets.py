@@ -4,6 +4,8 @@ random   uniform prompt / output lengths over random token ids (seeded)
 w1, w2   the project's standard workloads (../shared/bench/w1-w2.json)
 sharegpt conversations from a ShareGPT JSON file (first human turn -> first reply's length)
 prefix   groups of requests sharing a long system prompt, each with its own question
+multiturn conversations of several turns, each with its own system prompt; round t sends
+         system + q1 + a1 + ... + q_t (throughput only: the answers come from the engine)
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from kvserve.bench.common import workloads_path
 
 DATASETS = ("random", "w1", "w2", "sharegpt", "prefix")
+MULTITURN = "multiturn"   # only `kvserve bench throughput` offers it (add_dataset_args(multiturn=True))
 
 
 @dataclass
@@ -71,6 +74,54 @@ def prefix_requests(num: int, groups: int, prefix_len: int, question_len: int, o
     return [BenchRequest(prefixes[i % groups] + window(question_len), output_len) for i in range(num)]
 
 
+@dataclass
+class Conversation:
+    """One chat: its system prompt and the user's question for each turn (token ids)."""
+    system_ids: list[int]
+    questions: list[list[int]]
+
+
+def _window(stream: list[int], start: int, n: int) -> list[int]:
+    return [stream[(start + i) % len(stream)] for i in range(n)]
+
+
+def multiturn_conversations(num: int, turns: int, system_len: int, question_len: int, seed: int,
+                            path: str | None = None, stream: list[int] | None = None) -> list[Conversation]:
+    """`num` conversations of `turns` turns. Each has its own `system_len`-token system prompt and a
+    `question_len`-token question per turn, all windows of the real token stream (`stream`, default
+    text_stream(path)) at seeded random starts. System prompts are distinct: no two begin with the
+    same tokens (first min(system_len, 32)), so one conversation's cache never serves another."""
+    if num < 1 or turns < 1 or system_len < 1 or question_len < 1:
+        raise ValueError("multiturn: --num-prompts, --turns, --prefix-len and --question-len must be >= 1")
+    stream = text_stream(path) if stream is None else stream
+    rng = random.Random(seed)
+    key_len = min(system_len, 32)
+    systems: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for _ in range(100 * num):
+        if len(systems) == num:
+            break
+        w = _window(stream, rng.randrange(len(stream)), system_len)
+        if tuple(w[:key_len]) not in seen:
+            seen.add(tuple(w[:key_len]))
+            systems.append(w)
+    if len(systems) < num:
+        raise SystemExit(f"multiturn: could not find {num} distinct system prompts in {len(stream)} tokens of text")
+    return [Conversation(sys_ids, [_window(stream, rng.randrange(len(stream)), question_len) for _ in range(turns)])
+            for sys_ids in systems]
+
+
+def multiturn_prompt(system_ids: list[int], questions: list[list[int]], answers: list[list[int]]) -> list[int]:
+    """What a chat client sends at turn t = len(answers) + 1: system + q1 + a1 + ... + a_{t-1} + q_t."""
+    if len(answers) >= len(questions):
+        raise ValueError(f"{len(answers)} answers but only {len(questions)} questions: no turn left to ask")
+    ids = list(system_ids)
+    for q, a in zip(questions, answers):
+        ids += q
+        ids += a
+    return ids + list(questions[len(answers)])
+
+
 def sharegpt_requests(path: str, num: int, seed: int, encode, output_len: int | None = None,
                       max_prompt: int = 1024, max_total: int = 2048) -> list[BenchRequest]:
     """First human turn as the prompt; the first reply's token count as max_tokens (vLLM's recipe:
@@ -103,28 +154,60 @@ def gguf_vocab_size(path: str) -> int:
     return len(field.data)
 
 
-def add_dataset_args(p, default_num: int = 64) -> None:
+def add_dataset_args(p, default_num: int = 64, multiturn: bool = False) -> None:
+    """The workload flags; `multiturn` adds the multiturn dataset and --turns (throughput only)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="w2", choices=DATASETS, help="workload (default: %(default)s)")
+    g.add_argument("--dataset", default="w2", choices=DATASETS + ((MULTITURN,) if multiturn else ()),
+                   help="workload (default: %(default)s)")
     g.add_argument("--dataset-path", default=None,
                    help="w1-w2.json for w1/w2/prefix (default: <repo>/../shared/bench/w1-w2.json); "
                         "the ShareGPT JSON file for sharegpt")
     g.add_argument("--num-prompts", type=int, default=None,
-                   help=f"requests (default: all of w2, 32 for prefix, {default_num} otherwise)")
+                   help=f"requests (default: all of w2, 32 for prefix, {default_num} otherwise)"
+                        + ("; multiturn: conversations (default 16)" if multiturn else ""))
     g.add_argument("--input-len", default="16:256", help="random: prompt tokens, N or LO:HI (default: %(default)s)")
     g.add_argument("--output-len", default=None,
                    help="random: output tokens, N or LO:HI (default 32:256); prefix: N (default 64); "
-                        "sharegpt: fixed N instead of the reply's length")
-    g.add_argument("--prefix-len", type=int, default=1000, help="prefix: shared prompt tokens (default: %(default)s)")
-    g.add_argument("--question-len", type=int, default=50, help="prefix: question tokens (default: %(default)s)")
+                        + ("multiturn: N per answer (default 64); " if multiturn else "")
+                        + "sharegpt: fixed N instead of the reply's length")
+    g.add_argument("--prefix-len", type=int, default=1000,
+                   help="prefix: shared prompt tokens" + ("; multiturn: system prompt tokens" if multiturn else "")
+                        + " (default: %(default)s)")
+    g.add_argument("--question-len", type=int, default=50,
+                   help="prefix: question tokens" + ("; multiturn: tokens per user turn" if multiturn else "")
+                        + " (default: %(default)s)")
     g.add_argument("--prefix-groups", type=int, default=4,
                    help="prefix: groups sharing one system prompt (default: %(default)s)")
     g.add_argument("--vocab-size", type=int, default=None, help="random: token id range (default: the model's)")
+    if multiturn:
+        g.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation (default: %(default)s)")
+
+
+def multiturn_output_len(args) -> int:
+    try:
+        n = int(args.output_len or 64)
+    except ValueError:
+        raise SystemExit(f"multiturn: --output-len must be one number N, got {args.output_len!r}") from None
+    if n < 1:
+        raise SystemExit("multiturn: --output-len must be >= 1")
+    return n
+
+
+def load_conversations(args) -> list[Conversation]:
+    """The multiturn workload the dataset flags describe (args.seed seeds it)."""
+    try:
+        return multiturn_conversations(args.num_prompts or 16, args.turns, args.prefix_len, args.question_len,
+                                       args.seed, args.dataset_path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def load_requests(args, model: str, encode=None, default_num: int = 64) -> list[BenchRequest]:
     """Build the workload the dataset flags describe (args.seed seeds it)."""
     d = args.dataset
+    if d == MULTITURN:
+        raise SystemExit("--dataset multiturn runs in rounds that depend on the engine's answers: "
+                         "use load_conversations (kvserve bench throughput)")
     std = args.dataset_path if d != "sharegpt" else None
     if d in ("w1", "w2"):
         reqs = standard_requests(d, std)

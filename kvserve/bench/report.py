@@ -42,20 +42,42 @@ def engine_label(run: dict) -> str:
     return "kvserve" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def pct(rate) -> str:
+    return "-" if rate is None else f"{rate * 100:.1f}%"
+
+
+def secs(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"
+
+
 def section_throughput(res: dict) -> list[str]:
     w = res["workload"]
+    how = (f"in {w['turns']} rounds of {w['conversations']} conversations (round t sends system + q1 + a1 + ... + "
+           f"q_t, a_i being kvserve's own answers)" if w.get("turns") else "all submitted at once")
     out = [f"Workload `{w['dataset']}`: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
-           f"{w['max_tokens_total']} output tokens asked, all submitted at once.", ""]
+           f"{w['max_tokens_total']} output tokens asked, {how}.", ""]
     base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    # TTFT and the prefix cache hit rate only where some run measured them (kvserve since they were added).
+    cache_cols = any("ttft_median_s" in r or "hit_rate" in r for r in res["runs"])
     rows = []
     for r in res["runs"]:
         m = r["metrics"]
-        rows.append([engine_label(r), m["useful_output_tokens_per_s"], m["output_tokens_per_s"], m["requests_per_s"],
-                     m["input_tokens_per_s"], m["elapsed_s"],
-                     x(common.ratio(base["metrics"]["useful_output_tokens_per_s"], m["useful_output_tokens_per_s"]))
-                     if base else "-"])
-    out.append(md_table(["engine", "useful out tok/s", "out tok/s", "req/s", "in tok/s", "wall s", "kvserve vs it"],
-                        rows))
+        row = [engine_label(r), m["useful_output_tokens_per_s"], m["output_tokens_per_s"], m["requests_per_s"],
+               m["input_tokens_per_s"], m["elapsed_s"],
+               x(common.ratio(base["metrics"]["useful_output_tokens_per_s"], m["useful_output_tokens_per_s"]))
+               if base else "-"]
+        if cache_cols:
+            row += [secs(r.get("ttft_median_s")), pct(r.get("hit_rate"))]
+        rows.append(row)
+    out.append(md_table(["engine", "useful out tok/s", "out tok/s", "req/s", "in tok/s", "wall s", "kvserve vs it"]
+                        + (["TTFT p50 s", "prefix cache hit rate"] if cache_cols else []), rows))
+    for r in res["runs"]:
+        if r.get("per_turn"):
+            out += ["", f"Per turn, {engine_label(r)}:", "",
+                    md_table(["turn", "prompt tokens", "cached", "hit rate", "TTFT p50 s", "TTFT mean s", "wall s"],
+                             [[t["turn"], t["prompt_tokens"], t["cached_prompt_tokens"], pct(t.get("hit_rate")),
+                               secs(t.get("ttft_median_s")), secs(t.get("ttft_mean_s")), t["elapsed_s"]]
+                              for t in r["per_turn"]])]
     return out
 
 

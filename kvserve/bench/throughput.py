@@ -2,6 +2,8 @@
 
 kvserve runs through the offline LLM API; --peer hf runs transformers static batches;
 --peer llamacpp sends the same token ids to a llama.cpp server, all at once.
+--dataset multiturn runs kvserve in rounds: round t sends every conversation's
+system + q1 + a1 + ... + q_t at once, a_i being what kvserve answered in round i.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import sys
 import time
 
 from kvserve.bench import common
-from kvserve.bench.datasets import BenchRequest, add_dataset_args, load_requests
-from kvserve.bench.metrics import throughput_report
+from kvserve.bench.datasets import (MULTITURN, BenchRequest, Conversation, add_dataset_args, load_conversations,
+                                    load_requests, multiturn_output_len, multiturn_prompt)
+from kvserve.bench.metrics import percentile, throughput_report
 
 
 def add_peer_args(p, what: str) -> None:
@@ -39,7 +42,7 @@ def add_output_args(p) -> None:
 
 def add_args(p) -> None:
     from kvserve.config import add_engine_args
-    add_dataset_args(p)
+    add_dataset_args(p, multiturn=True)
     add_engine_args(p)
     add_peer_args(p, "run")
     add_output_args(p)
@@ -65,7 +68,27 @@ def _counts(reqs: list[BenchRequest]) -> tuple[int, int]:
     return sum(len(r.prompt_ids) for r in reqs), sum(r.max_tokens for r in reqs)
 
 
-def run_kvserve(args, reqs: list[BenchRequest]) -> dict:
+def ttfts(outs) -> list[float]:
+    """Each output's time to first token from the engine's timestamps (first token - arrival)."""
+    return [o.metrics.first_token_time - o.metrics.arrival_time for o in outs
+            if o.metrics is not None and o.metrics.first_token_time is not None]
+
+
+def cache_figures(times: list[float], prompt_tokens: int, cached_tokens: int) -> dict:
+    """TTFT median / mean and the prefix cache hit rate (cached prompt tokens / prompt tokens)."""
+    return {"ttft_median_s": percentile(times, 50) if times else None,
+            "ttft_mean_s": sum(times) / len(times) if times else None,
+            "cached_prompt_tokens": cached_tokens,
+            "hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None}
+
+
+def _kvserve_config(args, llm) -> dict:
+    return {"dtype": args.dtype, "quantization": common.weight_format(llm, args.quantization),
+            "prefix_caching": not args.no_prefix_caching,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
+def _load_kvserve(args, warm_ids: list[int]):
     from kvserve import LLM, SamplingParams
     from kvserve.config import engine_config_from_args
     t0 = time.perf_counter()
@@ -73,8 +96,14 @@ def run_kvserve(args, reqs: list[BenchRequest]) -> dict:
     load_s = time.perf_counter() - t0
     print(llm.engine.describe(), file=sys.stderr)
     # Warm up on a prompt shorter than one KV block, so nothing it leaves in the prefix cache helps.
-    llm.generate([{"prompt_token_ids": reqs[0].prompt_ids[:8]}],
+    llm.generate([{"prompt_token_ids": warm_ids[:8]}],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    return llm, load_s
+
+
+def run_kvserve(args, reqs: list[BenchRequest]) -> dict:
+    from kvserve import SamplingParams
+    llm, load_s = _load_kvserve(args, reqs[0].prompt_ids)
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     start = time.perf_counter()
@@ -84,13 +113,58 @@ def run_kvserve(args, reqs: list[BenchRequest]) -> dict:
     inp, _ = _counts(reqs)
     useful = sum(min(n, r.max_tokens) for n, r in zip(lens, reqs))
     run = {"engine": "kvserve", "load_s": load_s, "model": llm.engine.model_path,
-           "config": {"dtype": args.dtype, "quantization": common.weight_format(llm, args.quantization),
-                      "prefix_caching": not args.no_prefix_caching,
-                      "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
-           "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
+           "config": _kvserve_config(args, llm),
+           **cache_figures(ttfts(outs), inp, sum(o.num_cached_tokens for o in outs)),
            "metrics": throughput_report(len(reqs), inp, sum(lens), useful, elapsed)}
     print(f"kvserve: prefix cache served {run['cached_prompt_tokens']} of {inp} prompt tokens", file=sys.stderr)
     del llm, outs
+    gc.collect()
+    return run
+
+
+def multiturn_asked(convs: list[Conversation], output_len: int) -> tuple[int, int]:
+    """Prompt tokens over all rounds (every answer exactly output_len long) and output tokens asked."""
+    prompt = sum(len(c.system_ids) + sum(len(q) for q in c.questions[:t + 1]) + t * output_len
+                 for c in convs for t in range(len(c.questions)))
+    return prompt, sum(len(c.questions) for c in convs) * output_len
+
+
+def run_multiturn(args, convs: list[Conversation], output_len: int) -> dict:
+    """kvserve in rounds: round t submits every conversation's system + q1 + a1 + ... + q_t at once,
+    a_i being the ids kvserve generated in round i, as a chat client sends its history back."""
+    from kvserve import SamplingParams
+    llm, load_s = _load_kvserve(args, convs[0].system_ids)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    answers: list[list[list[int]]] = [[] for _ in convs]
+    per_turn = []
+    all_ttfts: list[float] = []
+    inp = out_tokens = useful = cached = 0
+    start = time.perf_counter()
+    for t in range(args.turns):
+        prompts = [multiturn_prompt(c.system_ids, c.questions, answers[i]) for i, c in enumerate(convs)]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=not args.no_progress)
+        round_s = time.perf_counter() - t0
+        failed = [o for o in outs if o.error]
+        if failed:
+            raise RuntimeError(f"kvserve: {len(failed)} requests failed in turn {t + 1}, first: {failed[0].error}")
+        for i, o in enumerate(outs):
+            answers[i].append(list(o.outputs[0].token_ids))
+        lens = [len(o.outputs[0].token_ids) for o in outs]
+        times = ttfts(outs)
+        p_tok, c_tok = sum(len(p) for p in prompts), sum(o.num_cached_tokens for o in outs)
+        per_turn.append({"turn": t + 1, "requests": len(outs), "prompt_tokens": p_tok, "output_tokens": sum(lens),
+                         "elapsed_s": round_s, **cache_figures(times, p_tok, c_tok)})
+        all_ttfts += times
+        inp, cached, out_tokens = inp + p_tok, cached + c_tok, out_tokens + sum(lens)
+        useful += sum(min(n, output_len) for n in lens)
+    elapsed = time.perf_counter() - start
+    run = {"engine": "kvserve", "load_s": load_s, "model": llm.engine.model_path,
+           "config": _kvserve_config(args, llm),
+           **cache_figures(all_ttfts, inp, cached), "per_turn": per_turn,
+           "metrics": throughput_report(len(convs) * args.turns, inp, out_tokens, useful, elapsed)}
+    print(f"kvserve: prefix cache served {cached} of {inp} prompt tokens over {args.turns} turns", file=sys.stderr)
+    del llm
     gc.collect()
     return run
 
@@ -138,20 +212,57 @@ def run_llamacpp(args, reqs: list[BenchRequest], gguf: str) -> dict:
             "metrics": throughput_report(len(reqs), inp, sum(t.output_tokens for t in timings), useful, elapsed)}
 
 
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.1f}%"
+
+
 def print_table(runs: list[dict]) -> None:
     base = next((r for r in runs if r["engine"] == "kvserve"), None)
     rows = []
     for r in runs:
         m = r["metrics"]
         rows.append([r["engine"], m["requests_per_s"], m["input_tokens_per_s"], m["output_tokens_per_s"],
-                     m["useful_output_tokens_per_s"], m["elapsed_s"],
+                     m["useful_output_tokens_per_s"], m["elapsed_s"], r.get("ttft_median_s"), r.get("ttft_mean_s"),
+                     _pct(r.get("hit_rate")),
                      common.ratio(base["metrics"]["useful_output_tokens_per_s"], m["useful_output_tokens_per_s"])
                      if base else None])
-    print(common.table(["engine", "req/s", "in tok/s", "out tok/s", "useful tok/s", "wall s",
-                        "kvserve x"], rows))
+    print(common.table(["engine", "req/s", "in tok/s", "out tok/s", "useful tok/s", "wall s", "TTFT p50 s",
+                        "TTFT mean s", "hit rate", "kvserve x"], rows))
+    for r in runs:
+        if r.get("per_turn"):
+            print(common.table(["turn", "requests", "prompt tok", "cached tok", "hit rate", "TTFT p50 s",
+                                "TTFT mean s", "wall s"],
+                               [[t["turn"], t["requests"], t["prompt_tokens"], t["cached_prompt_tokens"],
+                                 _pct(t["hit_rate"]), t["ttft_median_s"], t["ttft_mean_s"], t["elapsed_s"]]
+                                for t in r["per_turn"]]))
+
+
+def main_multiturn(args, argv: list[str]) -> int:
+    if args.peer or args.only_peers:
+        return common.die("--dataset multiturn runs kvserve only: each round's prompts hold the answers kvserve "
+                          "generated in the rounds before, so a peer would not get the same token ids "
+                          "(drop --peer / --only-peers)")
+    if args.turns < 1:
+        return common.die("--turns must be >= 1")
+    output_len = multiturn_output_len(args)
+    convs = load_conversations(args)
+    inp, asked = multiturn_asked(convs, output_len)
+    print(f"workload multiturn: {len(convs)} conversations x {args.turns} turns, system prompt {args.prefix_len}, "
+          f"question {args.question_len}, answer {output_len} tokens; {inp} prompt tokens over all turns, "
+          f"{asked} output tokens asked", file=sys.stderr)
+    result = common.new_result("throughput", argv, args)
+    result["workload"] = {"dataset": MULTITURN, "num_requests": len(convs) * args.turns, "prompt_tokens": inp,
+                          "max_tokens_total": asked, "conversations": len(convs), "turns": args.turns,
+                          "system_len": args.prefix_len, "question_len": args.question_len, "output_len": output_len}
+    result["runs"].append(run_multiturn(args, convs, output_len))
+    print_table(result["runs"])
+    common.save_result(result, args.output, args.save, f"throughput-{MULTITURN}")
+    return 0
 
 
 def main(args, argv: list[str]) -> int:
+    if args.dataset == MULTITURN:
+        return main_multiturn(args, argv)
     msg = check_peers(args)
     if msg:
         return common.die(msg)
