@@ -89,7 +89,8 @@ def memory_bandwidth(seconds: float, mib: int = 256) -> dict:
 def _read_tensors(model):
     """(name, tensor) of what a forward pass reads: every module's own parameters and buffers, less
     rotary tables, and where a module keeps a packed copy of its weight (packed*, kernels read
-    that and its scales), only that copy."""
+    that and its scales), only that copy. (int4 layers with a batch fp16 copy read only the int4
+    copy at batch 1; fp16-only layers are counted by model_facts from fp16_nbytes.)"""
     for mod_name, mod in model.named_modules():
         own = list(itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False)))
         if any(n.startswith("packed") for n, _ in own):
@@ -103,6 +104,9 @@ def model_facts(llm) -> dict:
     """Weight bytes a decode step reads, and matmul parameters per token, from the loaded module."""
     model, arch = llm.engine.runner.model, llm.engine.arch
     seen, weight_bytes, embed_bytes = set(), 0, 0
+    for name, mod in model.named_modules():
+        if not hasattr(mod, "packed4") and hasattr(mod, "fp16_nbytes"):
+            weight_bytes += mod.fp16_nbytes    # fbgemm's packed fp16 weight: an opaque object, not a tensor
     for name, t in _read_tensors(model):
         key = t.untyped_storage().data_ptr()
         if key in seen:

@@ -110,6 +110,8 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)   # one fused op, same math
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -145,23 +147,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, "rotate half" layout (HF Llama): dimension i pairs with
-    i + head_dim/2. cos/sin are precomputed for every position up to max_positions."""
+    i + head_dim/2. cos/sin are precomputed for every position up to max_positions.
+
+    `tables(positions)` gathers a step's cos/sin once (every layer shares them); `apply` rotates
+    queries and keys of all heads in one pass: x * cos + cat(x2, x1) * (-sin, sin)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)   # [max_positions, head_dim/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)     # [max_positions, head_dim]
+        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)    # sign of rotate_half folded in
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin of a step's positions: [T, 1, head_dim] each, in `dtype`."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, H, D] -> x rotated by its token's position (a new tensor)."""
+        cos, sin = tables
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        t = self.tables(positions, q.dtype)
+        return self.apply(q, t), self.apply(k, t)

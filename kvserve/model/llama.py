@@ -33,13 +33,13 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype)
         self.rotary = rotary
 
-    def forward(self, positions, x, meta: AttentionMetadata, k_cache, v_cache):
+    def forward(self, rope, x, meta: AttentionMetadata, k_cache, v_cache):
+        """rope: the step's (cos, sin) tables from RotaryEmbedding.tables."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = self.rotary.apply(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -66,8 +66,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MLP(arch, dtype)
 
-    def forward(self, positions, h, meta, k_cache, v_cache):
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta, k_cache, v_cache)
+    def forward(self, rope, h, meta, k_cache, v_cache):
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -79,6 +79,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings,
                                  arch.rope_theta, arch.rope_scaling)
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype)
+        self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(arch, rotary, dtype) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
@@ -95,8 +96,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H] (final norm applied)."""
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)     # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer(positions, h, meta, k_cache, v_cache)
+            h = layer(rope, h, meta, k_cache, v_cache)
         return self.norm(h)
 
     @torch.inference_mode()

@@ -43,7 +43,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
     """The first `n` tokens of one request's context: [n, Hkv, D]."""
     bs = cache.shape[1]
-    return cache[block_table[: (n + bs - 1) // bs]].flatten(0, 1)[:n]
+    return cache.index_select(0, block_table[: (n + bs - 1) // bs]).flatten(0, 1)[:n]
+
+
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` token slots of each row's blocks: [B, n, Hkv, D]. index_select copies whole
+    blocks (contiguous slices), about twice as fast as advanced indexing with a 2-D index."""
+    B, nblk = tables.shape
+    _, bs, h, d = cache.shape
+    return cache.index_select(0, tables.reshape(-1)).view(B, nblk * bs, h, d)[:, :n]
 
 
 def causal_mask(q_len: int, seq_len: int, sliding_window: int | None = None,
@@ -67,16 +75,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Single-token decodes are batched into one SDPA call (context padded inside the call and
     masked); prompt chunks run one SDPA call each.
     """
-    out = torch.empty_like(q)
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
     plan = _decode_plan(meta, sliding_window, q.device)
     if plan is not None:
         rows, tables, max_len, mask = plan
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)    # [Bd, Lmax, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
-        o = F.scaled_dot_product_attention(q[rows][:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = o[:, :, 0]
+        k = gather_blocks(k_cache, tables, max_len).to(q.dtype)       # [Bd, Lmax, Hkv, D]
+        v = gather_blocks(v_cache, tables, max_len).to(q.dtype)
+        qd = q if rows is None else q[rows]
+        o = F.scaled_dot_product_attention(qd[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+        if rows is None:         # every chunk is a decode: nothing else to compute
+            return o
+        out = torch.empty_like(q)
+        out[rows] = o
+    else:
+        out = torch.empty_like(q)
     for b in range(len(seq_lens)):
         q_len, seq_len = qsl[b + 1] - qsl[b], seq_lens[b]
         if q_len <= 1:
@@ -99,6 +112,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device):
     """Single-token decodes of the step, batched: (rows, block tables, max context, mask) or None.
 
+    rows is None when every chunk of the step is a decode (the batch is all rows, in order).
+    mask is additive (0 / -inf) or None when no row needs one (one context length, no window).
     Built on the first layer's call and cached on the metadata for the other layers."""
     key = ("decode", sliding_window)
     if key in meta.plan:
@@ -108,15 +123,20 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device):
     plan = None
     if decodes:
         bs = meta.block_size
-        rows = torch.tensor([qsl[b] for b in decodes], device=device)
-        lens = torch.tensor([seq_lens[b] for b in decodes], device=device)
-        max_len = max(seq_lens[b] for b in decodes)
+        all_decodes = len(decodes) == len(seq_lens)
+        rows = None if all_decodes else torch.tensor([qsl[b] for b in decodes], device=device)
+        dec_lens = [seq_lens[b] for b in decodes]
+        max_len = max(dec_lens)
         tables = meta.block_tables[decodes, :(max_len + bs - 1) // bs]   # [Bd, nblk]
-        k_pos = torch.arange(max_len, device=device)[None, :]
-        mask = k_pos < lens[:, None]                                      # padding past each context
-        if sliding_window is not None:
-            mask &= k_pos >= (lens[:, None] - sliding_window)
-        plan = (rows, tables, max_len, mask[:, None, None, :])
+        mask = None
+        if min(dec_lens) != max_len or (sliding_window is not None and max_len > sliding_window):
+            lens = torch.tensor(dec_lens, device=device)
+            k_pos = torch.arange(max_len, device=device)[None, :]
+            keep = k_pos < lens[:, None]                                  # padding past each context
+            if sliding_window is not None:
+                keep &= k_pos >= (lens[:, None] - sliding_window)
+            mask = torch.zeros(keep.shape, device=device).masked_fill_(~keep, float("-inf"))[:, None, None, :]
+        plan = (rows, tables, max_len, mask)
     meta.plan[key] = plan
     return plan
 

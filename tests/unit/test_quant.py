@@ -6,7 +6,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from kvserve.model.layers import Linear
-from kvserve.model.quant import BlockTensor, Int4Method, Int8Method, quantize_int4_rows
+from kvserve.model.quant import BlockTensor, Fp16Method, Int4Method, Int8Method, quantize_int4_rows
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +29,13 @@ def fused(method, w, b=None, shards=(40, 56)):
 
 
 def fbgemm_activation(x, reduce_range):
-    """fbgemm's dynamic quantization of the input: per tensor, asymmetric uint8 (7 bits with reduce_range)."""
+    """What Int8Method(fbgemm) feeds the GEMM: each row scaled by its absmax, then fbgemm's dynamic
+    quantization (per tensor, asymmetric uint8, 7 bits with reduce_range), then the scale undone."""
+    r = x.abs().amax(-1, keepdim=True)
+    return _fbgemm_per_tensor(x / r, reduce_range) * r
+
+
+def _fbgemm_per_tensor(x, reduce_range):
     lo, hi = min(x.min().item(), 0.0), max(x.max().item(), 0.0)
     qmax = 127 if reduce_range else 255
     s = torch.tensor((hi - lo) / qmax, dtype=torch.float32).item()
@@ -46,8 +52,12 @@ def test_int8_linear_matches_dequantized_matmul(reduce_range):
     assert (W - w).abs().max() <= (w.abs().amax(1) / 254).max() + 1e-6      # half a step per row
     for rows in (1, 7, 64):
         x = torch.randn(rows, 64, generator=g) * 3
+        x[0] *= 1000                      # one outlier token must not flatten the others
         ref = fbgemm_activation(x, reduce_range) @ W.t() + b
-        assert (lin(x) - ref).abs().max().item() < 1e-5 * ref.abs().max().item() * 10
+        assert (lin(x) - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+        exact = x @ W.t() + b             # per-token 8-bit: every row within ~1% of its own range
+        err = (lin(x) - exact).abs().amax(1) / exact.abs().amax(1)
+        assert err.max().item() < 0.05, err
 
 
 def test_int8_weight_only_matches_dequantized_matmul():
@@ -123,3 +133,31 @@ def test_gguf_q4_1_of_default_model_bit_exact():
         assert torch.equal(lin.quant_method.dequantized(lin), ref), name
         seen += 1
     assert seen == 7
+
+
+def test_fp16_method_is_fp32_math_on_fp16_weights():
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    lin = fused(Fp16Method(), w, b)
+    assert torch.equal(lin.quant_method.dequantized(lin), w.half().float())
+    for rows in (1, 3, 64):
+        x = torch.randn(rows, 64, generator=g)
+        ref = x @ w.half().float().t() + b
+        assert (lin(x) - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
+def test_int4_batch_fp16_path_uses_the_same_weights():
+    """Rows <= SMALL_BATCH run int4pack (bf16 activations), more rows run fbgemm fp16 on the same
+    int4 values: both match the dequantized matmul, the fp16 path to fp32 accuracy."""
+    g = torch.Generator().manual_seed(8)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    lin = fused(Int4Method(batch_fp16=True), w, b)
+    W = lin.quant_method.dequantized(lin)
+    small, big = Int4Method.SMALL_BATCH, Int4Method.SMALL_BATCH + 1
+    x = torch.randn(big, 64, generator=g)
+    exact = x @ W.t() + b
+    y_big = lin(x)                                   # fbgemm fp16 path
+    assert (y_big - exact).abs().max().item() < 2e-3 * exact.abs().max().item()
+    y_small = lin(x[:small])                         # int4pack path
+    assert (y_small - exact[:small]).abs().max().item() < 1e-2 * exact.abs().max().item()
+    assert (y_big - exact).abs().max() < (y_small - exact[:small]).abs().max() + 1e-6
