@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.ops import cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -72,23 +74,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q: [T, Hq, D]; the batch's own keys/values must already be in the cache (write_kv).
     Returns [T, Hq, D]. GQA: each KV head serves Hq // Hkv query heads.
-    Single-token decodes are batched into one SDPA call (context padded inside the call and
-    masked); prompt chunks run one SDPA call each.
+    Single-token decodes run together: in the C kernel (cpu_kernels.paged_decode), which reads
+    K/V in place from the pool, or else in one SDPA call over their gathered blocks (context
+    padded and masked). Prompt chunks run one SDPA call each.
     """
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
     plan = _decode_plan(meta, sliding_window, q.device)
-    if plan is not None:
-        rows, tables, max_len, mask = plan
-        k = gather_blocks(k_cache, tables, max_len).to(q.dtype)       # [Bd, Lmax, Hkv, D]
-        v = gather_blocks(v_cache, tables, max_len).to(q.dtype)
-        qd = q if rows is None else q[rows]
+    out = None
+    if plan is not None and cpu_kernels.supports(q := q.contiguous(), k_cache) and v_cache.dtype == k_cache.dtype:
+        out = torch.empty_like(q)
+        cpu_kernels.paged_decode(q, k_cache, v_cache, out, plan.qrow, plan.tables, plan.lens, scale,
+                                 sliding_window)
+        if plan.all_decodes:
+            return out
+    elif plan is not None:
+        k = gather_blocks(k_cache, plan.tables, plan.max_len).to(q.dtype)   # [Bd, Lmax, Hkv, D]
+        v = gather_blocks(v_cache, plan.tables, plan.max_len).to(q.dtype)
+        qd = q if plan.all_decodes else q[plan.qrow]
         o = F.scaled_dot_product_attention(qd[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
-        if rows is None:         # every chunk is a decode: nothing else to compute
+                                           attn_mask=plan.mask, scale=scale, enable_gqa=True)[:, :, 0]
+        if plan.all_decodes:     # every chunk is a decode: nothing else to compute
             return o
         out = torch.empty_like(q)
-        out[rows] = o
-    else:
+        out[plan.qrow] = o
+    if out is None:
         out = torch.empty_like(q)
     for b in range(len(seq_lens)):
         q_len, seq_len = qsl[b + 1] - qsl[b], seq_lens[b]
@@ -109,12 +118,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device):
-    """Single-token decodes of the step, batched: (rows, block tables, max context, mask) or None.
+@dataclass
+class DecodePlan:
+    """The step's single-token decodes, as every layer runs them (built once per step)."""
+    all_decodes: bool          # every chunk of the step is a decode (rows are the whole batch, in order)
+    qrow: torch.Tensor         # [Bd] int64: their rows in the flat batch
+    tables: torch.Tensor       # [Bd, nblk] int64, contiguous: their block tables, cut to max_len
+    lens: torch.Tensor         # [Bd] int64: their context lengths
+    max_len: int
+    mask: torch.Tensor | None  # [Bd, 1, 1, max_len] additive (0 / -inf) for the SDPA path; None if unneeded
 
-    rows is None when every chunk of the step is a decode (the batch is all rows, in order).
-    mask is additive (0 / -inf) or None when no row needs one (one context length, no window).
-    Built on the first layer's call and cached on the metadata for the other layers."""
+
+def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device) -> DecodePlan | None:
+    """The DecodePlan of the step, or None without decodes. Built on the first layer's call and
+    cached on the metadata for the other layers."""
     key = ("decode", sliding_window)
     if key in meta.plan:
         return meta.plan[key]
@@ -123,20 +140,20 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device):
     plan = None
     if decodes:
         bs = meta.block_size
-        all_decodes = len(decodes) == len(seq_lens)
-        rows = None if all_decodes else torch.tensor([qsl[b] for b in decodes], device=device)
         dec_lens = [seq_lens[b] for b in decodes]
         max_len = max(dec_lens)
-        tables = meta.block_tables[decodes, :(max_len + bs - 1) // bs]   # [Bd, nblk]
+        lens = torch.tensor(dec_lens, device=device)
         mask = None
         if min(dec_lens) != max_len or (sliding_window is not None and max_len > sliding_window):
-            lens = torch.tensor(dec_lens, device=device)
             k_pos = torch.arange(max_len, device=device)[None, :]
             keep = k_pos < lens[:, None]                                  # padding past each context
             if sliding_window is not None:
                 keep &= k_pos >= (lens[:, None] - sliding_window)
             mask = torch.zeros(keep.shape, device=device).masked_fill_(~keep, float("-inf"))[:, None, None, :]
-        plan = (rows, tables, max_len, mask)
+        plan = DecodePlan(all_decodes=len(decodes) == len(seq_lens),
+                          qrow=torch.tensor([qsl[b] for b in decodes], device=device),
+                          tables=meta.block_tables[decodes, :(max_len + bs - 1) // bs].contiguous(),
+                          lens=lens, max_len=max_len, mask=mask)
     meta.plan[key] = plan
     return plan
 

@@ -1,9 +1,12 @@
-"""paged_attention against the explicit-loop reference on random mixed batches."""
+"""paged_attention against the explicit-loop reference on random mixed batches, through both
+decode paths: the C kernel (kvserve.ops.cpu_kernels) and the torch SDPA fallback."""
 import random
+import shutil
 
 import pytest
 import torch
 
+from kvserve.ops import cpu_kernels
 from kvserve.ops.attention import (AttentionMetadata, causal_mask, gather_kv, paged_attention,
                                    paged_attention_ref, write_kv)
 
@@ -35,6 +38,20 @@ def make_batch(rng: random.Random, chunks, block_size, num_blocks, hq, hkv, d, d
                              seq_lens=seq_lens, block_tables=block_tables, block_size=block_size)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return q, k, v, k_cache, v_cache, meta
+
+
+@pytest.fixture(autouse=True, params=["c-kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Every test runs once with the C decode kernel and once with it turned off."""
+    monkeypatch.setenv("KVSERVE_NO_C_KERNELS", "0" if request.param == "c-kernel" else "1")
+    cpu_kernels._library.cache_clear()
+    yield request.param
+    cpu_kernels._library.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_c_kernel_builds_where_a_compiler_exists(decode_path):
+    assert cpu_kernels.available() == (decode_path == "c-kernel")
 
 
 def test_write_kv_places_tokens_at_their_slots():
