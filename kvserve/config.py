@@ -63,12 +63,15 @@ class ModelConfig:
     tokenizer: str | None = None      # tokenizer.json path when not in the model file
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None   # bytes; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = 0.25
-    kv_cache_dtype: str = "auto"         # auto (= model dtype) | float32 | bfloat16 | int8
+    kv_cache_dtype: str = "auto"         # auto (= model dtype) | float32 | bfloat16 | float16 (no int8/fp8 yet)
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact pool size
 
@@ -120,8 +123,9 @@ def add_engine_args(parser) -> None:
                    help="context length cap (default: the model's own)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
-                   help="KV cache element type (default: %(default)s = compute dtype)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type (default: %(default)s = compute dtype); bfloat16 halves "
+                        "KV memory (decodes then take the torch attention path). int8/fp8 KV is not built yet")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off (default: on)")
@@ -132,7 +136,8 @@ def add_engine_args(parser) -> None:
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="max queued requests before new ones are refused (default: %(default)s)")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the cores this process may use)")
+                   help="torch threads (default: the cores this process may use; `serve`: one less, "
+                        "leaving a core for HTTP)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: %(default)s)")
 
 
@@ -167,6 +172,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
         seed=seed)
     if num_threads:
         cfg.num_threads = num_threads
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported: choose one of {list(KV_CACHE_DTYPES)}")
     if max_num_batched_tokens < 1 or max_num_seqs < 1:
         raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
     return cfg

@@ -170,8 +170,3 @@ class RotaryEmbedding(nn.Module):
         cos, sin = tables
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((x2, x1), dim=-1) * sin
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
-        t = self.tables(positions, q.dtype)
-        return self.apply(q, t), self.apply(k, t)

@@ -80,8 +80,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
     plan = _decode_plan(meta, sliding_window, q.device)
-    out = None
-    if plan is not None and cpu_kernels.supports(q := q.contiguous(), k_cache) and v_cache.dtype == k_cache.dtype:
+    if plan is not None and cpu_kernels.supports(q, k_cache) and v_cache.dtype == k_cache.dtype:
+        q = q.contiguous()
         out = torch.empty_like(q)
         cpu_kernels.paged_decode(q, k_cache, v_cache, out, plan.qrow, plan.tables, plan.lens, scale,
                                  sliding_window)
@@ -92,12 +92,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = gather_blocks(v_cache, plan.tables, plan.max_len).to(q.dtype)
         qd = q if plan.all_decodes else q[plan.qrow]
         o = F.scaled_dot_product_attention(qd[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=plan.mask, scale=scale, enable_gqa=True)[:, :, 0]
+                                           attn_mask=plan.sdpa_mask(sliding_window), scale=scale,
+                                           enable_gqa=True)[:, :, 0]
         if plan.all_decodes:     # every chunk is a decode: nothing else to compute
             return o
         out = torch.empty_like(q)
         out[plan.qrow] = o
-    if out is None:
+    else:
         out = torch.empty_like(q)
     for b in range(len(seq_lens)):
         q_len, seq_len = qsl[b + 1] - qsl[b], seq_lens[b]
@@ -126,12 +127,28 @@ class DecodePlan:
     tables: torch.Tensor       # [Bd, nblk] int64, contiguous: their block tables, cut to max_len
     lens: torch.Tensor         # [Bd] int64: their context lengths
     max_len: int
-    mask: torch.Tensor | None  # [Bd, 1, 1, max_len] additive (0 / -inf) for the SDPA path; None if unneeded
+    _mask: tuple | None = None
+
+    def sdpa_mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        """[Bd, 1, 1, max_len] additive mask (0 / -inf) over the padded contexts for the SDPA path,
+        or None when no row needs one (one context length, no window inside it). Built once."""
+        if self._mask is None:
+            lens = self.lens.tolist()
+            mask = None
+            if min(lens) != self.max_len or (sliding_window is not None and self.max_len > sliding_window):
+                k_pos = torch.arange(self.max_len, device=self.lens.device)[None, :]
+                keep = k_pos < self.lens[:, None]                           # padding past each context
+                if sliding_window is not None:
+                    keep &= k_pos >= (self.lens[:, None] - sliding_window)
+                mask = torch.zeros(keep.shape, device=keep.device).masked_fill_(~keep, float("-inf"))
+                mask = mask[:, None, None, :]
+            self._mask = (mask,)
+        return self._mask[0]
 
 
 def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device) -> DecodePlan | None:
     """The DecodePlan of the step, or None without decodes. Built on the first layer's call and
-    cached on the metadata for the other layers."""
+    cached on the metadata for the other layers (per sliding window: its mask differs)."""
     key = ("decode", sliding_window)
     if key in meta.plan:
         return meta.plan[key]
@@ -139,21 +156,12 @@ def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device) ->
     decodes = [b for b in range(len(seq_lens)) if qsl[b + 1] - qsl[b] == 1]
     plan = None
     if decodes:
-        bs = meta.block_size
         dec_lens = [seq_lens[b] for b in decodes]
         max_len = max(dec_lens)
-        lens = torch.tensor(dec_lens, device=device)
-        mask = None
-        if min(dec_lens) != max_len or (sliding_window is not None and max_len > sliding_window):
-            k_pos = torch.arange(max_len, device=device)[None, :]
-            keep = k_pos < lens[:, None]                                  # padding past each context
-            if sliding_window is not None:
-                keep &= k_pos >= (lens[:, None] - sliding_window)
-            mask = torch.zeros(keep.shape, device=device).masked_fill_(~keep, float("-inf"))[:, None, None, :]
         plan = DecodePlan(all_decodes=len(decodes) == len(seq_lens),
                           qrow=torch.tensor([qsl[b] for b in decodes], device=device),
-                          tables=meta.block_tables[decodes, :(max_len + bs - 1) // bs].contiguous(),
-                          lens=lens, max_len=max_len, mask=mask)
+                          tables=meta.block_tables[decodes, :-(-max_len // meta.block_size)].contiguous(),
+                          lens=torch.tensor(dec_lens, device=device), max_len=max_len)
     meta.plan[key] = plan
     return plan
 
