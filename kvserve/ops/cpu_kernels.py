@@ -51,25 +51,33 @@ def _library() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: paged decode attention uses the slower torch path")
         return None
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"paged_decode-{key}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            out = Path(tmp) / lib_path.name
-            res = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(out), "-lm"],
-                                 capture_output=True, text=True)
-            if res.returncode != 0:
-                log.warning("building the C attention kernel failed, using the torch path:\n%s", res.stderr[-2000:])
-                return None
-            os.replace(out, lib_path)      # atomic: concurrent builders never see a partial file
-    lib = ctypes.CDLL(str(lib_path))
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:   # no cache dir, compile or load failed
+        log.warning("C attention kernel unavailable (%s): using the slower torch path", e)
+        return None
     f = lib.paged_decode_f32
     f.restype = None
     f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 5 \
         + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
     return lib
+
+
+def _build(cc: str) -> Path:
+    """The kernel's shared object, compiled into the cache directory unless already there."""
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"paged_decode-{key}.so"
+    if lib_path.exists():
+        return lib_path
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+        out = Path(tmp) / lib_path.name
+        res = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr[-2000:]}")
+        os.replace(out, lib_path)      # atomic: concurrent builders never see a partial file
+    return lib_path
 
 
 def available() -> bool:

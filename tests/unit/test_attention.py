@@ -137,3 +137,16 @@ def test_bf16_cache_with_fp32_queries():
     got = paged_attention(q, kc16, vc16, meta, 0.35)
     want = paged_attention_ref(q, kc16.float(), vc16.float(), meta, 0.35)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unusable_cache_dir_falls_back_to_torch(monkeypatch, tmp_path, decode_path):
+    """A cache directory that cannot be created must not break attention: torch path instead."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(blocker / "sub"))
+    cpu_kernels._library.cache_clear()
+    assert not cpu_kernels.available()
+    rng = random.Random(3)
+    q, _, _, kc, vc, meta = make_batch(rng, [(20, 1), (0, 5)], 4, 20, 4, 2, 16)
+    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.25), paged_attention_ref(q, kc, vc, meta, 0.25),
+                               atol=1e-5, rtol=1e-5)
