@@ -80,7 +80,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
     plan = _decode_plan(meta, sliding_window, q.device)
-    if plan is not None and cpu_kernels.supports(q, k_cache) and v_cache.dtype == k_cache.dtype:
+    if plan is not None and cpu_kernels.supports(q, k_cache, v_cache):
         q = q.contiguous()
         out = torch.empty_like(q)
         cpu_kernels.paged_decode(q, k_cache, v_cache, out, plan.qrow, plan.tables, plan.lens, scale,

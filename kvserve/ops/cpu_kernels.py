@@ -3,8 +3,8 @@
 No torch headers are involved (a torch C++ extension takes a minute to compile on 2 cores; these
 take about a second). The shared object is cached under $KVSERVE_CACHE_DIR (default
 ~/.cache/kvserve) in a file named by the hash of the source, the compiler flags and the CPU model,
-so a changed source or another CPU builds anew. Without a compiler, or with KVSERVE_NO_C_KERNELS=1,
-`paged_decode` is None and callers use their torch path.
+so a changed source or another CPU builds anew. Without a compiler, when the build or load fails,
+or with KVSERVE_NO_C_KERNELS=1, `available()` is False and callers use their torch path.
 """
 from __future__ import annotations
 
@@ -98,8 +98,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                          qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0, torch.get_num_threads())
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode takes these tensors (float32, contiguous, GQA group <= MAX_GROUP)."""
-    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.is_contiguous()
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether paged_decode takes these tensors (all float32, GQA group <= MAX_GROUP); q is made
+    contiguous by the caller."""
+    return (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
             and available())

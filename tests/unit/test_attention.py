@@ -150,3 +150,21 @@ def test_unusable_cache_dir_falls_back_to_torch(monkeypatch, tmp_path, decode_pa
     q, _, _, kc, vc, meta = make_batch(rng, [(20, 1), (0, 5)], 4, 20, 4, 2, 16)
     torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.25), paged_attention_ref(q, kc, vc, meta, 0.25),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_model_layout_queries_take_the_c_kernel(monkeypatch, decode_path):
+    """The model hands q over as a split view of the fused qkv output (not contiguous): decodes must
+    still run in the C kernel when it is available, and match the reference."""
+    if decode_path != "c-kernel" or not cpu_kernels.available():
+        pytest.skip("C kernel turned off or not buildable here")
+    calls = []
+    real = cpu_kernels.paged_decode
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    rng = random.Random(11)
+    q, k, _, kc, vc, meta = make_batch(rng, [(30, 1), (7, 1), (0, 6)], 4, 40, 6, 2, 16)
+    qk = torch.cat((q, k), dim=1)                                   # [T, Hq + Hkv, D], like the model
+    q_view = qk.split([6, 2], dim=1)[0]
+    assert not q_view.is_contiguous()
+    torch.testing.assert_close(paged_attention(q_view, kc, vc, meta, 0.25),
+                               paged_attention_ref(q, kc, vc, meta, 0.25), atol=1e-5, rtol=1e-5)
+    assert calls, "decodes did not take the C kernel"
