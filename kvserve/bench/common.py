@@ -155,11 +155,3 @@ def die(msg: str, code: int = 2) -> int:
     print(f"error: {msg}", file=sys.stderr)
     return code
 
-
-def weight_format(llm, requested: str | None) -> str | None:
-    """The weight format the engine loaded (none | int8 | int4 | gguf), as its loader resolves it."""
-    try:
-        from kvserve.model.loader import resolve_quantization
-        return resolve_quantization(requested, llm.engine.model_path)
-    except (ImportError, AttributeError, ValueError):
-        return requested

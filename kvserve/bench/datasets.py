@@ -58,6 +58,11 @@ def text_stream(path: str | None = None) -> list[int]:
     return [t for r in standard_requests("w2", path) for t in r.prompt_ids]
 
 
+def _window(stream: list[int], start: int, n: int) -> list[int]:
+    """n tokens of the stream from `start`, wrapping around at its end."""
+    return [stream[(start + i) % len(stream)] for i in range(n)]
+
+
 def prefix_requests(num: int, groups: int, prefix_len: int, question_len: int, output_len: int,
                     seed: int, path: str | None = None) -> list[BenchRequest]:
     """`num` requests in `groups` groups; a group shares one `prefix_len`-token system prompt and each
@@ -67,8 +72,7 @@ def prefix_requests(num: int, groups: int, prefix_len: int, question_len: int, o
     rng = random.Random(seed)
 
     def window(n: int) -> list[int]:
-        start = rng.randrange(len(stream))
-        return [stream[(start + i) % len(stream)] for i in range(n)]
+        return _window(stream, rng.randrange(len(stream)), n)
 
     prefixes = [window(prefix_len) for _ in range(groups)]
     return [BenchRequest(prefixes[i % groups] + window(question_len), output_len) for i in range(num)]
@@ -79,10 +83,6 @@ class Conversation:
     """One chat: its system prompt and the user's question for each turn (token ids)."""
     system_ids: list[int]
     questions: list[list[int]]
-
-
-def _window(stream: list[int], start: int, n: int) -> list[int]:
-    return [stream[(start + i) % len(stream)] for i in range(n)]
 
 
 def multiturn_conversations(num: int, turns: int, system_len: int, question_len: int, seed: int,

@@ -186,7 +186,7 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
                            "mbu_weights_only": f["weight_bytes_per_step"] * (bo - 1) / wall / 1e9 / bw["read_gbs"]}
     res["model"] = llm.engine.model_path
     res["dtype"] = args.dtype
-    res["quantization"] = common.weight_format(llm, args.quantization)
+    res["quantization"] = llm.engine.quantization
     del llm
     gc.collect()
     return res

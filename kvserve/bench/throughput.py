@@ -83,7 +83,7 @@ def cache_figures(times: list[float], prompt_tokens: int, cached_tokens: int) ->
 
 
 def _kvserve_config(args, llm) -> dict:
-    return {"dtype": args.dtype, "quantization": common.weight_format(llm, args.quantization),
+    return {"dtype": args.dtype, "quantization": llm.engine.quantization,
             "prefix_caching": not args.no_prefix_caching,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
 

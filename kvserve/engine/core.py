@@ -61,7 +61,7 @@ class EngineCore:
         loaded = load_model(config.model)
         self.load_seconds = time.perf_counter() - t0
         self.model_path = loaded.path
-        self.quantization = getattr(loaded, "quantization", "none")
+        self.quantization = loaded.quantization
         self.arch = arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.model_name = getattr(arch, "model_name", None) or _stem(loaded.path)

@@ -3,8 +3,8 @@
     none   UnquantizedMethod: dense weights in the model dtype (GGUF blocks dequantized to fp32)
     int8   per-output-channel symmetric int8 weights, LM head included; weight-only kernel
            (_weight_int8pack_mm, bf16 activations) by default, fbgemm's dynamic int8 linear with
-           KVSERVE_INT8_KERNEL=fbgemm (fastest, but per-tensor activation quantization wrecks
-           SmolLM2's quality: see Int8Method)
+           KVSERVE_INT8_KERNEL=fbgemm (fastest; activations quantized per token, still ~5 points
+           of top-1 agreement per layer kind on SmolLM2: see Int8Method)
     int4   group-32 asymmetric int4 weights, run by torch's int4pack CPU kernel (bf16 activations:
            its float32 path is a slow reference loop, 40x slower). GGUF Q4_0/Q4_1 blocks are taken
            as they are (same group of 32, same 16 levels): no dequantize/requantize round trip.
@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve.model.layers import dense
+
 FORMATS = ("none", "int8", "int4", "gguf")
 GROUP = 32
 
@@ -68,10 +70,6 @@ class BlockTensor:
         q = torch.stack((qs & 0xF, qs >> 4), dim=1).reshape(rows, -1)    # low nibbles first
         m = b[:, 2:4].contiguous().view(torch.float16).float().view(rows, -1) if self.qtype == Q.Q4_1 else None
         return q, d, m
-
-
-def dense(w) -> torch.Tensor:
-    return w.dequantize() if isinstance(w, BlockTensor) else w
 
 
 def is_q4(w) -> bool:
@@ -106,6 +104,13 @@ class _PackedMethod:
 
     def pack(self, layer, *parts):
         raise NotImplementedError
+
+    @staticmethod
+    def _run_2d(layer, x: torch.Tensor, kernel) -> torch.Tensor:
+        """kernel(x as [rows, in_features]) -> [rows, out]; back to x's shape and dtype, plus the bias."""
+        shape = x.shape
+        y = kernel(x.reshape(-1, shape[-1])).to(x.dtype).reshape(*shape[:-1], layer.out_features)
+        return y + layer.bias if layer.bias is not None else y
 
 
 # ---------------------------------------------------------------- int8 (fbgemm dynamic)
@@ -171,18 +176,15 @@ class Int8Method(_PackedMethod):
 
     def apply(self, layer, x):
         if self.kernel == "int8pack":
-            shape = x.shape
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.compute_dtype),
-                                                   layer.qweight, layer.wscale_c)
-            y = y.to(x.dtype).reshape(*shape[:-1], layer.out_features)
-            return y + layer.bias if layer.bias is not None else y
+            return self._run_2d(layer, x, lambda x2: torch.ops.aten._weight_int8pack_mm(
+                x2.to(self.compute_dtype), layer.qweight, layer.wscale_c))
         packed = layer._packed if layer._packed is not None else self._prepacked(layer)
-        xf = x.float()
-        s = xf.abs().amax(-1, keepdim=True).clamp_min_(1e-12)            # per-token scale
-        y = torch.ops.quantized.linear_dynamic(xf / s, packed, self.reduce_range).mul_(s)
-        if layer.bias is not None:
-            y += layer.bias
-        return y.to(x.dtype)
+
+        def per_token(x2):
+            xf = x2.float()
+            s = xf.abs().amax(-1, keepdim=True).clamp_min_(1e-12)        # per-token scale
+            return torch.ops.quantized.linear_dynamic(xf / s, packed, self.reduce_range).mul_(s)
+        return self._run_2d(layer, x, per_token)
 
     def dequantized(self, layer) -> torch.Tensor:
         return layer.qweight.float() * layer.wscale[:, None]
@@ -223,11 +225,7 @@ class Int4Method(_PackedMethod):
         return in_features % GROUP == 0
 
     def rows(self, w):
-        if is_q4(w):
-            q, d, m = w.int4_parts()
-            return q, d, m if m is not None else None
-        q, d, m = quantize_int4_rows(dense(w))
-        return q, d, m
+        return w.int4_parts() if is_q4(w) else quantize_int4_rows(dense(w))
 
     def pack(self, layer, q, d, m):
         # Keep the file's numbers (q, d, m) for exactness checks; the kernel wants zero = m + 8d.
@@ -246,15 +244,12 @@ class Int4Method(_PackedMethod):
         del layer.q4     # the packed copy is enough at run time; dequantized() unpacks on demand
 
     def apply(self, layer, x):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.batch_fp16 and x2.shape[0] > self.SMALL_BATCH:
-            y = torch.ops.quantized.linear_dynamic_fp16(x2.float(), layer._fp16)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.compute_dtype), layer.packed4,
-                                                           GROUP, layer.scale_zero4)
-        y = y.to(x.dtype).reshape(*shape[:-1], layer.out_features)
-        return y + layer.bias if layer.bias is not None else y
+        def kernel(x2):
+            if self.batch_fp16 and x2.shape[0] > self.SMALL_BATCH:
+                return torch.ops.quantized.linear_dynamic_fp16(x2.float(), layer._fp16)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.compute_dtype), layer.packed4,
+                                                             GROUP, layer.scale_zero4)
+        return self._run_2d(layer, x, kernel)
 
     def dequantized(self, layer) -> torch.Tensor:
         """float32 [N, K] exactly as the file / quantizer gave it: d * q + m (Q4_0: d * (q - 8))."""
@@ -300,10 +295,7 @@ class Fp16Method(_PackedMethod):
         layer.fp16_nbytes = w.numel() * 2
 
     def apply(self, layer, x):
-        shape = x.shape
-        y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, shape[-1]).float(), layer._fp16)
-        y = y.to(x.dtype).reshape(*shape[:-1], layer.out_features)
-        return y + layer.bias if layer.bias is not None else y
+        return self._run_2d(layer, x, lambda x2: torch.ops.quantized.linear_dynamic_fp16(x2.float(), layer._fp16))
 
     def dequantized(self, layer) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack_fp16(layer._fp16)[0].float()
@@ -364,8 +356,9 @@ def _q4_types():
 # GGUF qtypes the loader hands over as blocks (not dequantized), per format.
 KEEP_BLOCKS = {"int4": _q4_types(), "gguf": _q4_types()}
 
-# The default for GGUF models: the fastest format within the quality bound. eval-quality, 8192
-# tokens, SmolLM2-135M Q4_1: int8 ppl +0.61% top-1 95.1% (NO), int4 +0.32% 96.4% (NO), gguf +0.03% 99.1%.
+# The default for GGUF models: the fastest format within the quality bound. eval-quality, 24,576
+# tokens, SmolLM2-135M Q4_1: int8 ppl +0.55% top-1 94.85% (NO), int4 +0.30% 96.31% (NO),
+# gguf +0.00% 99.85% (docs/benchmarks.md).
 DEFAULT_GGUF = "gguf"
 
 DESCRIPTION = {
