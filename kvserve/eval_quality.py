@@ -34,6 +34,7 @@ MODULES = (
     "tempfile", "textwrap", "threading", "timeit", "tokenize", "typing", "unittest", "urllib.parse",
     "uuid", "warnings", "zipfile",
 )
+DECODE_SUFFIX = ":decode"    # "gguf:decode": the format's model fed token by token (decode kernels)
 PPL_BOUND = 0.01
 TOP1_BOUND = 0.97
 
@@ -81,6 +82,20 @@ def window_logits(lm, ids: list[int]) -> torch.Tensor:
     return lm.model.compute_logits(hidden)
 
 
+@torch.inference_mode()
+def window_logits_decode(lm, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of one window fed one token per step, as decode steps run (batch of
+    one row: the kernels a single-stream decode uses, e.g. the C layer stack)."""
+    from kvserve.ops.attention import AttentionMetadata
+    T = len(ids)
+    pool = _Pool(lm.arch, T)
+    hidden = []
+    for p in range(T):
+        meta = AttentionMetadata(torch.tensor([p]), [0, 1], [p + 1], pool.table, pool.block)
+        hidden.append(lm.model(torch.tensor(ids[p:p + 1]), torch.tensor([p]), meta, pool.kv))
+    return lm.model.compute_logits(torch.cat(hidden))
+
+
 def evaluate(models: dict, ids: list[int], window: int, progress: bool = True) -> dict:
     """models: {format: LoadedModel}, "none" first (the reference). -> {format: metrics}."""
     from tqdm import tqdm
@@ -94,7 +109,8 @@ def evaluate(models: dict, ids: list[int], window: int, progress: bool = True) -
         ref_logp = None
         for fmt, lm in models.items():
             t0 = time.perf_counter()
-            logp = F.log_softmax(window_logits(lm, inp), dim=-1)
+            run = window_logits_decode if fmt.endswith(DECODE_SUFFIX) else window_logits
+            logp = F.log_softmax(run(lm, inp), dim=-1)
             st = stats[fmt]
             st["seconds"] += time.perf_counter() - t0
             if ref_logp is None:
@@ -116,10 +132,10 @@ def evaluate(models: dict, ids: list[int], window: int, progress: bool = True) -
 
 
 def format_table(results: dict) -> str:
-    lines = [f"{'format':<8} {'ppl':>9} {'Δppl':>8} {'top-1':>8} {'KL (nats)':>10} {'tokens':>7} {'s':>7}  within bound",
-             "-" * 76]
+    lines = [f"{'format':<12} {'ppl':>9} {'Δppl':>8} {'top-1':>8} {'KL (nats)':>10} {'tokens':>7} {'s':>7}  within bound",
+             "-" * 80]
     for fmt, m in results.items():
-        lines.append(f"{fmt:<8} {m['ppl']:>9.4f} {m['ppl_delta'] * 100:>7.2f}% {m['top1'] * 100:>7.2f}% "
+        lines.append(f"{fmt:<12} {m['ppl']:>9.4f} {m['ppl_delta'] * 100:>7.2f}% {m['top1'] * 100:>7.2f}% "
                      f"{m['kl']:>10.5f} {m['tokens']:>7} {m['seconds']:>7.1f}  {'yes' if m['ok'] else 'NO'}")
     return "\n".join(lines)
 
@@ -127,8 +143,10 @@ def format_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvserve eval-quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
-    p.add_argument("--formats", default="none,int8,int4,gguf",
-                   help="comma-separated weight formats; the reference fp32 'none' is always included")
+    p.add_argument("--formats", default="none,int8,int4,gguf,gguf:decode",
+                   help="comma-separated weight formats; the reference fp32 'none' is always included. "
+                        "FORMAT:decode feeds the text one token per step, through the decode kernels "
+                        "(the C layer stack for gguf), instead of whole-window prefills")
     p.add_argument("--max-tokens", type=int, default=24576, help="tokens of the text to use (default: %(default)s)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -142,9 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.model.quant import FORMATS
     formats = ["none"] + [f for f in args.formats.split(",") if f and f != "none"]
     for f in formats:
-        if f not in FORMATS:
-            p.error(f"unknown format {f!r} (choose from {', '.join(FORMATS)})")
-    models = {f: load_model(ModelConfig(model=args.model, quantization=f)) for f in formats}
+        if f.removesuffix(DECODE_SUFFIX) not in FORMATS:
+            p.error(f"unknown format {f!r} (choose from {', '.join(FORMATS)}, each optionally with {DECODE_SUFFIX})")
+    loaded = {}
+    for f in formats:
+        base = f.removesuffix(DECODE_SUFFIX)
+        if base not in loaded:
+            loaded[base] = load_model(ModelConfig(model=args.model, quantization=base))
+    models = {f: loaded[f.removesuffix(DECODE_SUFFIX)] for f in formats}
     text = corpus_text()
     ids = models["none"].tokenizer.encode(text)[:args.max_tokens + 1]
     print(f"model: {models['none'].path}\ntext: stdlib docstrings, {len(text)} chars, "

@@ -92,6 +92,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ValueError(f"{path}: missing weights {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     model.eval()
     log.info("weights: %s (%s)", fmt, quant.DESCRIPTION[fmt])
+    if model.enable_fused_decode():
+        log.info("decode steps of up to %d requests run the C layer stack (ops/csrc/decode_layers.c)",
+                 model.fused_decode.MAX_ROWS)
     return LoadedModel(model, arch, tokenizer, path, dtype, time.perf_counter() - t0, fmt)
 
 

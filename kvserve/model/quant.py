@@ -72,6 +72,59 @@ class BlockTensor:
         return q, d, m
 
 
+def pack_gguf_rows(w: BlockTensor) -> tuple[torch.Tensor, int]:
+    """Q4_0 / Q4_1 / Q8_0 blocks -> (uint8 tensor, kind) in the interleaved layout of
+    kvserve/ops/csrc/gguf_gemv.c: per group of 16 rows and block of 32 weights, the 16 fp16 scales
+    d, (Q4) the 16 fp16 offsets m, then the integers, 4 weights of each row side by side. Values
+    are the file's: the same nibbles / int8 (Q8 stored + 128) and fp16 scales (Q4_0: m = -8 d,
+    exact in fp16)."""
+    from gguf.constants import GGMLQuantizationType as Q
+    N, K = w.shape
+    nb, G = K // GROUP, -(-N // 16)
+    bs = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[w.qtype]
+    blocks = np.zeros((G * 16, nb, bs), np.uint8)
+    blocks[:N] = w.raw.reshape(N, nb, bs)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]                  # [G*16, nb]
+
+    def by_group(a):      # [G*16, nb, ...] -> [G, nb, 16, ...] as bytes
+        a = np.ascontiguousarray(a.reshape(G, 16, nb, *a.shape[2:]).swapaxes(1, 2))
+        return a.view(np.uint8)
+    if w.qtype == Q.Q8_0:
+        q = blocks[..., 2:] ^ 0x80                                           # q + 128 as u8
+        q[N:] = 128                                                          # padding rows: q = 0
+        ints = by_group(q.reshape(G * 16, nb, 8, 4)).swapaxes(2, 3)          # [G, nb, 8 chunks, 16 rows, 4]
+        parts = [by_group(d), ints]
+        kind = 8
+    else:
+        m = (blocks[..., 2:4].copy().view(np.float16)[..., 0] if w.qtype == Q.Q4_1
+             else (d.astype(np.float32) * -8).astype(np.float16))
+        qs = blocks[..., -16:]                           # byte j: q[j] | q[j + 16] << 4, kept as is
+        ints = by_group(qs.reshape(G * 16, nb, 4, 4)).swapaxes(2, 3)         # [G, nb, 4 chunks, 16 rows, 4]
+        parts = [by_group(d), by_group(m), ints]
+        kind = 4
+    packed = np.concatenate([p.reshape(G, nb, -1) for p in parts], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1), kind
+
+
+def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The float32 [N, K] weight held by pack_gguf_rows' layout (d * q + m, exactly as the file's
+    dequantization gives it)."""
+    N, K = shape
+    nb, G = K // GROUP, -(-N // 16)
+    a = packed.numpy().reshape(G, nb, -1)
+    d = a[..., 0:32].copy().view(np.float16).astype(np.float32)             # [G, nb, 16]
+    if kind == 8:
+        q = (a[..., 32:].reshape(G, nb, 8, 16, 4) ^ 0x80).view(np.int8).astype(np.float32)
+        q = q.transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 32)                # [G, row, nb, j]
+        w = q * d.transpose(0, 2, 1)[..., None]
+    else:
+        m = a[..., 32:64].copy().view(np.float16).astype(np.float32)
+        qs = a[..., 64:].reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)   # j = 0..15, 16..31
+        w = q * d.transpose(0, 2, 1)[..., None] + m.transpose(0, 2, 1)[..., None]
+    return torch.from_numpy(w.reshape(G * 16, K)[:N].copy())
+
+
 def is_q4(w) -> bool:
     if not isinstance(w, BlockTensor):
         return False
@@ -301,6 +354,71 @@ class Fp16Method(_PackedMethod):
         return torch.ops.quantized.linear_unpack_fp16(layer._fp16)[0].float()
 
 
+# ---------------------------------------------------------------- GGUF blocks (C kernel)
+
+def _packable_types():
+    from gguf.constants import GGMLQuantizationType as Q
+    return (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+
+class GgufMethod(_PackedMethod):
+    """The file's Q4_0 / Q4_1 / Q8_0 blocks, interleaved 16 rows at a time (pack_gguf_rows) and run
+    by the C kernel kvserve/ops/csrc/gguf_gemv.c for up to C_ROWS activation rows (decode steps):
+    512-bit VNNI dot products of the 4/8-bit integers with the activations rounded to 8 bits per
+    block of 32, as llama.cpp does. Larger batches use the same values as an fbgemm fp16 weight
+    (fp32 activations), which wins from ~C_ROWS rows up. A weight the loader has already
+    dequantized (another GGUF type, or a float checkpoint) gets only the fp16 weight.
+
+    Used when the kernel's SIMD path was built (cpu_kernels.gguf_gemv_fast()); otherwise the gguf
+    format falls back to Int4Method(batch_fp16=True) and Fp16Method."""
+
+    C_ROWS = 8      # measured: the C kernel beats fbgemm fp16 up to 8 rows (docs/benchmarks.md)
+
+    def load(self, layer, w, offset: int, whole: bool) -> None:
+        layer._staged[offset] = w
+        if sum(p.shape[0] for p in layer._staged.values()) == layer.out_features:
+            parts = [layer._staged[o] for o in sorted(layer._staged)]
+            del layer._staged
+            self.pack(layer, parts)
+
+    def pack(self, layer, parts):
+        qtypes = {p.qtype if isinstance(p, BlockTensor) else None for p in parts}
+        qtype = qtypes.pop() if len(qtypes) == 1 else None
+        if qtype in _packable_types():
+            blocks = BlockTensor(np.concatenate([p.raw for p in parts]), qtype,
+                                 (layer.out_features, layer.in_features))
+            packed, kind = pack_gguf_rows(blocks)
+            layer.register_buffer("gguf_packed", packed, persistent=False)
+            layer.gguf_kind = kind
+            w = blocks.dequantize()
+        else:
+            layer.gguf_packed, layer.gguf_kind = None, 0
+            w = torch.cat([dense(p).float() for p in parts])
+        layer._fp16 = fp16_prepack(w)
+        layer.fp16_nbytes = w.numel() * 2
+
+    def apply(self, layer, x):
+        from kvserve.ops import cpu_kernels
+
+        def kernel(x2):
+            if layer.gguf_packed is not None and x2.shape[0] <= self.C_ROWS:
+                return cpu_kernels.gguf_gemv(layer.gguf_packed, layer.gguf_kind, layer.out_features,
+                                             x2.float().contiguous())
+            return torch.ops.quantized.linear_dynamic_fp16(x2.float(), layer._fp16)
+        return self._run_2d(layer, x, kernel)
+
+    def dequantized(self, layer) -> torch.Tensor:
+        if layer.gguf_packed is not None:
+            return unpack_gguf_rows(layer.gguf_packed, layer.gguf_kind, (layer.out_features, layer.in_features))
+        return torch.ops.quantized.linear_unpack_fp16(layer._fp16)[0].float()
+
+
+@functools.cache
+def _gguf_kernel_fast() -> bool:
+    from kvserve.ops import cpu_kernels
+    return cpu_kernels.gguf_gemv_fast()
+
+
 # ---------------------------------------------------------------- choosing methods
 
 def method_for(fmt: str, in_features: int, out_features: int):
@@ -309,6 +427,8 @@ def method_for(fmt: str, in_features: int, out_features: int):
         return None
     if fmt == "int8":
         return Int8Method()
+    if fmt == "gguf" and _gguf_kernel_fast():
+        return GgufMethod() if in_features % GROUP == 0 else None
     if fmt in ("int4", "gguf"):
         return Int4Method(batch_fp16=fmt == "gguf") if Int4Method.supports(in_features) else None
     raise ValueError(f"quantization {fmt!r} is not supported (choose from {list(FORMATS)})")
@@ -319,7 +439,7 @@ def head_method_for(fmt: str, in_features: int, out_features: int):
     activations: an int8 head costs 2.7 points of top-1 agreement on SmolLM2); int4 uses int8 for
     the head (an int4 head costs +5.6% ppl on SmolLM2, the Q4 layers ~0%)."""
     if fmt == "gguf":
-        return Fp16Method()
+        return GgufMethod() if _gguf_kernel_fast() and in_features % GROUP == 0 else Fp16Method()
     if fmt == "int4":
         return Int8Method()
     return method_for(fmt, in_features, out_features)
@@ -354,7 +474,7 @@ def _q4_types():
 
 
 # GGUF qtypes the loader hands over as blocks (not dequantized), per format.
-KEEP_BLOCKS = {"int4": _q4_types(), "gguf": _q4_types()}
+KEEP_BLOCKS = {"int4": _q4_types(), "gguf": _packable_types()}
 
 # The default for GGUF models: the fastest format within the quality bound. eval-quality, 24,576
 # tokens, SmolLM2-135M Q4_1: int8 ppl +0.55% top-1 94.85% (NO), int4 +0.30% 96.31% (NO),

@@ -26,7 +26,7 @@ class AttentionMetadata:
     seq_lens: list[int]              # [B] context length after this step (start_pos + q_len)
     block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
     block_size: int
-    # Derived once per step and reused by every layer (decode rows, masks): see _decode_plan.
+    # Derived once per step and reused by every layer (decode rows, masks): see decode_plan.
     plan: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -79,7 +79,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     padded and masked). Prompt chunks run one SDPA call each.
     """
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
-    plan = _decode_plan(meta, sliding_window, q.device)
+    plan = decode_plan(meta, sliding_window, q.device)
     if plan is not None and cpu_kernels.supports(q, k_cache, v_cache):
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -146,7 +146,7 @@ class DecodePlan:
         return self._mask[0]
 
 
-def _decode_plan(meta: AttentionMetadata, sliding_window: int | None, device) -> DecodePlan | None:
+def decode_plan(meta: AttentionMetadata, sliding_window: int | None, device) -> DecodePlan | None:
     """The DecodePlan of the step, or None without decodes. Built on the first layer's call and
     cached on the metadata for the other layers (per sliding window: its mask differs)."""
     key = ("decode", sliding_window)

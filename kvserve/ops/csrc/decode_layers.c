@@ -1,0 +1,105 @@
+/* A whole decode step of a Llama-family model in one call: the few tokens of a decode-only
+ * batch go through every layer without returning to Python (eager PyTorch spends ~60 small ops
+ * per layer on them, about half of a batch-1 step on this model). The math is the model's
+ * (kvserve/model/llama.py), kernel for kernel:
+ *
+ *   h = embed[ids]
+ *   per layer:  x = rmsnorm(h) * ln1
+ *               q, k, v = x Wqkv^T (+ b);  q, k = rope(q, k)   (rotate-half layout)
+ *               write k, v at the tokens' slots of the paged pool
+ *               h += attention(q, pool) Wo^T (+ b)              (paged_decode.c)
+ *               x = rmsnorm(h) * ln2
+ *               h += (silu(x Wg^T) * x Wu^T) Wd^T               (gguf_gemv.c, fused gate/up)
+ *   out = rmsnorm(h) * norm
+ *
+ * Every linear is a GGUF-packed weight (gguf_gemv.c); activations, KV pool and norms are float32.
+ * The two kernels are compiled into this one library.
+ */
+#include "gguf_gemv.c"
+#include "paged_decode.c"
+
+#include <math.h>
+
+typedef struct {
+    const float *ln1, *ln2;                          /* RMSNorm weights [hidden] */
+    const uint8_t *qkv, *o, *gate_up, *down;         /* gguf_gemv packed weights */
+    int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    const float *qkv_bias, *o_bias;                  /* NULL when the layer has none */
+    float *k_cache, *v_cache;                        /* [blocks][block_size][kv_heads][head_dim] */
+} decode_layer_t;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, block_size, window;
+    double eps, scale;
+    const float *embed;                              /* [vocab][hidden] */
+    const float *norm;                               /* final RMSNorm [hidden] */
+    const float *cos, *sin;                          /* [max_positions][head_dim], sin signed */
+    const decode_layer_t *layers;
+} decode_model_t;
+
+static void rmsnorm(const float *h, const float *w, float eps, int64_t n, float *out) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = h[i] * r * w[i];
+}
+
+/* x[D] rotated in place: x * cos + rotate_half(x) * sin (sin holds -sin, sin for the halves). */
+static void rope(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* Returns 0, or the first failing kernel's code. out: [T][hidden], the final-normed states. */
+int decode_layers(const decode_model_t *m, const int64_t *ids, const int64_t *positions, int64_t T,
+                  const int64_t *slots, const int64_t *tables, int64_t table_stride,
+                  const int64_t *lens, float *out, int64_t num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim, qs = m->num_heads * D, kvs = m->kv_heads * D;
+    const int64_t nqkv = qs + 2 * kvs, I = m->intermediate;
+    const float eps = (float)m->eps;
+    float *h = malloc(sizeof(float) * T * H), *x = malloc(sizeof(float) * T * H);
+    float *qkv = malloc(sizeof(float) * T * nqkv), *q = malloc(sizeof(float) * T * qs);
+    float *att = malloc(sizeof(float) * T * qs), *gu = malloc(sizeof(float) * T * 2 * I);
+    float *act = malloc(sizeof(float) * T * I);
+    int64_t *qrow = malloc(sizeof(int64_t) * T);
+    int rc = -3;
+    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
+        qrow[t] = t;
+    }
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const decode_layer_t *L = &m->layers[l];
+        for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
+        if ((rc = gguf_gemv(L->qkv, L->qkv_kind, nqkv, H, x, H, T, qkv, nqkv, L->qkv_bias, 0, num_threads))) goto done;
+        for (int64_t t = 0; t < T; t++) {
+            float *row = qkv + t * nqkv;
+            const float *c = m->cos + positions[t] * D, *s = m->sin + positions[t] * D;
+            for (int64_t hd = 0; hd < m->num_heads + m->kv_heads; hd++) rope(row + hd * D, c, s, D);
+            memcpy(q + t * qs, row, sizeof(float) * qs);
+            memcpy(L->k_cache + slots[t] * kvs, row + qs, sizeof(float) * kvs);
+            memcpy(L->v_cache + slots[t] * kvs, row + qs + kvs, sizeof(float) * kvs);
+        }
+        paged_decode_f32(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T,
+                         m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
+                         num_threads);
+        if ((rc = gguf_gemv(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, num_threads))) goto done;
+        for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
+        if ((rc = gguf_gemv(L->gate_up, L->gate_up_kind, 2 * I, H, x, H, T, gu, 2 * I, NULL, 0, num_threads))) goto done;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < I; i++) {
+                const float g = gu[t * 2 * I + i];
+                act[t * I + i] = g / (1.f + expf(-g)) * gu[t * 2 * I + I + i];
+            }
+        if ((rc = gguf_gemv(L->down, L->down_kind, H, I, act, I, T, h, H, NULL, 1, num_threads))) goto done;
+    }
+    for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, m->norm, eps, H, out + t * H);
+    rc = 0;
+done:
+    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow);
+    return rc;
+}
