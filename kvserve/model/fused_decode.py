@@ -45,9 +45,10 @@ class FusedDecode:
 
     def runs(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:
         """Whether this step is decode-only, small enough, and the KV pool is float32."""
-        T = input_ids.shape[0]
-        return (T <= self.MAX_ROWS and meta.num_seqs == T and meta.query_start_loc[-1] == T
-                and kv_caches[0][0].dtype == torch.float32)
+        if input_ids.shape[0] > self.MAX_ROWS or kv_caches[0][0].dtype != torch.float32:
+            return False
+        plan = decode_plan(meta, self.model.arch.sliding_window, input_ids.device)
+        return plan is not None and plan.all_decodes
 
     def _bind(self, kv_caches) -> None:
         """The C tables of weights and pools (pointers into tensors that live as long as the model)."""
@@ -77,7 +78,7 @@ class FusedDecode:
                  kv_caches) -> torch.Tensor:
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
-        plan = decode_plan(meta, self._struct.window or None, input_ids.device)
+        plan = decode_plan(meta, self.model.arch.sliding_window, input_ids.device)
         out = torch.empty(input_ids.shape[0], self.model.arch.hidden_size)
         cpu_kernels.decode_layers(self._struct, input_ids.contiguous(), positions.contiguous(),
                                   meta.slot_mapping.contiguous(), plan.tables, plan.lens, out)

@@ -57,9 +57,10 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(portable: bool = False) -> ctypes.CDLL | None:
     """The kernels of csrc/ built and loaded, or None (no compiler, failed build or load,
-    KVSERVE_NO_C_KERNELS=1)."""
+    KVSERVE_NO_C_KERNELS=1). portable=True builds the plain-C loops instead of the SIMD code
+    (-DKVSERVE_PORTABLE: tests check both give the same results)."""
     if os.environ.get("KVSERVE_NO_C_KERNELS") == "1":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -67,7 +68,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler found: the C kernels fall back to slower torch paths")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(cc, ["-DKVSERVE_PORTABLE"] if portable else [])))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:   # no cache dir, compile or load failed
         log.warning("C kernels unavailable (%s): using the slower torch paths", e)
         return None
@@ -75,17 +76,18 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, extra_flags: list[str]) -> Path:
     """The kernels' shared object, compiled into the cache directory unless already there."""
+    flags = _FLAGS + extra_flags
     src = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.c")))
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_model().encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"kvserve-cpu-{key}.so"
     if lib_path.exists():
         return lib_path
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         out = Path(tmp) / lib_path.name
-        res = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *flags, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr[-2000:]}")
         os.replace(out, lib_path)      # atomic: concurrent builders never see a partial file
@@ -119,11 +121,11 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+              bias: torch.Tensor | None = None, accumulate: bool = False, portable: bool = False) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
     kvserve.model.quant.pack_gguf_rows (`kind` 4: Q4_0/Q4_1, 8: Q8_0): [M, n] float32, written
     into `out` when given (added to it with accumulate=True). See csrc/gguf_gemv.c."""
-    lib = _library()
+    lib = _library(portable)
     M, K = x.shape
     if out is None:
         out = torch.empty(M, n, dtype=torch.float32)

@@ -57,14 +57,17 @@ def assert_agree(a, b):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_gguf_packed_q4_agrees_with_fp32_dequantized(models, prompt):
-    """gguf: the file's Q4_1 nibbles/scales in int4pack (bf16 activations) vs the same weights
-    dequantized to fp32: identical weights, only activation rounding differs."""
+    """gguf: the file's Q4_1 / Q8_0 blocks (fp16 GEMM for the prompt, the C GEMV / layer stack for
+    decode steps) vs the same weights dequantized to fp32: identical weights, only activation
+    rounding differs."""
     ids = models["none"].tokenizer.encode(prompt)
     ref = greedy(models["none"], ids, STEPS)
     out = greedy(models["gguf"], ids, STEPS)
     assert_agree(out, ref)
-    scale = ref[1][0].abs().max().item()
-    assert (out[1][0] - ref[1][0]).abs().max().item() < 0.05 * scale
+    same = next((i for i, (x, y) in enumerate(zip(out[0], ref[0])) if x != y), STEPS)
+    for i in range(same):       # the steps before any divergence saw the same tokens
+        scale = ref[1][i].abs().max().item()
+        assert (out[1][i] - ref[1][i]).abs().max().item() < 0.05 * scale, i
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -104,3 +107,56 @@ def test_default_format_is_recorded(default_gguf):
     assert resolve_quantization(None, default_gguf) == DEFAULT_GGUF
     with pytest.raises(ValueError):
         resolve_quantization("int3", default_gguf)
+
+
+def _decode_batch(lm, prompts, fused):
+    """Prefill each prompt (PyTorch path), then one decode step of all of them together, with
+    the C layer stack on or off. Returns the hidden states [len(prompts), H] of the decode step."""
+    model = lm.model
+    saved, model.fused_decode = model.fused_decode, (model.fused_decode if fused else None)
+    try:
+        ids = [lm.tokenizer.encode(p) for p in prompts]
+        per = -(-max(len(x) for x in ids) // 16) + 1
+        shape = (per * len(ids), 16, lm.arch.num_kv_heads, lm.arch.head_dim)
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(lm.arch.num_layers)]
+        tables = torch.arange(per * len(ids)).flip(0).reshape(len(ids), per)    # ragged, reversed blocks
+        with torch.inference_mode():
+            for b, x in enumerate(ids):
+                pos = torch.arange(len(x))
+                meta = AttentionMetadata(tables[b][pos // 16] * 16 + pos % 16, [0, len(x)], [len(x)], tables[b:b + 1], 16)
+                model(torch.tensor(x), pos, meta, kv)
+            pos = torch.tensor([len(x) for x in ids])
+            slots = tables[torch.arange(len(ids)), pos // 16] * 16 + pos % 16
+            meta = AttentionMetadata(slots, list(range(len(ids) + 1)), (pos + 1).tolist(), tables, 16)
+            assert (model.fused_decode is not None and model.fused_decode.runs(pos, meta, kv)) == fused
+            return model(torch.tensor([7, 42, 1000][:len(ids)]), pos, meta, kv)
+    finally:
+        model.fused_decode = saved
+
+
+def test_fused_decode_matches_the_pytorch_layers(models):
+    """The C layer stack (decode_layers.c) computes what LlamaForCausalLM's PyTorch layers compute
+    with the same kernels: ragged contexts, reversed block tables, three rows at once."""
+    lm = models["gguf"]
+    if lm.model.fused_decode is None:
+        pytest.skip("no C layer stack on this machine (no compiler or no AVX-512 VNNI)")
+    a = _decode_batch(lm, PROMPTS, fused=True)
+    b = _decode_batch(lm, PROMPTS, fused=False)
+    assert (a - b).abs().max().item() < 1e-3 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_fused_decode_greedy_equals_pytorch_path(models, prompt):
+    lm = models["gguf"]
+    if lm.model.fused_decode is None:
+        pytest.skip("no C layer stack on this machine")
+    ids = lm.tokenizer.encode(prompt)
+    fused = greedy(lm, ids, STEPS)
+    saved, lm.model.fused_decode = lm.model.fused_decode, None
+    try:
+        plain = greedy(lm, ids, STEPS)
+    finally:
+        lm.model.fused_decode = saved
+    assert fused[0] == plain[0]
+    for x, y in zip(fused[1], plain[1]):
+        assert (x - y).abs().max().item() < 1e-3 * y.abs().max().item()

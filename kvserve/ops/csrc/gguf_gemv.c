@@ -20,7 +20,8 @@
  *   (Q8 weights are stored as q + 128, u8 x s8 operands; 128 sum_j xa_j etc. is taken off.)
  *
  * gguf_gemv_isa() says which code was compiled: 2 for AVX-512 VNNI, 0 for the portable loops
- * (same results; the caller prefers its other kernels there, as the loops are slow).
+ * (same results; the caller prefers its other kernels there, as the loops are slow; the tests
+ * build them with -DKVSERVE_PORTABLE).
  * Threads: OpenMP over row groups; y may be accumulated into (y += x W^T, a fused residual add).
  */
 #include <stdint.h>
@@ -68,7 +69,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t nb, in
         }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KVSERVE_PORTABLE)
 #define ISA 2
 
 /* One group of 16 rows against R activation rows: out[r * 16 + i]. */
@@ -196,22 +197,24 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
     int32_t *sq = malloc(sizeof(int32_t) * M * nb);
     if (!xq || !dx || !sx || !sq) { free(xq); free(dx); free(sx); free(sq); return -3; }
     quantize_rows(x, ldx, M, nb, xq, dx, sx, sq);
-    for (int64_t r0 = 0; r0 < M; r0 += MAX_M) {
-        const int R = (int)(M - r0 < MAX_M ? M - r0 : MAX_M);
-        const int8_t *xr = xq + r0 * K * 2;
-        const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
-        const int32_t *qr = sq + r0 * nb;
-        #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t g = 0; g < groups; g++) {
+    /* Each thread takes whole row groups and runs every activation row against a group while
+     * its weights (K / 32 blocks, a few KB) are in L1: the weights stream from memory once. */
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * gbytes;
+        const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_M) {
+            const int R = (int)(M - r0 < MAX_M ? M - r0 : MAX_M);
+            const int8_t *xr = xq + r0 * K * 2;
+            const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
+            const int32_t *qr = sq + r0 * nb;
             float out[MAX_M * ROWS];
-            const uint8_t *wg = w + g * gbytes;
             switch (R) {
                 case 1: group_dot(wg, kind, nb, xr, dr, sr, qr, 1, out); break;
                 case 2: group_dot(wg, kind, nb, xr, dr, sr, qr, 2, out); break;
                 case 3: group_dot(wg, kind, nb, xr, dr, sr, qr, 3, out); break;
                 default: group_dot(wg, kind, nb, xr, dr, sr, qr, 4, out); break;
             }
-            const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
             for (int r = 0; r < R; r++) {
                 float *yr = y + (r0 + r) * ldy + g * ROWS;
                 for (int64_t i = 0; i < rows; i++)
