@@ -47,11 +47,12 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    scale_bytes: int = 0      # per (token, KV head) row: an int8 cache keeps a float32 scale
 
     @property
     def bytes_per_token(self) -> int:
         # K and V, every layer, every KV head (GQA/MQA: kv_heads < query heads).
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.dtype_bytes + self.scale_bytes)
 
 
 @dataclass
@@ -63,7 +64,8 @@ class ModelConfig:
     tokenizer: str | None = None      # tokenizer.json path when not in the model file
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KV_SCALE_BYTES = {"int8": 4}      # int8 KV rows carry their float32 scale (kvserve/ops/kv_int8.py)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None   # bytes; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = 0.25
-    kv_cache_dtype: str = "auto"         # auto (= model dtype) | float32 | bfloat16 | float16 (no int8/fp8 yet)
+    kv_cache_dtype: str = "auto"         # auto (= model dtype) | float32 | bfloat16 | float16 | int8
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact pool size
 
@@ -124,8 +126,10 @@ def add_engine_args(parser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache element type (default: %(default)s = compute dtype); bfloat16 halves "
-                        "KV memory (decodes then take the torch attention path). int8/fp8 KV is not built yet")
+                   help="KV cache element type (default: %(default)s = compute dtype). int8 keeps each "
+                        "token's K/V rows as int8 with a float32 scale: 3.8x the tokens of float32 for the "
+                        "same memory, read in place by the C decode kernels; bfloat16/float16 halve KV "
+                        "memory (decodes then take the slower torch attention path). fp8 is not built")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off (default: on)")

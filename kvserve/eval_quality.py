@@ -20,6 +20,7 @@ import inspect
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,20 @@ MODULES = (
     "uuid", "warnings", "zipfile",
 )
 DECODE_SUFFIX = ":decode"    # "gguf:decode": the format's model fed token by token (decode kernels)
+KV_SEPARATOR = "@"           # "gguf:decode@int8": ... with an int8 KV cache
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    weights: str               # a weight format of kvserve.model.quant.FORMATS
+    decode: bool               # fed token by token (decode steps) instead of window prefills
+    kv_dtype: str              # float32 | int8
+
+
+def parse_format(text: str) -> FormatSpec:
+    """'gguf' | 'gguf:decode' | 'none@int8' | 'gguf:decode@int8' -> FormatSpec."""
+    rest, _, kv = text.partition(KV_SEPARATOR)
+    return FormatSpec(rest.removesuffix(DECODE_SUFFIX), rest.endswith(DECODE_SUFFIX), kv or "float32")
 PPL_BOUND = 0.01
 TOP1_BOUND = 0.97
 
@@ -61,34 +76,42 @@ def corpus_text() -> str:
 
 
 class _Pool:
-    """One window's paged KV pool: contiguous blocks 0..n-1 (a fresh context per window)."""
+    """One window's paged KV pool: contiguous blocks 0..n-1 (a fresh context per window), float32
+    or int8 rows (kvserve.ops.kv_int8)."""
 
-    def __init__(self, arch, tokens: int, block: int = 16):
+    def __init__(self, arch, tokens: int, kv_dtype: str = "float32", block: int = 16):
+        from kvserve.ops import kv_int8
         self.block = block
         n = -(-tokens // block)
         shape = (n, block, arch.num_kv_heads, arch.head_dim)
-        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
+        dtype = torch.float32
+        if kv_dtype == "int8":
+            shape, dtype = kv_int8.pool_shape(*shape), torch.int8
+        elif kv_dtype != "float32":
+            raise ValueError(f"KV dtype {kv_dtype!r}: eval-quality measures float32 or int8")
+        self.kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
         self.table = torch.arange(n)[None]
 
 
 @torch.inference_mode()
-def window_logits(lm, ids: list[int]) -> torch.Tensor:
+def window_logits(lm, ids: list[int], kv_dtype: str = "float32") -> torch.Tensor:
     """Logits [len(ids), V] (float32) of one window prefilled from position 0."""
     from kvserve.ops.attention import AttentionMetadata
     T = len(ids)
-    pool = _Pool(lm.arch, T)
+    pool = _Pool(lm.arch, T, kv_dtype)
     meta = AttentionMetadata(torch.arange(T), [0, T], [T], pool.table, pool.block)
     hidden = lm.model(torch.tensor(ids), torch.arange(T), meta, pool.kv)
     return lm.model.compute_logits(hidden)
 
 
 @torch.inference_mode()
-def window_logits_decode(lm, ids: list[int]) -> torch.Tensor:
+def window_logits_decode(lm, ids: list[int], kv_dtype: str = "float32") -> torch.Tensor:
     """Logits [len(ids), V] of one window fed one token per step, as decode steps run (batch of
-    one row: the kernels a single-stream decode uses, e.g. the C layer stack)."""
+    one row: the kernels a single-stream decode uses, e.g. the C layer stack). Every position
+    then attends over keys/values read back from the pool (with an int8 pool: quantized)."""
     from kvserve.ops.attention import AttentionMetadata
     T = len(ids)
-    pool = _Pool(lm.arch, T)
+    pool = _Pool(lm.arch, T, kv_dtype)
     hidden = []
     for p in range(T):
         meta = AttentionMetadata(torch.tensor([p]), [0, 1], [p + 1], pool.table, pool.block)
@@ -109,8 +132,9 @@ def evaluate(models: dict, ids: list[int], window: int, progress: bool = True) -
         ref_logp = None
         for fmt, lm in models.items():
             t0 = time.perf_counter()
-            run = window_logits_decode if fmt.endswith(DECODE_SUFFIX) else window_logits
-            logp = F.log_softmax(run(lm, inp), dim=-1)
+            spec = parse_format(fmt)
+            run = window_logits_decode if spec.decode else window_logits
+            logp = F.log_softmax(run(lm, inp, spec.kv_dtype), dim=-1)
             st = stats[fmt]
             st["seconds"] += time.perf_counter() - t0
             if ref_logp is None:
@@ -132,10 +156,10 @@ def evaluate(models: dict, ids: list[int], window: int, progress: bool = True) -
 
 
 def format_table(results: dict) -> str:
-    lines = [f"{'format':<12} {'ppl':>9} {'Δppl':>8} {'top-1':>8} {'KL (nats)':>10} {'tokens':>7} {'s':>7}  within bound",
-             "-" * 80]
+    lines = [f"{'format':<18} {'ppl':>9} {'Δppl':>8} {'top-1':>8} {'KL (nats)':>10} {'tokens':>7} {'s':>7}  within bound",
+             "-" * 86]
     for fmt, m in results.items():
-        lines.append(f"{fmt:<12} {m['ppl']:>9.4f} {m['ppl_delta'] * 100:>7.2f}% {m['top1'] * 100:>7.2f}% "
+        lines.append(f"{fmt:<18} {m['ppl']:>9.4f} {m['ppl_delta'] * 100:>7.2f}% {m['top1'] * 100:>7.2f}% "
                      f"{m['kl']:>10.5f} {m['tokens']:>7} {m['seconds']:>7.1f}  {'yes' if m['ok'] else 'NO'}")
     return "\n".join(lines)
 
@@ -146,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default="none,int8,int4,gguf,gguf:decode",
                    help="comma-separated weight formats; the reference fp32 'none' is always included. "
                         "FORMAT:decode feeds the text one token per step, through the decode kernels "
-                        "(the C layer stack for gguf), instead of whole-window prefills")
+                        "(the C layer stack for gguf), instead of whole-window prefills; "
+                        "FORMAT@int8 uses an int8 KV cache (e.g. none@int8, gguf:decode@int8)")
     p.add_argument("--max-tokens", type=int, default=24576, help="tokens of the text to use (default: %(default)s)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -160,14 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.model.quant import FORMATS
     formats = ["none"] + [f for f in args.formats.split(",") if f and f != "none"]
     for f in formats:
-        if f.removesuffix(DECODE_SUFFIX) not in FORMATS:
-            p.error(f"unknown format {f!r} (choose from {', '.join(FORMATS)}, each optionally with {DECODE_SUFFIX})")
+        spec = parse_format(f)
+        if spec.weights not in FORMATS or spec.kv_dtype not in ("float32", "int8"):
+            p.error(f"unknown format {f!r}: FORMAT[{DECODE_SUFFIX}][{KV_SEPARATOR}int8], FORMAT one of "
+                    f"{', '.join(FORMATS)}")
     loaded = {}
     for f in formats:
-        base = f.removesuffix(DECODE_SUFFIX)
+        base = parse_format(f).weights
         if base not in loaded:
             loaded[base] = load_model(ModelConfig(model=args.model, quantization=base))
-    models = {f: loaded[f.removesuffix(DECODE_SUFFIX)] for f in formats}
+    models = {f: loaded[parse_format(f).weights] for f in formats}
     text = corpus_text()
     ids = models["none"].tokenizer.encode(text)[:args.max_tokens + 1]
     print(f"model: {models['none'].path}\ntext: stdlib docstrings, {len(text)} chars, "

@@ -89,12 +89,13 @@ def memory_bandwidth(seconds: float, mib: int = 256) -> dict:
 def _read_tensors(model):
     """(name, tensor) of what a forward pass reads: every module's own parameters and buffers, less
     rotary tables, and where a module keeps a packed copy of its weight (packed*, kernels read
-    that and its scales), only that copy. (int4 layers with a batch fp16 copy read only the int4
-    copy at batch 1; fp16-only layers are counted by model_facts from fp16_nbytes.)"""
+    that and its scales; gguf_packed: the GGUF blocks of the C kernel), only that copy. (Layers
+    with a batch fp16 copy read only the packed copy at batch 1; fp16-only layers are counted by
+    model_facts from fp16_nbytes.)"""
     for mod_name, mod in model.named_modules():
         own = list(itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False)))
-        if any(n.startswith("packed") for n, _ in own):
-            own = [(n, t) for n, t in own if n.startswith(("packed", "scale"))]
+        if any(n.startswith(("packed", "gguf_packed")) for n, _ in own):
+            own = [(n, t) for n, t in own if n.startswith(("packed", "scale", "gguf_packed"))]
         for n, t in own:
             if t is not None and not any(s in n for s in ("cos", "sin", "inv_freq")):
                 yield f"{mod_name}.{n}", t
@@ -105,7 +106,7 @@ def model_facts(llm) -> dict:
     model, arch = llm.engine.runner.model, llm.engine.arch
     seen, weight_bytes, embed_bytes = set(), 0, 0
     for name, mod in model.named_modules():
-        if not hasattr(mod, "packed4") and hasattr(mod, "fp16_nbytes"):
+        if not hasattr(mod, "packed4") and getattr(mod, "gguf_packed", None) is None and hasattr(mod, "fp16_nbytes"):
             weight_bytes += mod.fp16_nbytes    # fbgemm's packed fp16 weight: an opaque object, not a tensor
     for name, t in _read_tensors(model):
         key = t.untyped_storage().data_ptr()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.config import DTYPE_BYTES, EngineConfig, KVShape
+from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, EngineConfig, KVShape
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -68,7 +68,8 @@ class EngineCore:
         self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         kv_dtype = config.model.dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
-        self.kv_shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, DTYPE_BYTES[kv_dtype])
+        self.kv_shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, DTYPE_BYTES[kv_dtype],
+                                KV_SCALE_BYTES.get(kv_dtype, 0))
         self.num_blocks = config.cache.num_blocks(self.kv_shape)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
         self.runner = ModelRunner(loaded, config, self.num_blocks)

@@ -44,8 +44,8 @@ class FusedDecode:
         return cls(model)
 
     def runs(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:
-        """Whether this step is decode-only, small enough, and the KV pool is float32."""
-        if input_ids.shape[0] > self.MAX_ROWS or kv_caches[0][0].dtype != torch.float32:
+        """Whether this step is decode-only, small enough, and the KV pool float32 or int8."""
+        if input_ids.shape[0] > self.MAX_ROWS or kv_caches[0][0].dtype not in (torch.float32, torch.int8):
             return False
         plan = decode_plan(meta, self.model.arch.sliding_window, input_ids.device)
         return plan is not None and plan.all_decodes
@@ -69,7 +69,8 @@ class FusedDecode:
         a = m.layers[0].self_attn
         self._struct = cpu_kernels.DecodeModel(
             len(m.layers), arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, arch.intermediate_size,
-            kv_caches[0][0].shape[1], a.sliding_window or 0, m.layers[0].input_layernorm.eps, a.scale,
+            kv_caches[0][0].shape[1], a.sliding_window or 0, int(kv_caches[0][0].dtype == torch.int8),
+            m.layers[0].input_layernorm.eps, a.scale,
             ptr(m.embed_tokens.weight), ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
             ctypes.cast(layers, ctypes.POINTER(cpu_kernels.DecodeLayer)))
         self._layers, self._kv_caches = layers, kv_caches

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops import cpu_kernels
+from kvserve.ops import cpu_kernels, kv_int8
 
 
 @dataclass
@@ -36,8 +36,11 @@ class AttentionMetadata:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' keys and values ([T, Hkv, D]) at their slots in the pool."""
+    """Store the new tokens' keys and values ([T, Hkv, D]) at their slots in the pool (an int8
+    pool gets quantized rows: kvserve.ops.kv_int8)."""
     nb, bs, h, d = k_cache.shape
+    if k_cache.dtype == torch.int8:
+        k, v = kv_int8.quantize(k), kv_int8.quantize(v)
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -88,8 +91,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if plan.all_decodes:
             return out
     elif plan is not None:
-        k = gather_blocks(k_cache, plan.tables, plan.max_len).to(q.dtype)   # [Bd, Lmax, Hkv, D]
-        v = gather_blocks(v_cache, plan.tables, plan.max_len).to(q.dtype)
+        k = kv_int8.as_float(gather_blocks(k_cache, plan.tables, plan.max_len), q.dtype)   # [Bd, Lmax, Hkv, D]
+        v = kv_int8.as_float(gather_blocks(v_cache, plan.tables, plan.max_len), q.dtype)
         qd = q if plan.all_decodes else q[plan.qrow]
         o = F.scaled_dot_product_attention(qd[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=plan.sdpa_mask(sliding_window), scale=scale,
@@ -104,8 +107,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_len, seq_len = qsl[b + 1] - qsl[b], seq_lens[b]
         if q_len <= 1:
             continue
-        k = gather_kv(k_cache, meta.block_tables[b], seq_len).to(q.dtype)
-        v = gather_kv(v_cache, meta.block_tables[b], seq_len).to(q.dtype)
+        k = kv_int8.as_float(gather_kv(k_cache, meta.block_tables[b], seq_len), q.dtype)
+        v = kv_int8.as_float(gather_kv(v_cache, meta.block_tables[b], seq_len), q.dtype)
         qb = q[qsl[b]:qsl[b + 1]].transpose(0, 1)[None]           # [1, Hq, q_len, D]
         kb, vb = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
         if q_len == seq_len and sliding_window is None:
@@ -170,6 +173,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float,
                         sliding_window: int | None = None) -> torch.Tensor:
     """Dead-simple reference: explicit loops and softmax. Tests only."""
+    if k_cache.dtype == torch.int8:
+        k_cache, v_cache = kv_int8.dequantize(k_cache), kv_int8.dequantize(v_cache)
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv

@@ -46,8 +46,9 @@ def _cache_dir() -> Path:
 
 def _signatures(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.paged_decode_f32.restype = None
-    lib.paged_decode_f32.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [f32, i64, i64]
+    for f in (lib.paged_decode_f32, lib.paged_decode_i8):
+        f.restype = None
+        f.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [f32, i64, i64]
     lib.gguf_gemv.restype = ctypes.c_int
     lib.gguf_gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
     lib.gguf_gemv_isa.restype = i64
@@ -102,20 +103,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  qrow: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  window: int | None) -> None:
     """out[qrow[i]] = softmax(q[qrow[i]] K^T * scale) V over row i's `lens[i]` context slots
-    (tables[i] names its blocks), for float32 q [T, Hq, D], pools [NB, BS, Hkv, D], int64
-    qrow [R], tables [R, nblk], lens [R]. Every tensor must be contiguous."""
+    (tables[i] names its blocks), for float32 q [T, Hq, D], pools [NB, BS, Hkv, D] float32 or
+    [NB, BS, Hkv, D + 4] int8 (kv_int8 rows), int64 qrow [R], tables [R, nblk], lens [R]. Every
+    tensor must be contiguous."""
     lib = _library()
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+    fn = lib.paged_decode_i8 if k_cache.dtype == torch.int8 else lib.paged_decode_f32
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                          qrow.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
                          qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0, torch.get_num_threads())
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether paged_decode takes these tensors (all float32, GQA group <= MAX_GROUP); q is made
-    contiguous by the caller."""
-    return (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    """Whether paged_decode takes these tensors (float32 q, float32 or int8 pools, GQA group <=
+    MAX_GROUP); q is made contiguous by the caller."""
+    return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (torch.float32, torch.int8)
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
             and available())
 
@@ -154,7 +158,7 @@ class DecodeLayer(ctypes.Structure):
 class DecodeModel(ctypes.Structure):
     """decode_model_t of csrc/decode_layers.c: shapes, embedding, final norm, rope tables, layers."""
     _fields_ = [(n, ctypes.c_int64) for n in ("num_layers", "hidden", "num_heads", "kv_heads", "head_dim",
-                                             "intermediate", "block_size", "window")] \
+                                             "intermediate", "block_size", "window", "kv_int8")] \
         + [("eps", ctypes.c_double), ("scale", ctypes.c_double)] \
         + [(n, ctypes.c_void_p) for n in ("embed", "norm", "cos", "sin")] \
         + [("layers", ctypes.POINTER(DecodeLayer))]

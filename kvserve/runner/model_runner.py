@@ -13,10 +13,12 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.ops import kv_int8
 from kvserve.ops.attention import AttentionMetadata
 from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "int8": torch.int8}
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -43,6 +45,8 @@ class ModelRunner:
         kv_dtype = config.cache.kv_cache_dtype
         self.kv_dtype = _TORCH_DTYPES[config.model.dtype if kv_dtype == "auto" else kv_dtype]
         shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        if self.kv_dtype == torch.int8:       # rows of int8 values + a float32 scale (ops/kv_int8.py)
+            shape = kv_int8.pool_shape(*shape)
         # One preallocated pool per layer for K and for V, zero-filled (masked padding in the batched
         # decode attention reads unwritten slots: garbage there could be NaN, and 0 * NaN = NaN).
         self.kv_caches = [(_lazy_zeros(shape, self.kv_dtype), _lazy_zeros(shape, self.kv_dtype))

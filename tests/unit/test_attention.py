@@ -168,3 +168,38 @@ def test_model_layout_queries_take_the_c_kernel(monkeypatch, decode_path):
     torch.testing.assert_close(paged_attention(q_view, kc, vc, meta, 0.25),
                                paged_attention_ref(q, kc, vc, meta, 0.25), atol=1e-5, rtol=1e-5)
     assert calls, "decodes did not take the C kernel"
+
+
+def _int8_pools(kc, vc):
+    from kvserve.ops import kv_int8
+    return kv_int8.quantize(kc), kv_int8.quantize(vc)
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    from kvserve.ops import kv_int8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.rand(50, 3, 1, generator=g) * 10
+    x[4, 1] = 0.0                                        # an all-zero row keeps scale 0, values 0
+    rows = kv_int8.quantize(x)
+    assert rows.dtype == torch.int8 and rows.shape == (50, 3, 68)
+    back = kv_int8.dequantize(rows)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((back - x).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(back[4, 1], torch.zeros(64))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_int8_cache_matches_reference_on_mixed_batches(seed, decode_path):
+    """An int8 pool (kv_int8 rows): prompt chunks and decodes (C kernel or torch) equal the
+    reference attention over the dequantized pool; write_kv quantizes what it stores."""
+    rng = random.Random(500 + seed)
+    chunks = [(rng.randint(0, 40), 1), (0, rng.randint(2, 20)), (rng.randint(1, 30), 5), (rng.randint(0, 50), 1)]
+    q, k, v, kc, vc, meta = make_batch(rng, chunks, 4, 60, 6, 2, 16)
+    kc8, vc8 = _int8_pools(kc, vc)
+    write_kv(k, v, kc8, vc8, meta.slot_mapping)            # the new tokens go in quantized
+    got = paged_attention(q, kc8, vc8, meta, 0.25, sliding_window=None if seed % 2 else 9)
+    want = paged_attention_ref(q, kc8, vc8, meta, 0.25, sliding_window=None if seed % 2 else 9)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # and it is close to float attention: int8 rows are within half a step of the floats
+    exact = paged_attention_ref(q, kc, vc, meta, 0.25, sliding_window=None if seed % 2 else 9)
+    assert (got - exact).abs().max().item() < 0.05

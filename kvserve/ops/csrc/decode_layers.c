@@ -12,7 +12,8 @@
  *               h += (silu(x Wg^T) * x Wu^T) Wd^T               (gguf_gemv.c, fused gate/up)
  *   out = rmsnorm(h) * norm
  *
- * Every linear is a GGUF-packed weight (gguf_gemv.c); activations, KV pool and norms are float32.
+ * Every linear is a GGUF-packed weight (gguf_gemv.c); activations and norms are float32, the KV
+ * pool float32 or int8 rows with a scale (kv_int8).
  * The two kernels are compiled into this one library.
  */
 #include "gguf_gemv.c"
@@ -25,11 +26,12 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down;         /* gguf_gemv packed weights */
     int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
     const float *qkv_bias, *o_bias;                  /* NULL when the layer has none */
-    float *k_cache, *v_cache;                        /* [blocks][block_size][kv_heads][head_dim] */
+    void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows: float32[head_dim], or
+                                     int8[head_dim] + float32 scale when kv_int8 */
 } decode_layer_t;
 
 typedef struct {
-    int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, block_size, window;
+    int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, block_size, window, kv_int8;
     double eps, scale;
     const float *embed;                              /* [vocab][hidden] */
     const float *norm;                               /* final RMSNorm [hidden] */
@@ -51,6 +53,26 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
         const float a = x[i], b = x[i + half];
         x[i] = a * cos[i] + b * sin[i];
         x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* Store one token's K or V heads ([kv_heads][D] floats) at `slot` of a pool. */
+static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads, int64_t D, int64_t int8) {
+    if (!int8) {
+        memcpy((float *)pool + slot * kv_heads * D, x, sizeof(float) * kv_heads * D);
+        return;
+    }
+    for (int64_t h = 0; h < kv_heads; h++) {           /* kv_int8.quantize, row by row */
+        int8_t *row = (int8_t *)pool + (slot * kv_heads + h) * (D + 4);
+        const float *xh = x + h * D;
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; d++) amax = fabsf(xh[d]) > amax ? fabsf(xh[d]) : amax;
+        const float scale = amax / 127.f;
+        for (int64_t d = 0; d < D; d++) {
+            float v = scale > 0.f ? __builtin_rintf(xh[d] / scale) : 0.f;
+            row[d] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+        }
+        memcpy(row + D, &scale, 4);
     }
 }
 
@@ -81,12 +103,15 @@ int decode_layers(const decode_model_t *m, const int64_t *ids, const int64_t *po
             const float *c = m->cos + positions[t] * D, *s = m->sin + positions[t] * D;
             for (int64_t hd = 0; hd < m->num_heads + m->kv_heads; hd++) rope(row + hd * D, c, s, D);
             memcpy(q + t * qs, row, sizeof(float) * qs);
-            memcpy(L->k_cache + slots[t] * kvs, row + qs, sizeof(float) * kvs);
-            memcpy(L->v_cache + slots[t] * kvs, row + qs + kvs, sizeof(float) * kvs);
+            store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_int8);
+            store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_int8);
         }
-        paged_decode_f32(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T,
-                         m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
-                         num_threads);
+        if (m->kv_int8)
+            paged_decode_i8(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T, m->num_heads,
+                            m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads);
+        else
+            paged_decode_f32(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T, m->num_heads,
+                             m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads);
         if ((rc = gguf_gemv(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, num_threads))) goto done;
         for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
         if ((rc = gguf_gemv(L->gate_up, L->gate_up_kind, 2 * I, H, x, H, T, gu, 2 * I, NULL, 0, num_threads))) goto done;

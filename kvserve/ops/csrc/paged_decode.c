@@ -1,7 +1,9 @@
 /* Paged decode attention on the CPU: one query token per row, read over its request's context
  * straight from the paged KV pool (no gather into fresh tensors).
  *
- * Pool layout (one layer): k_cache, v_cache float32 [num_blocks][block_size][kv_heads][head_dim].
+ * Pool layout (one layer): k_cache, v_cache float32 [num_blocks][block_size][kv_heads][head_dim],
+ * or int8 (paged_decode_i8): each (slot, kv head) row is head_dim int8 values followed by its
+ * float32 scale in 4 bytes (x ~= scale * q; kvserve/ops/kv_int8.py writes them).
  * Row i: query q[qrow[i]] (float32 [num_heads][head_dim]), context lens[i] tokens whose slots are
  * tables[i][p / block_size] * block_size + p % block_size; keys older than `window` positions
  * (window > 0) are skipped. Output goes to out[qrow[i]] ([num_heads][head_dim]).
@@ -37,13 +39,48 @@ static inline float exp_nonpos(float x) {
     return x < -87.f ? 0.f : u.f;
 }
 
-void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                      const int64_t *qrow, const int64_t *tables, int64_t table_stride,
-                      const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                      int64_t num_threads) {
+/* One K or V row's dot with / accumulation into float vectors: float32 rows in place, int8 rows
+ * with their scale (quantized is a constant in each instantiation). */
+static inline __attribute__((always_inline)) float
+row_dot(const float *x, const uint8_t *row, int64_t head_dim, const int quantized) {
+    float s = 0.f;
+    if (quantized) {
+        const int8_t *r = (const int8_t *)row;
+        for (int64_t d = 0; d < head_dim; d++) s += x[d] * (float)r[d];
+    } else {
+        const float *r = (const float *)row;
+        for (int64_t d = 0; d < head_dim; d++) s += x[d] * r[d];
+    }
+    return s;
+}
+
+static inline __attribute__((always_inline)) void
+row_axpy(float *restrict y, float w, const uint8_t *row, int64_t head_dim, const int quantized) {
+    if (quantized) {
+        const int8_t *r = (const int8_t *)row;
+        for (int64_t d = 0; d < head_dim; d++) y[d] += w * (float)r[d];
+    } else {
+        const float *r = (const float *)row;
+        for (int64_t d = 0; d < head_dim; d++) y[d] += w * r[d];
+    }
+}
+
+static inline __attribute__((always_inline)) float row_scale(const uint8_t *row, int64_t head_dim, const int quantized) {
+    float s = 1.f;
+    if (quantized) memcpy(&s, row + head_dim, 4);
+    return s;
+}
+
+static inline __attribute__((always_inline)) void
+paged_decode(const float *q, const void *k_cache, const void *v_cache, float *out,
+             const int64_t *qrow, const int64_t *tables, int64_t table_stride,
+             const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+             int64_t head_dim, int64_t block_size, float scale, int64_t window,
+             int64_t num_threads, const int quantized) {
     const int64_t group = num_heads / kv_heads;
-    const int64_t tok_stride = kv_heads * head_dim;        /* floats between slots */
+    const int64_t row_bytes = quantized ? head_dim + 4 : head_dim * 4;
+    const int64_t tok_stride = kv_heads * row_bytes;       /* bytes between slots */
+    const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -60,13 +97,11 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
              * [start, len), slot = table[p / block_size] * block_size + p % block_size. */
             for (int64_t p = start, t = 0; p < len;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
-                const float *kr = k_cache + (table[p / block_size] * block_size + off) * tok_stride + h * head_dim;
+                const uint8_t *kr = kc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                 for (int64_t j = 0; j < run; j++, t++, kr += tok_stride) {
+                    const float ks = scale * row_scale(kr, head_dim, quantized);
                     for (int64_t g = 0; g < group; g++) {
-                        const float *qg = qh + g * head_dim;
-                        float s = 0.f;
-                        for (int64_t d = 0; d < head_dim; d++) s += qg[d] * kr[d];
-                        s *= scale;
+                        const float s = row_dot(qh + g * head_dim, kr, head_dim, quantized) * ks;
                         scores[g * n + t] = s;
                         if (s > mx[g]) mx[g] = s;
                     }
@@ -88,13 +123,11 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
             }
             for (int64_t p = start, t = 0; p < len;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
-                const float *vr = v_cache + (table[p / block_size] * block_size + off) * tok_stride + h * head_dim;
+                const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                 for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
-                    for (int64_t g = 0; g < group; g++) {
-                        const float w = scores[g * n + t];
-                        float *restrict og = oh + g * head_dim;
-                        for (int64_t d = 0; d < head_dim; d++) og[d] += w * vr[d];
-                    }
+                    const float vs = row_scale(vr, head_dim, quantized);
+                    for (int64_t g = 0; g < group; g++)
+                        row_axpy(oh + g * head_dim, scores[g * n + t] * vs, vr, head_dim, quantized);
                 }
                 p += run;
             }
@@ -106,4 +139,22 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
             free(scores);
         }
     }
+}
+
+void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
+                      const int64_t *qrow, const int64_t *tables, int64_t table_stride,
+                      const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                      int64_t num_threads) {
+    paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
+                 kv_heads, head_dim, block_size, scale, window, num_threads, 0);
+}
+
+void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cache, float *out,
+                     const int64_t *qrow, const int64_t *tables, int64_t table_stride,
+                     const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                     int64_t num_threads) {
+    paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
+                 kv_heads, head_dim, block_size, scale, window, num_threads, 1);
 }
