@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -367,15 +368,23 @@ def _packable_types():
 class GgufMethod(_PackedMethod):
     """The file's Q4_0 / Q4_1 / Q8_0 blocks, interleaved 16 rows at a time (pack_gguf_rows) and run
     by the C kernel kvserve/ops/csrc/gguf_gemv.c for up to C_ROWS activation rows (decode steps):
-    512-bit VNNI dot products of the 4/8-bit integers with the activations rounded to 8 bits per
-    block of 32, as llama.cpp does. Larger batches use the same values as an fbgemm fp16 weight
-    (fp32 activations), which wins from ~C_ROWS rows up. A weight the loader has already
-    dequantized (another GGUF type, or a float checkpoint) gets only the fp16 weight.
+    512-bit VNNI dot products of the 4/8-bit integers with the activations as two 8-bit parts
+    per block of 32 (~15 bits). Larger batches use the same values as an fbgemm fp16 weight (fp32
+    activations), faster from ~C_ROWS rows up. A weight the loader has already dequantized
+    (another GGUF type, or a float checkpoint) gets only the fp16 weight.
+
+    The fp16 copy is built when a batch first needs it (or ahead of time by
+    prepare_batch_weights): it costs ~2 s of start-up and ~270 MB that single-stream use never
+    needs. Which kernel runs depends only on the number of rows, never on timing.
 
     Used when the kernel's SIMD path was built (cpu_kernels.gguf_gemv_fast()); otherwise the gguf
     format falls back to Int4Method(batch_fp16=True) and Fp16Method."""
 
     C_ROWS = 32     # measured: the C kernel is as fast as fbgemm fp16 at 32 rows, faster below
+
+    def __init__(self, c_rows: int | None = C_ROWS):
+        """c_rows: the most rows the C kernel takes (None: every batch; no fp16 copy is built)."""
+        self.c_rows = c_rows
 
     def load(self, layer, w, offset: int, whole: bool) -> None:
         layer._staged[offset] = w
@@ -387,33 +396,59 @@ class GgufMethod(_PackedMethod):
     def pack(self, layer, parts):
         qtypes = {p.qtype if isinstance(p, BlockTensor) else None for p in parts}
         qtype = qtypes.pop() if len(qtypes) == 1 else None
+        layer.fp16_nbytes = layer.out_features * layer.in_features * 2
         if qtype in _packable_types():
             blocks = BlockTensor(np.concatenate([p.raw for p in parts]), qtype,
                                  (layer.out_features, layer.in_features))
             packed, kind = pack_gguf_rows(blocks)
             layer.register_buffer("gguf_packed", packed, persistent=False)
             layer.gguf_kind = kind
-            w = blocks.dequantize()
+            layer._fp16 = None            # built on first use: batch_weight
         else:
             layer.gguf_packed, layer.gguf_kind = None, 0
-            w = torch.cat([dense(p).float() for p in parts])
-        layer._fp16 = fp16_prepack(w)
-        layer.fp16_nbytes = w.numel() * 2
+            layer._fp16 = fp16_prepack(torch.cat([dense(p).float() for p in parts]))
+
+    def batch_weight(self, layer):
+        """The fbgemm fp16 weight of the layer's values, built once (thread-safe)."""
+        fp16 = layer._fp16
+        if fp16 is None:
+            with _FP16_BUILD:
+                if layer._fp16 is None:
+                    layer._fp16 = fp16_prepack(self.dequantized(layer))
+                fp16 = layer._fp16
+        return fp16
 
     def apply(self, layer, x):
         from kvserve.ops import cpu_kernels
 
         def kernel(x2):
-            if layer.gguf_packed is not None and x2.shape[0] <= self.C_ROWS:
+            if layer.gguf_packed is not None and (self.c_rows is None or x2.shape[0] <= self.c_rows):
                 return cpu_kernels.gguf_gemv(layer.gguf_packed, layer.gguf_kind, layer.out_features,
                                              x2.float().contiguous())
-            return torch.ops.quantized.linear_dynamic_fp16(x2.float(), layer._fp16)
+            return torch.ops.quantized.linear_dynamic_fp16(x2.float(), self.batch_weight(layer))
         return self._run_2d(layer, x, kernel)
 
     def dequantized(self, layer) -> torch.Tensor:
         if layer.gguf_packed is not None:
             return unpack_gguf_rows(layer.gguf_packed, layer.gguf_kind, (layer.out_features, layer.in_features))
         return torch.ops.quantized.linear_unpack_fp16(layer._fp16)[0].float()
+
+
+_FP16_BUILD = threading.Lock()
+
+
+def prepare_batch_weights(model: nn.Module) -> int:
+    """Build every GgufMethod layer's fp16 batch weight now (benchmarks before timing, the server
+    in the background after start-up). Returns how many were built."""
+    from kvserve.model.layers import Linear
+    built = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (isinstance(module, Linear) and isinstance(method, GgufMethod) and module._fp16 is None
+                and method.c_rows is not None):
+            module.quant_method.batch_weight(module)
+            built += 1
+    return built
 
 
 def _gguf_kernel_fast() -> bool:
@@ -437,11 +472,13 @@ def method_for(fmt: str, in_features: int, out_features: int):
 
 
 def head_method_for(fmt: str, in_features: int, out_features: int):
-    """The LM head's method: gguf keeps the file's Q8_0 values as fp16 weights (fbgemm fp16, fp32
-    activations: an int8 head costs 2.7 points of top-1 agreement on SmolLM2); int4 uses int8 for
-    the head (an int4 head costs +5.6% ppl on SmolLM2, the Q4 layers ~0%)."""
-    if fmt == "gguf":
-        return GgufMethod() if _gguf_kernel_fast() and in_features % GROUP == 0 else Fp16Method()
+    """The LM head's method: gguf keeps the file's Q8_0 blocks for the C kernel at every batch size
+    (without its SIMD build: the same values as fbgemm fp16 weights with fp32 activations; an
+    int8-activation head costs 2.7 points of top-1 agreement on SmolLM2); int4 uses int8 for the
+    head (an int4 head costs +5.6% ppl on SmolLM2, the Q4 layers ~0%)."""
+    if fmt == "gguf":   # the C kernel at every batch size: it beats fbgemm fp16 on the head up to
+        # 64 rows (max_num_seqs), and the fp16 copy would cost 56 MB (plus 113 MB while built)
+        return GgufMethod(c_rows=None) if _gguf_kernel_fast() and in_features % GROUP == 0 else Fp16Method()
     if fmt == "int4":
         return Int8Method()
     return method_for(fmt, in_features, out_features)

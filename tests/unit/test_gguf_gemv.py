@@ -114,3 +114,26 @@ def test_gguf_method_takes_dense_weights_as_fp16():
     assert lin.gguf_packed is None
     x = torch.randn(2, 64)
     assert torch.allclose(lin(x), x @ w.half().float().t(), atol=1e-4)
+
+
+def test_batch_weights_are_built_on_first_need_or_ahead():
+    """The fp16 copy does not exist until a large batch (or prepare_batch_weights) needs it; the
+    kernel choice depends only on rows, so the outputs are the same either way."""
+    from torch import nn
+
+    from kvserve.model.quant import prepare_batch_weights
+    if not cpu_kernels.gguf_gemv_fast():
+        pytest.skip("no SIMD build of the GEMV here")
+
+    def make():
+        bt = blocks(Q.Q8_0, 48, 64, seed=5)
+        lin = Linear(64, 48, quant_method=GgufMethod())
+        lin.load_weight(bt)
+        return lin
+    lazy, ahead = make(), make()
+    assert lazy._fp16 is None and ahead._fp16 is None
+    assert prepare_batch_weights(nn.Sequential(ahead)) == 1 and ahead._fp16 is not None
+    assert prepare_batch_weights(nn.Sequential(ahead)) == 0
+    small, big = torch.randn(3, 64), torch.randn(GgufMethod.C_ROWS + 5, 64)
+    assert torch.equal(lazy(small), ahead(small)) and lazy._fp16 is None
+    assert torch.equal(lazy(big), ahead(big)) and lazy._fp16 is not None
