@@ -72,6 +72,18 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t nb, in
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KVSERVE_PORTABLE)
 #define ISA 2
 
+/* 256 sum_j q_j xa_j + sum_j q_j xb_j for 16 rows at once: q[c] holds weights 4c..4c+3 of each
+ * row (u8), x the block's 32 xa then 32 xb (s8). */
+static inline __m512i dot_two_parts(const __m512i q[8], const int8_t *x) {
+    const int32_t *xa = (const int32_t *)x, *xb = xa + 8;
+    __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        sa = _mm512_dpbusd_epi32(sa, q[c], _mm512_set1_epi32(xa[c]));
+        sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xb[c]));
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb);
+}
+
 /* One group of 16 rows against R activation rows: out[r * 16 + i]. */
 static inline __attribute__((always_inline)) void
 group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const int8_t *xq, const float *dx,
@@ -91,13 +103,7 @@ group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const int8_t *xq, const f
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4); /* q[4c+16 .. 4c+19] */
             }
             for (int r = 0; r < R; r++) {
-                const int32_t *xa = (const int32_t *)(xq + (r * nb + b) * 64), *xb = xa + 8;
-                __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
-                for (int c = 0; c < 8; c++) {
-                    sa = _mm512_dpbusd_epi32(sa, q[c], _mm512_set1_epi32(xa[c]));
-                    sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xb[c]));
-                }
-                const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb);
+                const __m512i s = dot_two_parts(q, xq + (r * nb + b) * 64);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
                 acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
             }
@@ -108,13 +114,7 @@ group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const int8_t *xq, const f
             __m512i q[8];
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + 32 + 64 * c);
             for (int r = 0; r < R; r++) {
-                const int32_t *xa = (const int32_t *)(xq + (r * nb + b) * 64), *xb = xa + 8;
-                __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
-                for (int c = 0; c < 8; c++) {
-                    sa = _mm512_dpbusd_epi32(sa, q[c], _mm512_set1_epi32(xa[c]));
-                    sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xb[c]));
-                }
-                const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb),
+                const __m512i s = _mm512_sub_epi32(dot_two_parts(q, xq + (r * nb + b) * 64),
                                                    _mm512_set1_epi32(128 * sq[r * nb + b]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
             }
