@@ -1,10 +1,11 @@
 """Decode steps of a Llama-family model as one C call (kvserve/ops/csrc/decode_layers.c).
 
-A decode-only step of a few requests is small: ~4 MB of weights per token... and ~60 eager
-PyTorch ops per layer, whose dispatch cost about as much as the matmuls on this model. When every
-linear holds GGUF-packed weights (quant.GgufMethod), the whole layer stack runs in C instead:
-same weights, same math as LlamaForCausalLM.forward (its tests compare the two), no Python
-between layers. Other steps (prompt chunks, mixed or larger batches) take the PyTorch path.
+A decode-only step of a few requests is small work (a ~2 MiB layer of Q4 weights read once) run
+as ~60 eager PyTorch ops per layer, whose dispatch cost as much as the matmuls on SmolLM2-135M
+(~10 ms of a 25 ms step). When every linear holds GGUF-packed weights (quant.GgufMethod), the
+whole layer stack runs in C instead: same weights, same math as LlamaForCausalLM.forward (its
+tests compare the two), no Python between layers. Other steps (prompt chunks, mixed or larger
+batches) take the PyTorch path.
 """
 from __future__ import annotations
 

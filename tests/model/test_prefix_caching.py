@@ -83,3 +83,24 @@ def test_n4_greedy_forks_match_single(cached):
     assert [c.index for c in many.outputs] == [0, 1, 2, 3]
     assert all(c.token_ids == single for c in many.outputs)
     _assert_idle(cached)
+
+
+def test_int8_kv_cache_engine_prefix_hits_and_forks():
+    """The whole engine on an int8 KV pool: rows of int8 + scale, 12,240 bytes a token; prefix-cache
+    hits and n > 1 forks (copy-on-write copies int8 blocks) give what recomputing gives, and every
+    block is free at the end."""
+    import torch
+    llm = LLM(kv_cache_memory="64MiB", kv_cache_dtype="int8", enable_prefix_caching=True)
+    assert llm.engine.kv_shape.bytes_per_token == 2 * 30 * 3 * (64 + 4)
+    k = llm.engine.runner.kv_caches[0][0]
+    assert k.dtype == torch.int8 and k.shape[-1] == 64 + 4
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts()[:3]
+    first = _texts(llm.generate(prompts, params, use_tqdm=False))
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert _texts(again) == first
+    forks = llm.generate(prompts[:1], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert [c.token_ids for c in forks.outputs] == [first[0][0]] * 3
+    _assert_idle(llm)
