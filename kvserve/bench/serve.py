@@ -49,7 +49,8 @@ def add_args(p) -> None:
     g.add_argument("--text-prompts", action="store_true", help="send prompts as text instead of token ids")
     g.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up requests (default: %(default)s)")
-    g.add_argument("--plot", default=None, help="sweep plot PNG (default: docs/bench-results/serve-<...>.png)")
+    g.add_argument("--plot", default=None, help="sweep plot PNG (default: docs/bench-results/serve-<...>.png with --save, "
+                   "else beside the -o JSON)")
     add_peer_args(p, "start and load")
     add_output_args(p)
 
@@ -213,7 +214,9 @@ def main(args, argv: list[str]) -> int:
     print_tables(result["runs"])
     name = f"serve-{args.dataset}" + (f"-{knob.replace('_', '-')}-sweep" if knob else "")
     if knob:
-        plot = Path(args.plot) if args.plot else common.RESULTS_DIR / f"{name}.png"
+        # docs/bench-results only for a saved result; otherwise beside the output JSON (or here)
+        plot = (Path(args.plot) if args.plot else common.RESULTS_DIR / f"{name}.png" if args.save
+                else Path(args.output or f"{name}.json").with_suffix(".png"))
         plot_sweep(result["runs"], knob, plot, f"{args.dataset}: {len(reqs)} requests, SLO {args.slo}")
         result["plot"] = str(plot)
     common.save_result(result, args.output, args.save, name)
