@@ -1,9 +1,11 @@
 """Small C kernels for the CPU, built on first use with the system C compiler and called via ctypes.
 
-No torch headers are involved (a torch C++ extension takes a minute to compile on 2 cores; these
-take about a second). The shared object is cached under $KVSERVE_CACHE_DIR (default
-~/.cache/kvserve) in a file named by the hash of the source, the compiler flags and the CPU model,
-so a changed source or another CPU builds anew. Without a compiler, when the build or load fails,
+csrc/decode_layers.c includes the other sources, so all kernels are one library: paged decode
+attention (float32 or int8 KV rows), the GGUF block GEMV and the fused decode layer stack. No torch
+headers are involved (a torch C++ extension takes a minute to compile on 2 cores; this takes about
+2 s). The shared object is cached under $KVSERVE_CACHE_DIR (default ~/.cache/kvserve) in a file
+named by the hash of the sources, the compiler flags and the CPU model, so a changed source or
+another CPU builds anew. Without a compiler, when the build or load fails,
 or with KVSERVE_NO_C_KERNELS=1, `available()` is False and callers use their torch path.
 """
 from __future__ import annotations
