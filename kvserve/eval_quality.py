@@ -184,17 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.model.loader import load_model
     from kvserve.model.quant import FORMATS
     formats = ["none"] + [f for f in args.formats.split(",") if f and f != "none"]
-    for f in formats:
-        spec = parse_format(f)
+    specs = {f: parse_format(f) for f in formats}
+    for f, spec in specs.items():
         if spec.weights not in FORMATS or spec.kv_dtype not in ("float32", "int8"):
             p.error(f"unknown format {f!r}: FORMAT[{DECODE_SUFFIX}][{KV_SEPARATOR}int8], FORMAT one of "
                     f"{', '.join(FORMATS)}")
     loaded = {}
-    for f in formats:
-        base = parse_format(f).weights
-        if base not in loaded:
-            loaded[base] = load_model(ModelConfig(model=args.model, quantization=base))
-    models = {f: loaded[parse_format(f).weights] for f in formats}
+    for spec in specs.values():
+        if spec.weights not in loaded:
+            loaded[spec.weights] = load_model(ModelConfig(model=args.model, quantization=spec.weights))
+    models = {f: loaded[spec.weights] for f, spec in specs.items()}
     text = corpus_text()
     ids = models["none"].tokenizer.encode(text)[:args.max_tokens + 1]
     print(f"model: {models['none'].path}\ntext: stdlib docstrings, {len(text)} chars, "

@@ -33,6 +33,9 @@ class FusedDecode:
         without packed GGUF weights, no C kernels)."""
         if not (cpu_kernels.available() and cpu_kernels.gguf_gemv_fast()) or model.dtype != torch.float32:
             return None
+        attn = model.layers[0].self_attn
+        if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP or model.embed_tokens.weight.dtype != torch.float32:
+            return None
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -40,8 +43,6 @@ class FusedDecode:
                     return None
             if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
                 return None
-        if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP or model.embed_tokens.weight.dtype != torch.float32:
-            return None
         return cls(model)
 
     def runs(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:

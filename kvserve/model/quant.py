@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve.model.layers import dense
+from kvserve.model.layers import Linear, dense
+from kvserve.ops import cpu_kernels
 
 FORMATS = ("none", "int8", "int4", "gguf")
 GROUP = 32
@@ -82,10 +83,11 @@ def pack_gguf_rows(w: BlockTensor) -> tuple[torch.Tensor, int]:
     d, (Q4) the 16 fp16 offsets m, then the integers, 4 weights of each row side by side. Values
     are the file's: the same nibbles / int8 (Q8 stored + 128) and fp16 scales (Q4_0: m = -8 d,
     exact in fp16)."""
+    from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGMLQuantizationType as Q
     N, K = w.shape
     nb, G = K // GROUP, -(-N // 16)
-    bs = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[w.qtype]
+    bs = GGML_QUANT_SIZES[w.qtype][1]          # bytes per block of 32
     blocks = np.zeros((G * 16, nb, bs), np.uint8)
     blocks[:N] = w.raw.reshape(N, nb, bs)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]                  # [G*16, nb]
@@ -145,16 +147,24 @@ class _PackedMethod:
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         layer.weight = None
-        layer._staged = {}      # offset -> parts (tuple of tensors with rows first)
+        layer._staged = {}      # offset -> (parts, rows) of a shard not yet packed
         layer._dtype = dtype
 
     def load(self, layer, w, offset: int, whole: bool) -> None:
-        layer._staged[offset] = self.rows(w)
-        if sum(p[0].shape[0] for p in layer._staged.values()) == layer.out_features:
-            parts = [layer._staged[o] for o in sorted(layer._staged)]
-            full = tuple(torch.cat(xs, 0) if xs[0] is not None else None for xs in zip(*parts))
-            del layer._staged
-            self.pack(layer, *full)
+        parts = self._stage(layer, offset, self.rows(w), w.shape[0])
+        if parts is not None:
+            self.pack(layer, *(torch.cat(xs, 0) if xs[0] is not None else None for xs in zip(*parts)))
+
+    @staticmethod
+    def _stage(layer, offset: int, part, rows: int) -> list | None:
+        """Keep one shard's part until the layer's rows are all in; then return the parts in row
+        order (and free the staging), else None."""
+        layer._staged[offset] = (part, rows)
+        if sum(n for _, n in layer._staged.values()) != layer.out_features:
+            return None
+        parts = [layer._staged[o][0] for o in sorted(layer._staged)]
+        del layer._staged
+        return parts
 
     def rows(self, w):
         raise NotImplementedError
@@ -387,10 +397,8 @@ class GgufMethod(_PackedMethod):
         self.c_rows = c_rows
 
     def load(self, layer, w, offset: int, whole: bool) -> None:
-        layer._staged[offset] = w
-        if sum(p.shape[0] for p in layer._staged.values()) == layer.out_features:
-            parts = [layer._staged[o] for o in sorted(layer._staged)]
-            del layer._staged
+        parts = self._stage(layer, offset, w, w.shape[0])      # blocks stay blocks until pack
+        if parts is not None:
             self.pack(layer, parts)
 
     def pack(self, layer, parts):
@@ -419,8 +427,6 @@ class GgufMethod(_PackedMethod):
         return fp16
 
     def apply(self, layer, x):
-        from kvserve.ops import cpu_kernels
-
         def kernel(x2):
             if layer.gguf_packed is not None and (self.c_rows is None or x2.shape[0] <= self.c_rows):
                 return cpu_kernels.gguf_gemv(layer.gguf_packed, layer.gguf_kind, layer.out_features,
@@ -440,20 +446,13 @@ _FP16_BUILD = threading.Lock()
 def prepare_batch_weights(model: nn.Module) -> int:
     """Build every GgufMethod layer's fp16 batch weight now (benchmarks before timing, the server
     in the background after start-up). Returns how many were built."""
-    from kvserve.model.layers import Linear
     built = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if (isinstance(module, Linear) and isinstance(method, GgufMethod) and module._fp16 is None
-                and method.c_rows is not None):
-            module.quant_method.batch_weight(module)
+        if isinstance(method, GgufMethod) and method.c_rows is not None and module._fp16 is None:
+            method.batch_weight(module)
             built += 1
     return built
-
-
-def _gguf_kernel_fast() -> bool:
-    from kvserve.ops import cpu_kernels
-    return cpu_kernels.gguf_gemv_fast()
 
 
 # ---------------------------------------------------------------- choosing methods
@@ -464,7 +463,7 @@ def method_for(fmt: str, in_features: int, out_features: int):
         return None
     if fmt == "int8":
         return Int8Method()
-    if fmt == "gguf" and _gguf_kernel_fast():
+    if fmt == "gguf" and cpu_kernels.gguf_gemv_fast():
         return GgufMethod() if in_features % GROUP == 0 else None
     if fmt in ("int4", "gguf"):
         return Int4Method(batch_fp16=fmt == "gguf") if Int4Method.supports(in_features) else None
@@ -478,7 +477,7 @@ def head_method_for(fmt: str, in_features: int, out_features: int):
     head (an int4 head costs +5.6% ppl on SmolLM2, the Q4 layers ~0%)."""
     if fmt == "gguf":   # the C kernel at every batch size: it beats fbgemm fp16 on the head up to
         # 64 rows (max_num_seqs), and the fp16 copy would cost 56 MB (plus 113 MB while built)
-        return GgufMethod(c_rows=None) if _gguf_kernel_fast() and in_features % GROUP == 0 else Fp16Method()
+        return GgufMethod(c_rows=None) if cpu_kernels.gguf_gemv_fast() and in_features % GROUP == 0 else Fp16Method()
     if fmt == "int4":
         return Int8Method()
     return method_for(fmt, in_features, out_features)
@@ -487,7 +486,6 @@ def head_method_for(fmt: str, in_features: int, out_features: int):
 def apply_quantization(model: nn.Module, fmt: str) -> None:
     """Give every Linear of `model` the method of format `fmt` (before any weight is loaded), and
     a quantized LM head when the head is tied to the embedding."""
-    from kvserve.model.layers import Linear
     if fmt in (None, "none"):
         return
     for module in list(model.modules()):

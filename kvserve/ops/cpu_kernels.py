@@ -48,9 +48,8 @@ def _cache_dir() -> Path:
 
 def _signatures(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    for f in (lib.paged_decode_f32, lib.paged_decode_i8):
-        f.restype = None
-        f.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [f32, i64, i64]
+    lib.paged_decode_pool.restype = None
+    lib.paged_decode_pool.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [f32, i64, i64, i64]
     lib.gguf_gemv.restype = ctypes.c_int
     lib.gguf_gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
     lib.gguf_gemv_isa.restype = i64
@@ -111,10 +110,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lib = _library()
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    fn = lib.paged_decode_i8 if k_cache.dtype == torch.int8 else lib.paged_decode_f32
-    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                         qrow.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                         qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0, torch.get_num_threads())
+    lib.paged_decode_pool(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                          qrow.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+                          qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0, torch.get_num_threads(),
+                          int(k_cache.dtype == torch.int8))
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -106,12 +106,8 @@ int decode_layers(const decode_model_t *m, const int64_t *ids, const int64_t *po
             store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_int8);
             store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_int8);
         }
-        if (m->kv_int8)
-            paged_decode_i8(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T, m->num_heads,
-                            m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads);
-        else
-            paged_decode_f32(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T, m->num_heads,
-                             m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads);
+        paged_decode_pool(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T, m->num_heads,
+                          m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads, m->kv_int8);
         if ((rc = gguf_gemv(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, num_threads))) goto done;
         for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
         if ((rc = gguf_gemv(L->gate_up, L->gate_up_kind, 2 * I, H, x, H, T, gu, 2 * I, NULL, 0, num_threads))) goto done;

@@ -2,7 +2,7 @@
  * straight from the paged KV pool (no gather into fresh tensors).
  *
  * Pool layout (one layer): k_cache, v_cache float32 [num_blocks][block_size][kv_heads][head_dim],
- * or int8 (paged_decode_i8): each (slot, kv head) row is head_dim int8 values followed by its
+ * or int8 (paged_decode_pool with int8_rows): each (slot, kv head) row is head_dim int8 values followed by its
  * float32 scale in 4 bytes (x ~= scale * q; kvserve/ops/kv_int8.py writes them).
  * Row i: query q[qrow[i]] (float32 [num_heads][head_dim]), context lens[i] tokens whose slots are
  * tables[i][p / block_size] * block_size + p % block_size; keys older than `window` positions
@@ -141,20 +141,17 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache, float *ou
     }
 }
 
-void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                      const int64_t *qrow, const int64_t *tables, int64_t table_stride,
-                      const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                      int64_t num_threads) {
-    paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
-                 kv_heads, head_dim, block_size, scale, window, num_threads, 0);
-}
-
-void paged_decode_i8(const float *q, const int8_t *k_cache, const int8_t *v_cache, float *out,
-                     const int64_t *qrow, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                     int64_t num_threads) {
-    paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
-                 kv_heads, head_dim, block_size, scale, window, num_threads, 1);
+/* The exported entry: float32 pools, or int8 rows with a scale when int8_rows is set. Each branch
+ * is an instantiation with its row format fixed at compile time. */
+void paged_decode_pool(const float *q, const void *k_cache, const void *v_cache, float *out,
+                       const int64_t *qrow, const int64_t *tables, int64_t table_stride,
+                       const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                       int64_t num_threads, int64_t int8_rows) {
+    if (int8_rows)
+        paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
+                     kv_heads, head_dim, block_size, scale, window, num_threads, 1);
+    else
+        paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
+                     kv_heads, head_dim, block_size, scale, window, num_threads, 0);
 }
