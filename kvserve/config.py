@@ -9,8 +9,31 @@ import os
 import re
 from dataclasses import dataclass, field
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-               "int8": 1, "fp8": 1}
+# The canonical dtype names, and every alias accepted for them (LLM(dtype=...), --dtype,
+# --kv-cache-dtype, kv-calc). Config validation canonicalizes once: everything downstream sees
+# only the canonical names (the torch dtype of each: kvserve.model.loader.torch_dtype).
+DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float16": "float16", "fp16": "float16", "half": "float16",
+                 "int8": "int8"}
+DTYPES = ("float32", "bfloat16", "float16", "int8")     # the canonical names
+MODEL_DTYPES = ("float32", "bfloat16", "float16")       # compute dtypes of the model
+
+# Bytes per element of each canonical dtype and alias (fp8: kv-calc's figures only, not built).
+DTYPE_BYTES = {**{alias: {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[name]
+                  for alias, name in DTYPE_ALIASES.items()}, "fp8": 1}
+
+
+def canonical_dtype(name: str, accepted: tuple[str, ...] = DTYPES, what: str = "dtype") -> str:
+    """'bf16' -> 'bfloat16', 'fp32' / 'float' -> 'float32', 'half' -> 'float16' (case-insensitive);
+    a ValueError naming the accepted values (and their aliases) for anything not in `accepted`."""
+    canon = DTYPE_ALIASES.get(name.lower()) if isinstance(name, str) else None
+    if canon not in accepted:
+        aliases = [a for a, c in DTYPE_ALIASES.items() if c in accepted and a != c]
+        raise ValueError(f"{what} {name!r} is not supported: choose one of {list(accepted)}"
+                         + (f" (or the aliases {', '.join(aliases)})" if aliases else ""))
+    return canon
+
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -176,8 +199,10 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
         seed=seed)
     if num_threads:
         cfg.num_threads = num_threads
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported: choose one of {list(KV_CACHE_DTYPES)}")
+    # The one place dtype aliases become canonical names: downstream sees only canonical ones.
+    cfg.model.dtype = canonical_dtype(dtype, MODEL_DTYPES)
+    if kv_cache_dtype != "auto":
+        cfg.cache.kv_cache_dtype = canonical_dtype(kv_cache_dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
     if max_num_batched_tokens < 1 or max_num_seqs < 1:
         raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
     return cfg

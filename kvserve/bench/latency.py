@@ -66,7 +66,6 @@ def run_kvserve(args, req: BenchRequest) -> dict:
     from kvserve.config import engine_config_from_args
     args.no_prefix_caching = True
     llm = LLM(config=engine_config_from_args(args))
-    llm.engine.prepare_batch_weights()
     print(llm.engine.describe(), file=sys.stderr)
     prompt = [{"prompt_token_ids": req.prompt_ids}]
 

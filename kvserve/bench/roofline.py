@@ -141,7 +141,6 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
     from kvserve.config import engine_config_from_args
     args.no_prefix_caching = True
     llm = LLM(config=engine_config_from_args(args))
-    llm.engine.prepare_batch_weights()
     print(llm.engine.describe(), file=sys.stderr)
     f = model_facts(llm)
     vocab = llm.engine.arch.vocab_size

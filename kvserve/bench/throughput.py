@@ -93,7 +93,6 @@ def _load_kvserve(args, warm_ids: list[int]):
     from kvserve.config import engine_config_from_args
     t0 = time.perf_counter()
     llm = LLM(config=engine_config_from_args(args))
-    llm.engine.prepare_batch_weights()
     load_s = time.perf_counter() - t0
     print(llm.engine.describe(), file=sys.stderr)
     # Warm up on a prompt shorter than one KV block, so nothing it leaves in the prefix cache helps.

@@ -81,12 +81,6 @@ class EngineCore:
         self.generation_tokens_total = 0
 
     # ---- capacity facts printed at start ----
-    def prepare_batch_weights(self) -> int:
-        """Build the weight copies that large batches use (fbgemm fp16 for the gguf format) now
-        instead of at the first large batch; returns how many were built."""
-        from kvserve.model.quant import prepare_batch_weights
-        return prepare_batch_weights(self.runner.model)
-
     def describe(self) -> str:
         bpt = self.kv_shape.bytes_per_token
         cap = self.num_blocks * self.config.cache.block_size

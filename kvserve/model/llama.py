@@ -84,14 +84,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
         self.tied_head = False    # lm_head is a packed copy of the embedding (loaded with it)
-        self.fused_decode = None  # a FusedDecode once weights are loaded, when every part has a C path
-
-    def enable_fused_decode(self) -> bool:
-        """Run small decode-only steps through the C layer stack (kvserve.model.fused_decode) when
-        the loaded weights allow it. Returns whether it is on."""
-        from kvserve.model.fused_decode import FusedDecode
-        self.fused_decode = FusedDecode.build(self)
-        return self.fused_decode is not None
 
     def tie_quantized_head(self, head: Linear) -> None:
         """Use `head` (a quantized Linear) as the LM head of a tied model; it is loaded from the
@@ -103,8 +95,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H] (final norm applied)."""
-        if self.fused_decode is not None and self.fused_decode.runs(input_ids, meta, kv_caches):
-            return self.fused_decode(input_ids, positions, meta, kv_caches)
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)     # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):

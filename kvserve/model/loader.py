@@ -9,17 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import DTYPES, MODEL_DTYPES, ModelConfig, canonical_dtype
 from kvserve.model import quant
 from kvserve.model.arch import ModelArch
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.ops import cpu_kernels
 
 log = logging.getLogger("kvserve.model")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# The torch dtype of each canonical dtype name of kvserve.config (the one such table).
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "int8": torch.int8}
 
 
 @dataclass
@@ -42,17 +44,16 @@ def default_model_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported (choose from {sorted(DTYPES)})") from None
+def torch_dtype(name: str, accepted: tuple[str, ...] = DTYPES) -> torch.dtype:
+    """A dtype name (canonical, or an alias of kvserve.config.DTYPE_ALIASES) -> torch.dtype;
+    ValueError naming the accepted values when it is not one of `accepted`."""
+    return TORCH_DTYPES[canonical_dtype(name, accepted)]
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     t0 = time.perf_counter()
     path = cfg.model or default_model_path()
-    dtype = torch_dtype(cfg.dtype)
+    dtype = torch_dtype(cfg.dtype, MODEL_DTYPES)
     fmt = resolve_quantization(cfg.quantization, path)
     if os.path.isdir(path):
         from kvserve.model import hf_loader
@@ -91,10 +92,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if missing:
         raise ValueError(f"{path}: missing weights {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     model.eval()
-    log.info("weights: %s (%s)", fmt, quant.DESCRIPTION[fmt])
-    if model.enable_fused_decode():
-        log.info("decode steps of up to %d requests run the C layer stack (ops/csrc/decode_layers.c)",
-                 model.fused_decode.MAX_ROWS)
+    log.info("weights: %s (%s)", fmt, quant.DESCRIPTION[fmt].replace("%s", cpu_kernels.selected_isa()))
     return LoadedModel(model, arch, tokenizer, path, dtype, time.perf_counter() - t0, fmt)
 
 

@@ -77,7 +77,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q: [T, Hq, D]; the batch's own keys/values must already be in the cache (write_kv).
     Returns [T, Hq, D]. GQA: each KV head serves Hq // Hkv query heads.
-    Single-token decodes run together: in the C kernel (cpu_kernels.paged_decode), which reads
+    Single-token decodes run together: in the C kernel (cpu_kernels.paged_attention), which reads
     K/V in place from the pool, or else in one SDPA call over their gathered blocks (context
     padded and masked). Prompt chunks run one SDPA call each.
     """
@@ -86,8 +86,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if plan is not None and cpu_kernels.supports(q, k_cache, v_cache):
         q = q.contiguous()
         out = torch.empty_like(q)
-        cpu_kernels.paged_decode(q, k_cache, v_cache, out, plan.qrow, plan.tables, plan.lens, scale,
-                                 sliding_window)
+        cpu_kernels.paged_attention(q, k_cache, v_cache, out, plan.qrow, plan.tables, plan.lens, scale,
+                                    sliding_window)
         if plan.all_decodes:
             return out
     elif plan is not None:

@@ -1,12 +1,20 @@
-"""Small C kernels for the CPU, built on first use with the system C compiler and called via ctypes.
+"""kvserve's C kernels for the CPU, one build per instruction set, chosen at run time.
 
-csrc/decode_layers.c includes the other sources, so all kernels are one library: paged decode
-attention (float32 or int8 KV rows), the GGUF block GEMV and the fused decode layer stack. No torch
-headers are involved (a torch C++ extension takes a minute to compile on 2 cores; this takes about
-2 s). The shared object is cached under $KVSERVE_CACHE_DIR (default ~/.cache/kvserve) in a file
-named by the hash of the sources, the compiler flags and the CPU model, so a changed source or
-another CPU builds anew. Without a compiler, when the build or load fails,
-or with KVSERVE_NO_C_KERNELS=1, `available()` is False and callers use their torch path.
+csrc/ holds the kernels: the GGUF block GEMV (a driver, gguf_gemv.c, and one kernel file per
+instruction set: gguf_gemv_avx512vnni.c, gguf_gemv_avx2.c, gguf_gemv_neon.c and the portable C
+reference gguf_gemv_portable.c), paged attention (paged_attention.c) and the whole-model layer
+stack (layer_stack.c). A library is built per ISA from the common files plus that ISA's kernel,
+every file compiled with that ISA's target flags (never -march=native), and loaded with ctypes.
+No torch headers are involved (a torch C++ extension takes a minute to compile on 2 cores; this
+takes a few seconds). Libraries are cached under $KVSERVE_CACHE_DIR (default ~/.cache/kvserve)
+in files named by the hash of the sources, flags and compiler.
+
+The ISA is the best one the CPU reports (`host_isas()`); KVSERVE_ISA=avx512|avx2|neon|portable
+forces one (tests and benchmarks run every build the host can execute). Every build computes
+the same bits (see csrc/gguf_gemv.h): the ISA changes speed, never results.
+Without a compiler, when the build or load fails, or with KVSERVE_NO_C_KERNELS=1, `available()`
+is False and callers use their torch paths. Without OpenMP (Apple clang) the kernels build
+single-threaded.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,20 +35,74 @@ import torch
 log = logging.getLogger("kvserve")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SRC = _CSRC / "decode_layers.c"     # includes gguf_gemv.c and paged_decode.c: one library
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
-MAX_GROUP = 16      # query heads per KV head the kernel handles (MAX_GROUP in the C source)
+_COMMON = ("gguf_gemv.c", "paged_attention.c", "layer_stack.c")
+# Values never depend on the ISA: no fused multiply-add contraction, no reassociation.
+_BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math",
+               "-shared", "-fPIC"]
+ISA_FLAGS = {
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mf16c"],
+    "avx2": ["-mavx2", "-mf16c"],
+    "neon": ["-march=armv8.2-a+dotprod"],
+    "portable": [],
+}
+ISAS = tuple(ISA_FLAGS)                      # best first
+_ALIASES = {"avx512": "avx512vnni", "avx512_vnni": "avx512vnni", "arm": "neon", "c": "portable"}
+MAX_GROUP = 16      # query heads per KV head the attention kernel handles (MAX_GROUP in its source)
 
 
-def _cpu_model() -> str:
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux (/proc/cpuinfo) or macOS (sysctl) report them."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    if sys.platform == "darwin":
+        names = ["machdep.cpu.features", "machdep.cpu.leaf7_features", "hw.optional.arm.FEAT_DotProd"]
+        flags: set[str] = set()
+        for name in names:
+            res = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True)
+            if res.returncode == 0:
+                value = res.stdout.strip()
+                flags |= {"asimddp"} if name.endswith("DotProd") and value == "1" else set(value.lower().split())
+        return {f.replace(".", "_") for f in flags}
+    return set()
+
+
+def host_isas() -> list[str]:
+    """The ISA builds this CPU can execute, best first (portable always last)."""
+    flags, machine = _cpu_flags(), platform.machine().lower()
+    isas = []
+    if machine in ("x86_64", "amd64", "i686", "x86"):
+        if {"avx512f", "avx512bw", "avx512vl"} <= flags and ("avx512_vnni" in flags or "avx512vnni" in flags):
+            isas.append("avx512vnni")
+        if {"avx2", "f16c"} <= flags or {"avx2_0", "f16c"} <= flags:
+            isas.append("avx2")
+    elif machine in ("aarch64", "arm64") and ("asimddp" in flags or sys.platform == "darwin" and "asimddp" in flags):
+        isas.append("neon")
+    return isas + ["portable"]
+
+
+def selected_isa() -> str:
+    """KVSERVE_ISA when set (it must be one this CPU can execute), else the best of host_isas()."""
+    forced = os.environ.get("KVSERVE_ISA", "").strip().lower()
+    return check_isa(forced, "KVSERVE_ISA") if forced else host_isas()[0]
+
+
+def check_isa(name: str, what: str = "isa") -> str:
+    """The build named `name` (aliases allowed), or ValueError when it is unknown or this CPU
+    cannot execute it."""
+    forced = name.strip().lower()
+    isa = _ALIASES.get(forced, forced)
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{what}={forced!r} is not a kernel build: choose one of {list(ISAS)} "
+                         "(or unset it to pick the best this CPU runs)")
+    if isa not in host_isas():
+        raise ValueError(f"{what}={forced!r}: this CPU cannot execute the {isa} build; it runs "
+                         f"{host_isas()}")
+    return isa
 
 
 def _cache_dir() -> Path:
@@ -48,48 +111,74 @@ def _cache_dir() -> Path:
 
 def _signatures(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.paged_decode_pool.restype = None
-    lib.paged_decode_pool.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [f32, i64, i64, i64]
+    lib.paged_attention.restype = None
+    lib.paged_attention.argtypes = [p] * 7 + [i64, p] + [i64] * 5 + [f32, i64, i64, i64]
     lib.gguf_gemv.restype = ctypes.c_int
     lib.gguf_gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
-    lib.gguf_gemv_isa.restype = i64
+    lib.gguf_gemv_isa.restype = ctypes.c_char_p
     lib.gguf_gemv_isa.argtypes = []
-    lib.decode_layers.restype = ctypes.c_int
-    lib.decode_layers.argtypes = [p, p, p, i64, p, p, i64, p, p, i64]
+    lib.layer_stack.restype = ctypes.c_int
+    lib.layer_stack.argtypes = [p, p, p, p, p, i64, p, i64, p, i64, p, i64]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 @functools.cache
-def _library(portable: bool = False) -> ctypes.CDLL | None:
-    """The kernels of csrc/ built and loaded, or None (no compiler, failed build or load,
-    KVSERVE_NO_C_KERNELS=1). portable=True builds the plain-C loops instead of the SIMD code
-    (-DKVSERVE_PORTABLE: tests check both give the same results)."""
+def _openmp_flags(cc: str) -> tuple[str, ...]:
+    """("-fopenmp",) when the compiler builds and links OpenMP code, else () (Apple clang without
+    libomp): the kernels then run single-threaded rather than not at all."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "omp.c"
+        src.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
+        res = subprocess.run([cc, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(Path(tmp) / "omp.so")],
+                             capture_output=True, text=True)
+    if res.returncode != 0:
+        log.warning("%s has no OpenMP: the C kernels are built single-threaded", cc)
+        return ()
+    return ("-fopenmp",)
+
+
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for `isa` (default: selected_isa(), read from KVSERVE_ISA at each call)
+    and loaded, or None (no compiler, failed build or load, KVSERVE_NO_C_KERNELS=1)."""
     if os.environ.get("KVSERVE_NO_C_KERNELS") == "1":
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return _load(check_isa(isa) if isa else selected_isa(), os.environ.get("KVSERVE_CACHE_DIR"))
+
+
+@functools.cache
+def _load(isa: str, cache_dir: str | None) -> ctypes.CDLL | None:
+    cc = _compiler()
     if cc is None:
         log.warning("no C compiler found: the C kernels fall back to slower torch paths")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc, ["-DKVSERVE_PORTABLE"] if portable else [])))
+        lib = ctypes.CDLL(str(build(cc, isa)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:   # no cache dir, compile or load failed
-        log.warning("C kernels unavailable (%s): using the slower torch paths", e)
+        log.warning("C kernels (%s) unavailable (%s): using the slower torch paths", isa, e)
         return None
     _signatures(lib)
+    if lib.gguf_gemv_isa().decode() != isa:
+        raise RuntimeError(f"the {isa} kernel library reports {lib.gguf_gemv_isa().decode()}")
+    log.info("C kernels: %s build (GGUF GEMV gguf_gemv_%s.c, paged attention, layer stack)", isa, isa)
     return lib
 
 
-def _build(cc: str, extra_flags: list[str]) -> Path:
-    """The kernels' shared object, compiled into the cache directory unless already there."""
-    flags = _FLAGS + extra_flags
-    src = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.c")))
-    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_model().encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"kvserve-cpu-{key}.so"
+def build(cc: str, isa: str) -> Path:
+    """The `isa` library's shared object, compiled into the cache directory unless already there."""
+    flags = _BASE_FLAGS + list(_openmp_flags(cc)) + ISA_FLAGS[isa]
+    sources = [_CSRC / name for name in _COMMON] + [_CSRC / f"gguf_gemv_{isa}.c"]
+    text = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.[ch]")))
+    key = hashlib.sha256(text + " ".join([cc, isa, *flags]).encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"kvserve-{isa}-{key}.so"
     if lib_path.exists():
         return lib_path
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         out = Path(tmp) / lib_path.name
-        res = subprocess.run([cc, *flags, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *flags, *map(str, sources), "-o", str(out), "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr[-2000:]}")
         os.replace(out, lib_path)      # atomic: concurrent builders never see a partial file
@@ -97,28 +186,28 @@ def _build(cc: str, extra_flags: list[str]) -> Path:
 
 
 def available() -> bool:
-    return _library() is not None
+    return library() is not None
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                 qrow: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                 window: int | None) -> None:
-    """out[qrow[i]] = softmax(q[qrow[i]] K^T * scale) V over row i's `lens[i]` context slots
-    (tables[i] names its blocks), for float32 q [T, Hq, D], pools [NB, BS, Hkv, D] float32 or
-    [NB, BS, Hkv, D + 4] int8 (kv_int8 rows), int64 qrow [R], tables [R, nblk], lens [R]. Every
-    tensor must be contiguous."""
-    lib = _library()
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    qrow: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                    window: int | None, qseq: torch.Tensor | None = None) -> None:
+    """out[qrow[i]] = softmax(q[qrow[i]] K^T * scale) V over row i's `lens[i]` context slots,
+    whose blocks table row qseq[i] names (qseq None: row i), for float32 q [T, Hq, D], pools
+    [NB, BS, Hkv, D] float32 or [NB, BS, Hkv, D + 4] int8 (kv_int8 rows), int64 qrow [R], tables
+    [B, nblk], lens [R]. Every tensor must be contiguous."""
+    lib = library()
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    lib.paged_decode_pool(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                          qrow.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                          qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0, torch.get_num_threads(),
-                          int(k_cache.dtype == torch.int8))
+    lib.paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                        qrow.data_ptr(), qseq.data_ptr() if qseq is not None else None, tables.data_ptr(),
+                        tables.stride(0), lens.data_ptr(), qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0,
+                        torch.get_num_threads(), int(k_cache.dtype == torch.int8))
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether paged_decode takes these tensors (float32 q, float32 or int8 pools, GQA group <=
-    MAX_GROUP); q is made contiguous by the caller."""
+    """Whether paged_attention takes these tensors (float32 q, float32 or int8 pools, GQA group
+    <= MAX_GROUP); q is made contiguous by the caller."""
     return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
             and k_cache.dtype in (torch.float32, torch.int8)
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
@@ -126,11 +215,12 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, accumulate: bool = False, portable: bool = False) -> torch.Tensor:
+              bias: torch.Tensor | None = None, accumulate: bool = False, isa: str | None = None) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
-    kvserve.model.quant.pack_gguf_rows (`kind` 4: Q4_0/Q4_1, 8: Q8_0): [M, n] float32, written
-    into `out` when given (added to it with accumulate=True). See csrc/gguf_gemv.c."""
-    lib = _library(portable)
+    kvserve.ops.gguf_blocks.pack_gguf_rows (`kind` 4: Q4_0/Q4_1, 8: Q8_0): [M, n] float32, written
+    into `out` when given (added to it with accumulate=True). `isa`: a build other than the
+    selected one (tests). See csrc/gguf_gemv.c."""
+    lib = library(isa)
     M, K = x.shape
     if out is None:
         out = torch.empty(M, n, dtype=torch.float32)
@@ -142,36 +232,30 @@ def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Te
     return out
 
 
-def gguf_gemv_fast() -> bool:
-    """Whether gguf_gemv was built with its SIMD path (AVX-512 VNNI). Its portable loops give the
-    same results but are slower than torch's kernels, so callers use it only when this is True."""
-    lib = _library()
-    return lib is not None and lib.gguf_gemv_isa() > 0
-
-
-class DecodeLayer(ctypes.Structure):
-    """decode_layer_t of csrc/decode_layers.c: one layer's weights and KV pool."""
+class StackLayer(ctypes.Structure):
+    """stack_layer_t of csrc/layer_stack.c: one layer's weights and KV pool."""
     _fields_ = [(n, ctypes.c_void_p) for n in ("ln1", "ln2", "qkv", "o", "gate_up", "down")] \
         + [(n, ctypes.c_int64) for n in ("qkv_kind", "o_kind", "gate_up_kind", "down_kind")] \
         + [(n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias", "k_cache", "v_cache")]
 
 
-class DecodeModel(ctypes.Structure):
-    """decode_model_t of csrc/decode_layers.c: shapes, embedding, final norm, rope tables, layers."""
+class StackModel(ctypes.Structure):
+    """stack_model_t of csrc/layer_stack.c: shapes, embedding, final norm, rope tables, layers."""
     _fields_ = [(n, ctypes.c_int64) for n in ("num_layers", "hidden", "num_heads", "kv_heads", "head_dim",
                                              "intermediate", "block_size", "window", "kv_int8")] \
         + [("eps", ctypes.c_double), ("scale", ctypes.c_double)] \
         + [(n, ctypes.c_void_p) for n in ("embed", "norm", "cos", "sin")] \
-        + [("layers", ctypes.POINTER(DecodeLayer))]
+        + [("layers", ctypes.POINTER(StackLayer))]
 
 
-def decode_layers(model: DecodeModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                  tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor) -> None:
-    """Every layer of a decode-only batch in one call (csrc/decode_layers.c): token ids, positions,
-    KV slots and context lengths int64 [T], block tables int64 [T, nblk] (rows contiguous) ->
-    out [T, hidden] float32, the final-normed hidden states."""
-    rc = _library().decode_layers(ctypes.byref(model), ids.data_ptr(), positions.data_ptr(), ids.shape[0],
-                                  slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                                  out.data_ptr(), torch.get_num_threads())
+def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                seq: torch.Tensor, tables: torch.Tensor, out_rows: torch.Tensor, out: torch.Tensor,
+                isa: str | None = None) -> None:
+    """Every layer of a flat batch in one call (csrc/layer_stack.c): token ids, positions, KV
+    slots and sequence indices int64 [T], block tables int64 [B, nblk] (rows contiguous) ->
+    out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows."""
+    rc = library(isa).layer_stack(ctypes.byref(model), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                                  seq.data_ptr(), ids.shape[0], tables.data_ptr(), tables.stride(0),
+                                  out_rows.data_ptr(), out_rows.shape[0], out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"decode_layers failed ({rc})")
+        raise RuntimeError(f"layer_stack failed ({rc})")

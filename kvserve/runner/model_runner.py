@@ -4,21 +4,26 @@ Each step it flattens every scheduled chunk (prompt chunks and decodes alike) in
 unpadded batch — input_ids[T], positions[T], slot_mapping[T] plus per-request query spans,
 context lengths and block tables — runs the model once, takes logits only at the last
 position of chunks that sample, and samples.
+
+How a step runs is decided here: through the C layer stack (runner/layer_stack.py) when the
+model's weights allow it, else through the model's PyTorch forward.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import SchedulerOutput
-from kvserve.ops import kv_int8
+from kvserve.model.loader import TORCH_DTYPES as _TORCH_DTYPES   # canonical dtype name -> torch.dtype
+from kvserve.ops import cpu_kernels, kv_int8
 from kvserve.ops.attention import AttentionMetadata
+from kvserve.runner.layer_stack import CLayerStack
 from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "int8": torch.int8}
+log = logging.getLogger("kvserve")
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -52,6 +57,12 @@ class ModelRunner:
         self.kv_caches = [(_lazy_zeros(shape, self.kv_dtype), _lazy_zeros(shape, self.kv_dtype))
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler()
+        self.layer_stack = CLayerStack.build(self.model)
+        if self.layer_stack is not None:
+            log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
+                     self.layer_stack.isa)
+        else:
+            log.info("steps run the PyTorch forward (no C layer stack for these weights)")
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.seed)
 
@@ -118,11 +129,15 @@ class ModelRunner:
         if not out.chunks:
             return {}
         input_ids, positions, meta, sample_idx = self.prepare(out)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        rows = torch.tensor(sample_idx, dtype=torch.long)
+        if self.layer_stack is not None and self.layer_stack.runs(self.kv_caches):
+            hidden = self.layer_stack(input_ids, positions, meta, self.kv_caches, rows)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)[rows]
         sampling = [c for c in out.chunks if c.sample]
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, dtype=torch.long)])
+        logits = self.model.compute_logits(hidden)
         rows = [SamplingRow(params=c.request.sampling_params,
                             prompt_token_ids=c.request.prompt_token_ids,
                             output_token_ids=c.request.output_token_ids,

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import sys
-import threading
 
 import uvicorn
 
@@ -118,8 +117,6 @@ def main(argv: list[str]) -> int:
 
     core = EngineCore(config)
     print(core.describe(), file=sys.stderr, flush=True)
-    # Large-batch weight copies (~2 s) are built behind the first requests, not before them.
-    threading.Thread(target=core.prepare_batch_weights, name="batch-weights", daemon=True).start()
     engine = AsyncEngine(core)
     app = build_app(engine, args)
     name = args.served_model_name or core.model_name

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request, Response
 
-from kvserve.core.scheduler import QueueFullError
 from kvserve.engine.async_engine import AsyncEngine, EngineClosedError, EngineDeadError
+from kvserve.engine.errors import QueueFullError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import (APIError, BadRequest, InternalError, NotFound, TooManyRequests,

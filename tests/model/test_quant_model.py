@@ -112,57 +112,66 @@ def test_default_format_is_recorded(default_gguf):
         resolve_quantization("int3", default_gguf)
 
 
-def _decode_batch(lm, prompts, fused):
-    """Prefill each prompt (PyTorch path), then one decode step of all of them together, with
-    the C layer stack on or off. Returns the hidden states [len(prompts), H] of the decode step."""
-    model = lm.model
-    saved, model.fused_decode = model.fused_decode, (model.fused_decode if fused else None)
-    try:
-        ids = [lm.tokenizer.encode(p) for p in prompts]
-        per = -(-max(len(x) for x in ids) // 16) + 1
-        shape = (per * len(ids), 16, lm.arch.num_kv_heads, lm.arch.head_dim)
-        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(lm.arch.num_layers)]
-        tables = torch.arange(per * len(ids)).flip(0).reshape(len(ids), per)    # ragged, reversed blocks
-        with torch.inference_mode():
-            for b, x in enumerate(ids):
-                pos = torch.arange(len(x))
-                meta = AttentionMetadata(tables[b][pos // 16] * 16 + pos % 16, [0, len(x)], [len(x)], tables[b:b + 1], 16)
-                model(torch.tensor(x), pos, meta, kv)
-            pos = torch.tensor([len(x) for x in ids])
-            slots = tables[torch.arange(len(ids)), pos // 16] * 16 + pos % 16
-            meta = AttentionMetadata(slots, list(range(len(ids) + 1)), (pos + 1).tolist(), tables, 16)
-            assert (model.fused_decode is not None and model.fused_decode.runs(pos, meta, kv)) == fused
-            return model(torch.tensor([7, 42, 1000][:len(ids)]), pos, meta, kv)
-    finally:
-        model.fused_decode = saved
+def _mixed_step(lm, prompts, c_stack):
+    """Prefill each prompt but the last (one step each), then one step that mixes a decode of
+    each with the whole last prompt (a prompt chunk beside decodes), through the C layer stack
+    (runner/layer_stack.py) or the model's PyTorch forward. Returns the final hidden states of
+    every row of that step's sampled positions: [len(prompts), H]."""
+    from kvserve.runner.layer_stack import CLayerStack
+    stack = CLayerStack.build(lm.model)
+    ids = [lm.tokenizer.encode(p) for p in prompts]
+    per = -(-max(len(x) for x in ids) // 16) + 1
+    shape = (per * len(ids), 16, lm.arch.num_kv_heads, lm.arch.head_dim)
+    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(lm.arch.num_layers)]
+    tables = torch.arange(per * len(ids)).flip(0).reshape(len(ids), per)    # ragged, reversed blocks
+
+    def run(toks, pos, meta, rows):
+        if c_stack:
+            return stack(torch.tensor(toks), pos, meta, kv, torch.tensor(rows))
+        return lm.model(torch.tensor(toks), pos, meta, kv)[rows]
+    with torch.inference_mode():
+        for b, x in enumerate(ids[:-1]):
+            pos = torch.arange(len(x))
+            meta = AttentionMetadata(tables[b][pos // 16] * 16 + pos % 16, [0, len(x)], [len(x)], tables[b:b + 1], 16)
+            run(x, pos, meta, [len(x) - 1])
+        n = len(ids) - 1
+        last = ids[-1]
+        pos = torch.cat([torch.tensor([len(x) for x in ids[:-1]]), torch.arange(len(last))])
+        seq = list(range(n)) + [n] * len(last)
+        slots = tables[seq, pos // 16] * 16 + pos % 16
+        qsl = list(range(n + 1)) + [n + len(last)]
+        seq_lens = [len(x) + 1 for x in ids[:-1]] + [len(last)]
+        meta = AttentionMetadata(slots, qsl, seq_lens, tables, 16)
+        return run([7, 42, 1000][:n] + last, pos, meta, list(range(n)) + [n + len(last) - 1])
 
 
-def test_fused_decode_matches_the_pytorch_layers(models):
-    """The C layer stack (decode_layers.c) computes what LlamaForCausalLM's PyTorch layers compute
-    with the same kernels: ragged contexts, reversed block tables, three rows at once."""
+def test_c_layer_stack_matches_the_pytorch_layers(models):
+    """The C layer stack (ops/csrc/layer_stack.c) computes what LlamaForCausalLM's PyTorch layers
+    compute with the same weights: ragged contexts, reversed block tables, decodes and a prompt
+    chunk in one step."""
+    from kvserve.runner.layer_stack import CLayerStack
     lm = models["gguf"]
-    if lm.model.fused_decode is None:
-        pytest.skip("no C layer stack on this machine (no compiler or no AVX-512 VNNI)")
-    a = _decode_batch(lm, PROMPTS, fused=True)
-    b = _decode_batch(lm, PROMPTS, fused=False)
+    if CLayerStack.build(lm.model) is None:
+        pytest.skip("no C layer stack on this machine (no compiler)")
+    a = _mixed_step(lm, PROMPTS, c_stack=True)
+    b = _mixed_step(lm, PROMPTS, c_stack=False)
     assert (a - b).abs().max().item() < 1e-3 * b.abs().max().item()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_fused_decode_greedy_equals_pytorch_path(models, prompt):
+def test_engine_greedy_equals_pytorch_path(models, default_gguf, prompt):
+    """The engine (every step through the C layer stack) and greedy decoding through the model's
+    PyTorch forward pick the same tokens."""
+    from kvserve import LLM, SamplingParams
     lm = models["gguf"]
-    if lm.model.fused_decode is None:
-        pytest.skip("no C layer stack on this machine")
     ids = lm.tokenizer.encode(prompt)
-    fused = greedy(lm, ids, STEPS)
-    saved, lm.model.fused_decode = lm.model.fused_decode, None
-    try:
-        plain = greedy(lm, ids, STEPS)
-    finally:
-        lm.model.fused_decode = saved
-    assert fused[0] == plain[0]
-    for x, y in zip(fused[1], plain[1]):
-        assert (x - y).abs().max().item() < 1e-3 * y.abs().max().item()
+    plain = greedy(lm, ids, STEPS)
+    llm = LLM(default_gguf, kv_cache_memory="32MiB", max_model_len=512)
+    if llm.engine.runner.layer_stack is None:
+        pytest.skip("no C layer stack on this machine")
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert out == plain[0]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

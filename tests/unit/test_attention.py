@@ -1,5 +1,6 @@
 """paged_attention against the explicit-loop reference on random mixed batches, through both
-decode paths: the C kernel (kvserve.ops.cpu_kernels) and the torch SDPA fallback."""
+decode paths: the C kernel (kvserve.ops.cpu_kernels) and the torch SDPA fallback; and the C
+kernel itself on prompt rows, on every ISA build the host runs (the same bits on each)."""
 import random
 import shutil
 
@@ -44,9 +45,9 @@ def make_batch(rng: random.Random, chunks, block_size, num_blocks, hq, hkv, d, d
 def decode_path(request, monkeypatch):
     """Every test runs once with the C decode kernel and once with it turned off."""
     monkeypatch.setenv("KVSERVE_NO_C_KERNELS", "0" if request.param == "c-kernel" else "1")
-    cpu_kernels._library.cache_clear()
+    cpu_kernels._load.cache_clear()
     yield request.param
-    cpu_kernels._library.cache_clear()
+    cpu_kernels._load.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -144,7 +145,7 @@ def test_unusable_cache_dir_falls_back_to_torch(monkeypatch, tmp_path, decode_pa
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(blocker / "sub"))
-    cpu_kernels._library.cache_clear()
+    cpu_kernels._load.cache_clear()
     assert not cpu_kernels.available()
     rng = random.Random(3)
     q, _, _, kc, vc, meta = make_batch(rng, [(20, 1), (0, 5)], 4, 20, 4, 2, 16)
@@ -158,8 +159,8 @@ def test_model_layout_queries_take_the_c_kernel(monkeypatch, decode_path):
     if decode_path != "c-kernel" or not cpu_kernels.available():
         pytest.skip("C kernel turned off or not buildable here")
     calls = []
-    real = cpu_kernels.paged_decode
-    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = cpu_kernels.paged_attention
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     rng = random.Random(11)
     q, k, _, kc, vc, meta = make_batch(rng, [(30, 1), (7, 1), (0, 6)], 4, 40, 6, 2, 16)
     qk = torch.cat((q, k), dim=1)                                   # [T, Hq + Hkv, D], like the model
@@ -203,3 +204,105 @@ def test_int8_cache_matches_reference_on_mixed_batches(seed, decode_path):
     # and it is close to float attention: int8 rows are within half a step of the floats
     exact = paged_attention_ref(q, kc, vc, meta, 0.25, sliding_window=None if seed % 2 else 9)
     assert (got - exact).abs().max().item() < 0.05
+
+
+# ---------------------------------------------------------------- the C kernel on prompt rows, per ISA
+
+HOST_ISAS = cpu_kernels.host_isas()
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+
+@pytest.fixture
+def use_isa(monkeypatch, decode_path):
+    """use_isa(name): the C kernels of that build from now on (KVSERVE_ISA, fresh load)."""
+    if decode_path != "c-kernel":
+        pytest.skip("C kernel checks run in the c-kernel pass")
+
+    def use(isa):
+        monkeypatch.setenv("KVSERVE_ISA", isa)
+        cpu_kernels._load.cache_clear()
+        if not cpu_kernels.available():
+            pytest.skip("C kernels unavailable")
+        assert cpu_kernels.library().gguf_gemv_isa().decode() == isa
+    yield use
+    cpu_kernels._load.cache_clear()
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def token_rows(meta, seed=0):
+    """One kernel row per token of the batch (prompt tokens and decodes alike), in shuffled order:
+    qrow (its row in q), qseq (its sequence's table row), lens (its position + 1)."""
+    rows = []
+    for b, seq_len in enumerate(meta.seq_lens):
+        q0, q1 = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+        start = seq_len - (q1 - q0)
+        rows += [(q0 + i, b, start + i + 1) for i in range(q1 - q0)]
+    random.Random(seed).shuffle(rows)
+    return tuple(torch.tensor(col, dtype=torch.long) for col in zip(*rows))
+
+
+def run_kernel(q, kc, vc, meta, rows, scale, window):
+    qrow, qseq, lens = rows
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_attention(q.contiguous(), kc, vc, out, qrow, meta.block_tables.contiguous(), lens, scale,
+                                window, qseq=qseq)
+    return out
+
+
+PROMPT_CHUNKS = [(0, 9), (12, 6), (30, 1), (5, 1), (0, 1)]
+
+
+@needs_cc
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 20), (4, 4, 16), (8, 1, 8)])
+def test_c_kernel_prompt_rows_match_reference(use_isa, kv, window, hq, hkv, d):
+    """Rows that are prompt tokens (several per sequence, sharing its table row through qseq, each
+    with lens = its position + 1) equal the reference attention of those tokens, on every ISA."""
+    rng = random.Random(hq * 7 + d)
+    q, k, v, kc, vc, meta = make_batch(rng, PROMPT_CHUNKS, 4, 40, hq, hkv, d)
+    if kv == "int8":
+        kc, vc = _int8_pools(kc, vc)
+        write_kv(k, v, kc, vc, meta.slot_mapping)
+    rows = token_rows(meta)
+    want = paged_attention_ref(q, kc, vc, meta, 0.3, sliding_window=window)
+    for isa in HOST_ISAS:
+        use_isa(isa)
+        got = run_kernel(q, kc, vc, meta, rows, 0.3, window)
+        assert not got.isnan().any(), isa                  # every token's row was written
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{isa}: {m}")
+
+
+@needs_cc
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, kv, window):
+    """A token's output is bitwise the same in a batch or alone, with 1 or 2 threads, on every
+    ISA build the host runs."""
+    rng = random.Random(21)
+    q, k, v, kc, vc, meta = make_batch(rng, PROMPT_CHUNKS + [(3, 4)], 4, 48, 6, 2, 20)
+    if kv == "int8":
+        kc, vc = _int8_pools(kc, vc)
+        write_kv(k, v, kc, vc, meta.slot_mapping)
+    rows = token_rows(meta, seed=5)
+    per_isa = {}
+    for isa in HOST_ISAS:
+        use_isa(isa)
+        threads(2)
+        batch = run_kernel(q, kc, vc, meta, rows, 0.25, window)
+        threads(1)
+        assert torch.equal(run_kernel(q, kc, vc, meta, rows, 0.25, window), batch), isa
+        threads(2)
+        for i in range(len(rows[0])):
+            one = tuple(c[i:i + 1] for c in rows)
+            r = rows[0][i]
+            assert torch.equal(run_kernel(q, kc, vc, meta, one, 0.25, window)[r], batch[r]), (isa, i)
+        per_isa[isa] = batch
+    for isa, out in per_isa.items():
+        assert torch.equal(out, per_isa["portable"]), isa

@@ -1,6 +1,8 @@
-"""The GGUF block GEMV (kvserve/ops/csrc/gguf_gemv.c) and its packed layout (quant.pack_gguf_rows):
-packing keeps the file's values bit for bit, and the kernel (SIMD and portable builds) matches the
-dequantized weights times x within its activation rounding (two 8-bit parts: ~2^-15 of a block)."""
+"""The GGUF block GEMV (kvserve/ops/csrc/gguf_gemv*.c) and its packed layout (pack_gguf_rows):
+packing keeps the file's values bit for bit; every ISA build the host can execute matches the
+dequantized weights times x within its activation rounding (two 8-bit parts: ~2^-15 of a block's
+max |x|) and gives the portable build's bits exactly (csrc/gguf_gemv.h), independently of the
+thread count and of the other rows of the batch."""
 import shutil
 
 import numpy as np
@@ -16,6 +18,8 @@ from kvserve.ops import cpu_kernels
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler")
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+HOST_ISAS = cpu_kernels.host_isas()
+SIMD_ISAS = [i for i in HOST_ISAS if i != "portable"]
 
 
 def blocks(qtype, n, k, seed=0):
@@ -23,6 +27,35 @@ def blocks(qtype, n, k, seed=0):
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     w[0, :32] += 0.3                        # a block with an offset (Q4_1's m matters)
     return BlockTensor(quantize(w, qtype), qtype, (n, k))
+
+
+def acts(m, k, seed=1):
+    """Activations with varied magnitudes, an outlier and an all-zero block (scale 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(4).add(0.1)
+    x[0, min(5, k - 1)] = 40.0              # an outlier only costs precision inside its block
+    if m > 1 and k >= 64:
+        x[m - 1, 32:64] = 0.0
+    return x
+
+
+def weights(qtype, n, k, seed=0):
+    bt = blocks(qtype, n, k, seed)
+    packed, kind = pack_gguf_rows(bt)
+    return bt, packed, kind
+
+
+def _lib_or_skip(isa):
+    if cpu_kernels.library(isa) is None:
+        pytest.skip("C kernels unavailable")
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count in a test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -36,104 +69,188 @@ def test_pack_keeps_the_files_values(qtype, n):
     assert packed.numel() == -(-n // 16) * 3 * (544 if kind == 8 else 320)
 
 
-def _lib_or_skip(portable):
-    if cpu_kernels._library(portable) is None:
-        pytest.skip("C kernels unavailable")
+def test_host_builds_report_their_isa():
+    for isa in HOST_ISAS:
+        _lib_or_skip(isa)
+        assert cpu_kernels.library(isa).gguf_gemv_isa().decode() == isa
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("isa", HOST_ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_gemv_matches_dequantized_matmul(qtype, portable):
-    _lib_or_skip(portable)
+def test_gemv_matches_dequantized_matmul(qtype, isa):
+    """|error| per output <= sum over k of |w_k| * dx of k's block, dx = max|x| / (127 * 256) about
+    2^-15 max|x| (xb's rounding is half of that; the +-127 clamp at most one step), plus float32
+    rounding: the bound takes 2^-14 max|x| per weight."""
+    _lib_or_skip(isa)
     n, k = 40, 160
-    bt = blocks(qtype, n, k)
-    packed, kind = pack_gguf_rows(bt)
+    bt, packed, kind = weights(qtype, n, k)
     W = torch.from_numpy(dequantize(bt.raw, qtype)).reshape(n, k).double()
-    g = torch.Generator().manual_seed(1)
-    for m in (1, 2, 3, 4, 5, 9):           # one and several passes of MAX_M = 4 rows
-        x = torch.randn(m, k, generator=g) * 2
-        x[0, 5] = 40.0                      # an outlier only costs precision inside its block
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):     # tiles of 8 rows (AVX2: 4) and their edges
+        x = acts(m, k, seed=m)
         ref = x.double() @ W.t()
-        got = cpu_kernels.gguf_gemv(packed, kind, n, x, portable=portable).double()
-        # per output: |error| <= sum over blocks of |w| * (block max |x|) * 2^-15, with margin
-        bound = (W.abs() @ x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double().t()).t() * 2 ** -14
-        assert ((got - ref).abs() <= bound + 1e-6).all(), (got - ref).abs().max()
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa).double()
+        assert got.shape == (m, n)
+        block_max = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double()   # [m, k]
+        bound = block_max @ W.abs().t() * 2 ** -14
+        assert ((got - ref).abs() <= bound + 1e-6).all(), (m, (got - ref).abs().max())
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
-def test_gemv_bias_accumulate_and_strided_rows(portable):
-    _lib_or_skip(portable)
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_isa_gives_the_portable_bits(qtype, isa):
+    _lib_or_skip(isa)
+    _lib_or_skip("portable")
+    for n, k, m in ((37, 32, 9), (5, 64, 17), (100, 576, 8), (21, 1536, 5), (16, 576, 3)):
+        _, packed, kind = weights(qtype, n, k, seed=n + k)
+        x = acts(m, k, seed=k)
+        want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable")
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa)
+        assert torch.equal(got, want), (n, k, m, (got - want).abs().max())
+
+
+def random_blocks(qtype, n, k, seed):
+    """Blocks no quantizer writes but a file may hold: every integer value (Q8_0's -128 too) and
+    fp16 scales / offsets of any finite magnitude, subnormals included."""
+    from gguf.constants import GGML_QUANT_SIZES
+    rng = np.random.default_rng(seed)
+    bs = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (n, k // 32, bs), dtype=np.uint8)
+    nh = 2 if qtype == Q.Q4_1 else 1                      # fp16 fields at the block's start
+    half = rng.integers(0, 1 << 15, (n, k // 32, nh), dtype=np.uint16)
+    half = np.where((half >> 10) == 31, half & 0x83FF, half)          # no inf / NaN
+    half[:, ::3] &= 0x83FF                                             # subnormal scales
+    half[..., 0] = np.minimum(half[..., 0], 0x5800)                    # |d| <= 128: sums stay finite
+    half |= (rng.integers(0, 2, half.shape, dtype=np.uint16) << 15)    # either sign
+    raw[..., :2 * nh] = half.view(np.uint8).reshape(n, k // 32, 2 * nh)
+    if qtype == Q.Q8_0:
+        raw[0, :, 2:] = 0x80                                           # a row of -128s
+    return BlockTensor(raw.reshape(n, -1), qtype, (n, k))
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_isa_gives_the_portable_bits_on_arbitrary_blocks(qtype, isa):
+    _lib_or_skip(isa)
+    _lib_or_skip("portable")
+    n, k = 45, 192
+    packed, kind = pack_gguf_rows(random_blocks(qtype, n, k, seed=11))
+    x = acts(13, k, seed=12)
+    x[1] = 127.0                                          # xa = 127 everywhere (extreme integer sums)
+    x[2, :32] = -1e-30                                    # tiny values
+    want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable")
+    assert want.isfinite().all()
+    got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa)
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_gemv_bias_accumulate_and_strided_rows(isa):
+    _lib_or_skip(isa)
     n, k = 24, 64
-    bt = blocks(Q.Q4_1, n, k)
-    packed, kind = pack_gguf_rows(bt)
+    bt, packed, kind = weights(Q.Q4_1, n, k)
     W = torch.from_numpy(dequantize(bt.raw, Q.Q4_1)).reshape(n, k)
-    x_wide = torch.randn(3, k + 32)
+    g = torch.Generator().manual_seed(2)
+    x_wide = torch.randn(11, k + 32, generator=g)
     x = x_wide[:, 16:16 + k]                # rows with a leading dimension larger than k
-    bias = torch.randn(n)
-    out = torch.full((3, n + 8), 7.0)[:, :n]
-    cpu_kernels.gguf_gemv(packed, kind, n, x, out=out, bias=bias, accumulate=True, portable=portable)
-    assert torch.allclose(out, 7.0 + x @ W.t() + bias, atol=1e-3)
+    assert not x.is_contiguous()
+    bias = torch.randn(n, generator=g)
+    plain = cpu_kernels.gguf_gemv(packed, kind, n, x.contiguous(), isa=isa)
+    assert torch.allclose(plain, x @ W.t(), atol=1e-3)
+    out_wide = torch.full((11, n + 8), 7.0)
+    out = out_wide[:, :n]
+    ret = cpu_kernels.gguf_gemv(packed, kind, n, x, out=out, bias=bias, accumulate=True, isa=isa)
+    assert ret.data_ptr() == out.data_ptr()
+    assert torch.equal(out, (7.0 + plain) + bias)           # the kernel's own sum: acc + y, then + bias
+    assert torch.equal(out_wide[:, n:], torch.full((11, 8), 7.0))     # nothing written past n
+    out2 = torch.full((11, n), 3.0)
+    cpu_kernels.gguf_gemv(packed, kind, n, x, out=out2, bias=bias, isa=isa)   # accumulate off: overwritten
+    assert torch.equal(out2, plain + bias)
 
 
-def test_native_and_portable_builds_agree():
-    _lib_or_skip(False)
-    _lib_or_skip(True)
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_gemv_rejects_k_not_a_multiple_of_32(isa):
+    _lib_or_skip(isa)
+    _, packed, kind = weights(Q.Q8_0, 16, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.gguf_gemv(packed, kind, 16, torch.randn(2, 48), isa=isa)
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_gemv_bits_do_not_depend_on_threads_or_other_rows(isa, threads):
+    _lib_or_skip(isa)
     for qtype in TYPES:
-        bt = blocks(qtype, 48, 128, seed=3)
-        packed, kind = pack_gguf_rows(bt)
-        x = torch.randn(6, 128)
-        a = cpu_kernels.gguf_gemv(packed, kind, 48, x)
-        b = cpu_kernels.gguf_gemv(packed, kind, 48, x, portable=True)
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)     # same integers; float sums in another order
+        n, k = 200, 128                       # 13 row groups: both threads get work
+        _, packed, kind = weights(qtype, n, k, seed=7)
+        x = acts(17, k, seed=9)
+        threads(1)
+        one = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa)
+        threads(2)
+        two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa)
+        assert torch.equal(one, two), qtype
+        for r in range(17):                   # each row alone: another tile, another AVX2 sub-tile
+            alone = cpu_kernels.gguf_gemv(packed, kind, n, x[r:r + 1].clone(), isa=isa)
+            assert torch.equal(alone[0], two[r]), (qtype, r)
 
 
-def test_gguf_method_small_and_large_batches():
-    """GgufMethod: up to C_ROWS rows run the C kernel, more rows fbgemm fp16 on the same values."""
-    if not cpu_kernels.gguf_gemv_fast():
-        pytest.skip("no SIMD build of the GEMV here")
-    bt = blocks(Q.Q4_1, 96, 64)
-    lin = Linear(64, [40, 56], bias=True, quant_method=GgufMethod())
-    lin.load_weight(BlockTensor(bt.raw[:40], Q.Q4_1, (40, 64)), 0)
-    lin.load_weight(BlockTensor(bt.raw[40:], Q.Q4_1, (56, 64)), 1)
+def _gguf_linear(qtype, shards, k, bias=None, seed=4):
+    n = sum(shards)
+    bt = blocks(qtype, n, k, seed=seed)
+    rows = bt.raw.reshape(n, -1)
+    lin = Linear(k, shards, bias=bias is not None, quant_method=GgufMethod())
+    start = 0
+    for i, s in enumerate(shards):
+        lin.load_weight(BlockTensor(rows[start:start + s], qtype, (s, k)), i)
+        if bias is not None:
+            lin.load_bias(bias[start:start + s], i)
+        start += s
+    return lin, torch.from_numpy(dequantize(bt.raw, qtype)).reshape(n, k)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gguf_method_rows_are_the_same_in_any_batch(qtype):
+    """GgufMethod runs the C kernel at every batch size: a row's output is bitwise the same in a
+    1-row and a 100-row batch, and close to the dequantized weight's product."""
+    _lib_or_skip(None)
     b = torch.randn(96)
-    lin.load_bias(b[:40], 0)
-    lin.load_bias(b[40:], 1)
-    W = torch.from_numpy(dequantize(bt.raw, Q.Q4_1)).reshape(96, 64)
+    lin, W = _gguf_linear(qtype, [40, 56], 64, bias=b)
+    assert lin.gguf_packed is not None and lin.dense_weight is None
     assert torch.equal(lin.quant_method.dequantized(lin), W)
-    for rows in (1, GgufMethod.C_ROWS, GgufMethod.C_ROWS + 1, 33):
-        x = torch.randn(rows, 64)
-        ref = x @ W.t() + b
-        assert torch.allclose(lin(x), ref, atol=2e-3, rtol=1e-3), rows
+    x = acts(100, 64, seed=3)
+    big = lin(x)
+    assert big.shape == (100, 96) and big.dtype == torch.float32
+    assert torch.allclose(big, x @ W.t() + b, atol=3e-3, rtol=1e-3)
+    for r in (0, 1, 7, 8, 50, 99):
+        assert torch.equal(lin(x[r:r + 1].clone())[0], big[r]), r
+    # leading dimensions are flattened and restored: [2, 50, 64] -> [2, 50, 96], the same bits
+    assert torch.equal(lin(x.view(2, 50, 64)), big.view(2, 50, 96))
 
 
-def test_gguf_method_takes_dense_weights_as_fp16():
-    """A weight the loader already dequantized (another GGUF type) has no packed copy: fp16 path."""
-    w = torch.randn(32, 64) * 0.1
+def test_gguf_method_keeps_dense_weights_float32():
+    """A weight that is not Q4_0/Q4_1/Q8_0 blocks (already dequantized, another GGUF type, or
+    shards of different types) stays a dense float32 weight: no packed copy, y = x W^T."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 64, generator=g)
+    for w in (torch.randn(32, 64, generator=g) * 0.1, (torch.randn(32, 64, generator=g) * 0.1).bfloat16()):
+        lin = Linear(64, 32, quant_method=GgufMethod())
+        lin.load_weight(w)
+        assert lin.gguf_packed is None
+        assert lin.dense_weight.dtype == torch.float32 and torch.equal(lin.dense_weight, w.float())
+        assert torch.allclose(lin(x), x @ w.float().t(), atol=1e-5, rtol=1e-5)
+    # Q5_0 blocks: dequantized by the loader into the dense weight
+    w5 = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32) * 0.1
+    raw = quantize(w5, Q.Q5_0)
     lin = Linear(64, 32, quant_method=GgufMethod())
-    lin.load_weight(w)
-    assert lin.gguf_packed is None
-    x = torch.randn(2, 64)
-    assert torch.allclose(lin(x), x @ w.half().float().t(), atol=1e-4)
-
-
-def test_batch_weights_are_built_on_first_need_or_ahead():
-    """The fp16 copy does not exist until a large batch (or prepare_batch_weights) needs it; the
-    kernel choice depends only on rows, so the outputs are the same either way."""
-    from torch import nn
-
-    from kvserve.model.quant import prepare_batch_weights
-    if not cpu_kernels.gguf_gemv_fast():
-        pytest.skip("no SIMD build of the GEMV here")
-
-    def make():
-        bt = blocks(Q.Q8_0, 48, 64, seed=5)
-        lin = Linear(64, 48, quant_method=GgufMethod())
-        lin.load_weight(bt)
-        return lin
-    lazy, ahead = make(), make()
-    assert lazy._fp16 is None and ahead._fp16 is None
-    assert prepare_batch_weights(nn.Sequential(ahead)) == 1 and ahead._fp16 is not None
-    assert prepare_batch_weights(nn.Sequential(ahead)) == 0
-    small, big = torch.randn(3, 64), torch.randn(GgufMethod.C_ROWS + 5, 64)
-    assert torch.equal(lazy(small), ahead(small)) and lazy._fp16 is None
-    assert torch.equal(lazy(big), ahead(big)) and lazy._fp16 is not None
+    lin.load_weight(BlockTensor(raw, Q.Q5_0, (32, 64)))
+    W5 = torch.from_numpy(dequantize(raw, Q.Q5_0)).reshape(32, 64)
+    assert lin.gguf_packed is None and lin.dense_weight.dtype == torch.float32
+    assert torch.equal(lin.dense_weight, W5)
+    assert torch.allclose(lin(x), x @ W5.t(), atol=1e-5, rtol=1e-5)
+    # fused shards of two block types cannot share one packed layout
+    a = blocks(Q.Q4_0, 16, 64, seed=2)
+    b = blocks(Q.Q8_0, 16, 64, seed=3)
+    lin = Linear(64, [16, 16], quant_method=GgufMethod())
+    lin.load_weight(a, 0)
+    lin.load_weight(b, 1)
+    W = torch.cat([torch.from_numpy(dequantize(t.raw, t.qtype)).reshape(16, 64) for t in (a, b)])
+    assert lin.gguf_packed is None and torch.equal(lin.dense_weight, W)
+    assert torch.allclose(lin(x), x @ W.t(), atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ from gguf.quants import dequantize, quantize
 
 from kvserve.model.layers import Linear
 from kvserve.model.quant import BlockTensor, Fp16Method, Int4Method, Int8Method, quantize_int4_rows
+from kvserve.model.quant import int8 as int8_mod
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +46,11 @@ def _fbgemm_per_tensor(x, reduce_range):
 
 @pytest.mark.parametrize("reduce_range", [False, True])
 def test_int8_linear_matches_dequantized_matmul(reduce_range):
+    if not reduce_range and not int8_mod._has_vnni():
+        with pytest.raises(ValueError, match="reduce_range=False needs a CPU with VNNI"):
+            Int8Method(kernel="fbgemm", reduce_range=False)
+        pytest.skip("no VNNI on this CPU: fbgemm's AVX2 int16 path saturates without reduce_range, "
+                    "so Int8Method refuses reduce_range=False (checked above)")
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     lin = fused(Int8Method(kernel="fbgemm", reduce_range=reduce_range), w, b)
@@ -58,6 +64,15 @@ def test_int8_linear_matches_dequantized_matmul(reduce_range):
         exact = x @ W.t() + b             # per-token 8-bit: every row within ~1% of its own range
         err = (lin(x) - exact).abs().amax(1) / exact.abs().amax(1)
         assert err.max().item() < 0.05, err
+
+
+def test_int8_refuses_full_range_without_vnni(monkeypatch):
+    monkeypatch.setattr(int8_mod, "_has_vnni", lambda: False)
+    with pytest.raises(ValueError, match="use reduce_range=True"):
+        Int8Method(kernel="fbgemm", reduce_range=False)
+    assert Int8Method(kernel="fbgemm").reduce_range is True       # the default on such a CPU
+    monkeypatch.setattr(int8_mod, "_has_vnni", lambda: True)
+    assert Int8Method(kernel="fbgemm", reduce_range=False).reduce_range is False
 
 
 def test_int8_weight_only_matches_dequantized_matmul():

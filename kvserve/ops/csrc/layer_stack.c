@@ -1,25 +1,38 @@
-/* A whole decode step of a Llama-family model in one call: the few tokens of a decode-only
- * batch go through every layer without returning to Python (eager PyTorch spends ~60 small ops
- * per layer on them, about half of a batch-1 step on this model). The math is the model's
- * (kvserve/model/llama.py), kernel for kernel:
+/* A whole forward step of a Llama-family model in one call, for any flat batch: the tokens of
+ * every scheduled chunk (prompt chunks and decodes alike) go through every layer without
+ * returning to Python (eager PyTorch spends ~60 small ops per layer on them). The math is the
+ * model's (kvserve/model/llama.py), kernel for kernel:
  *
  *   h = embed[ids]
  *   per layer:  x = rmsnorm(h) * ln1
  *               q, k, v = x Wqkv^T (+ b);  q, k = rope(q, k)   (rotate-half layout)
  *               write k, v at the tokens' slots of the paged pool
- *               h += attention(q, pool) Wo^T (+ b)              (paged_decode.c)
+ *               h += attention(q, pool) Wo^T (+ b)              (paged_attention.c)
  *               x = rmsnorm(h) * ln2
  *               h += (silu(x Wg^T) * x Wu^T) Wd^T               (gguf_gemv.c, fused gate/up)
- *   out = rmsnorm(h) * norm
+ *   out = rmsnorm(h) * norm      (only for the rows the caller asks for)
+ *
+ * Token t has position positions[t], KV slot slots[t] and belongs to the sequence whose block
+ * table is tables + seq[t] * table_stride; it attends over positions 0..positions[t] of that
+ * table (its own key included: this step's K/V are written before attention runs).
  *
  * Every linear is a GGUF-packed weight (gguf_gemv.c); activations and norms are float32, the KV
- * pool float32 or int8 rows with a scale (kv_int8).
- * The two kernels are compiled into this one library.
+ * pool float32 or int8 rows with a scale (kv_int8). Each token's numbers are computed on their
+ * own, in a fixed order, with no fused multiply-add: the output does not depend on the other
+ * tokens of the batch, the thread count or the ISA (see gguf_gemv.h and paged_attention.c).
  */
-#include "gguf_gemv.c"
-#include "paged_decode.c"
-
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+              int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate, int64_t num_threads);
+void paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
+                     const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
+                     const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                     int64_t num_threads, int64_t int8_rows);
 
 typedef struct {
     const float *ln1, *ln2;                          /* RMSNorm weights [hidden] */
@@ -28,7 +41,7 @@ typedef struct {
     const float *qkv_bias, *o_bias;                  /* NULL when the layer has none */
     void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows: float32[head_dim], or
                                      int8[head_dim] + float32 scale when kv_int8 */
-} decode_layer_t;
+} stack_layer_t;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, block_size, window, kv_int8;
@@ -36,14 +49,20 @@ typedef struct {
     const float *embed;                              /* [vocab][hidden] */
     const float *norm;                               /* final RMSNorm [hidden] */
     const float *cos, *sin;                          /* [max_positions][head_dim], sin signed */
-    const decode_layer_t *layers;
-} decode_model_t;
+    const stack_layer_t *layers;
+} stack_model_t;
+
+#define LANES 8
 
 static void rmsnorm(const float *h, const float *w, float eps, int64_t n, float *out) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += h[i + l] * h[i + l];
+    float ss = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (; i < n; i++) ss += h[i] * h[i];
     const float r = 1.f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = h[i] * r * w[i];
+    for (i = 0; i < n; i++) out[i] = h[i] * r * w[i];
 }
 
 /* x[D] rotated in place: x * cos + rotate_half(x) * sin (sin holds -sin, sin for the halves). */
@@ -54,6 +73,25 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
         x[i] = a * cos[i] + b * sin[i];
         x[i + half] = b * cos[i + half] + a * sin[i + half];
     }
+}
+
+/* exp(x), deterministic (Cephes' scheme, about 1 ulp; no libm, whose expf differs between its
+ * variants): 0 below -87, +inf above 88. */
+static inline float exp_f32(float x) {
+    if (x < -87.f) return 0.f;
+    if (x > 88.f) return INFINITY;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } u = {p};
+    u.i += (int32_t)n << 23;
+    return u.f;
 }
 
 /* Store one token's K or V heads ([kv_heads][D] floats) at `slot` of a pool. */
@@ -76,10 +114,11 @@ static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads,
     }
 }
 
-/* Returns 0, or the first failing kernel's code. out: [T][hidden], the final-normed states. */
-int decode_layers(const decode_model_t *m, const int64_t *ids, const int64_t *positions, int64_t T,
-                  const int64_t *slots, const int64_t *tables, int64_t table_stride,
-                  const int64_t *lens, float *out, int64_t num_threads) {
+/* Returns 0, or the first failing kernel's code. out: [n_out][hidden], the final-normed states
+ * of rows out_rows[0..n_out). */
+int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *positions, const int64_t *slots,
+                const int64_t *seq, int64_t T, const int64_t *tables, int64_t table_stride,
+                const int64_t *out_rows, int64_t n_out, float *out, int64_t num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, qs = m->num_heads * D, kvs = m->kv_heads * D;
     const int64_t nqkv = qs + 2 * kvs, I = m->intermediate;
     const float eps = (float)m->eps;
@@ -87,17 +126,21 @@ int decode_layers(const decode_model_t *m, const int64_t *ids, const int64_t *po
     float *qkv = malloc(sizeof(float) * T * nqkv), *q = malloc(sizeof(float) * T * qs);
     float *att = malloc(sizeof(float) * T * qs), *gu = malloc(sizeof(float) * T * 2 * I);
     float *act = malloc(sizeof(float) * T * I);
-    int64_t *qrow = malloc(sizeof(int64_t) * T);
+    int64_t *qrow = malloc(sizeof(int64_t) * T), *lens = malloc(sizeof(int64_t) * T);
     int rc = -3;
-    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow) goto done;
+    (void)num_threads;
+    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens) goto done;
     for (int64_t t = 0; t < T; t++) {
         memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
         qrow[t] = t;
+        lens[t] = positions[t] + 1;
     }
     for (int64_t l = 0; l < m->num_layers; l++) {
-        const decode_layer_t *L = &m->layers[l];
+        const stack_layer_t *L = &m->layers[l];
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
         for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
         if ((rc = gguf_gemv(L->qkv, L->qkv_kind, nqkv, H, x, H, T, qkv, nqkv, L->qkv_bias, 0, num_threads))) goto done;
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
         for (int64_t t = 0; t < T; t++) {
             float *row = qkv + t * nqkv;
             const float *c = m->cos + positions[t] * D, *s = m->sin + positions[t] * D;
@@ -106,21 +149,23 @@ int decode_layers(const decode_model_t *m, const int64_t *ids, const int64_t *po
             store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_int8);
             store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_int8);
         }
-        paged_decode_pool(q, L->k_cache, L->v_cache, att, qrow, tables, table_stride, lens, T, m->num_heads,
-                          m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads, m->kv_int8);
+        paged_attention(q, L->k_cache, L->v_cache, att, qrow, seq, tables, table_stride, lens, T, m->num_heads,
+                        m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads, m->kv_int8);
         if ((rc = gguf_gemv(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, num_threads))) goto done;
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
         for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
         if ((rc = gguf_gemv(L->gate_up, L->gate_up_kind, 2 * I, H, x, H, T, gu, 2 * I, NULL, 0, num_threads))) goto done;
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < I; i++) {
                 const float g = gu[t * 2 * I + i];
-                act[t * I + i] = g / (1.f + expf(-g)) * gu[t * 2 * I + I + i];
+                act[t * I + i] = g / (1.f + exp_f32(-g)) * gu[t * 2 * I + I + i];
             }
         if ((rc = gguf_gemv(L->down, L->down_kind, H, I, act, I, T, h, H, NULL, 1, num_threads))) goto done;
     }
-    for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, m->norm, eps, H, out + t * H);
+    for (int64_t r = 0; r < n_out; r++) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);
     rc = 0;
 done:
-    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow);
+    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens);
     return rc;
 }

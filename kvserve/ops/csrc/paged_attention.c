@@ -1,16 +1,23 @@
-/* Paged decode attention on the CPU: one query token per row, read over its request's context
- * straight from the paged KV pool (no gather into fresh tensors).
+/* Paged attention on the CPU: each query token attends over its request's context read straight
+ * from the paged KV pool (no gather into fresh tensors). A decode is one such row; a prompt
+ * chunk is one row per token (its context ends at its own position), so a token's result does
+ * not depend on how its prompt was chunked or what else ran in the step.
  *
  * Pool layout (one layer): k_cache, v_cache float32 [num_blocks][block_size][kv_heads][head_dim],
- * or int8 (paged_decode_pool with int8_rows): each (slot, kv head) row is head_dim int8 values followed by its
+ * or int8 rows (int8_rows): each (slot, kv head) row is head_dim int8 values followed by its
  * float32 scale in 4 bytes (x ~= scale * q; kvserve/ops/kv_int8.py writes them).
- * Row i: query q[qrow[i]] (float32 [num_heads][head_dim]), context lens[i] tokens whose slots are
- * tables[i][p / block_size] * block_size + p % block_size; keys older than `window` positions
+ * Row i: query q[qrow[i]] (float32 [num_heads][head_dim]), context of lens[i] tokens whose slots
+ * are table[p / block_size] * block_size + p % block_size with table = tables + qseq[i] *
+ * table_stride (qseq NULL: row i uses table row i); keys older than `window` positions
  * (window > 0) are skipped. Output goes to out[qrow[i]] ([num_heads][head_dim]).
  *
  * One task per (row, kv head); the group of num_heads / kv_heads query heads that share a KV head
- * is computed together, so every K and V row is read once. Two passes: scores (kept in a per-task
- * buffer), then softmax and the weighted sum of V. Build: cc -O3 -march=native -fopenmp -shared.
+ * is computed together, so every K and V row is read once per task. Two passes: scores (kept in
+ * a per-task buffer), then softmax and the weighted sum of V.
+ *
+ * Every sum has a fixed order (8 partial sums combined by a fixed tree, no fused multiply-add;
+ * built with -ffp-contract=off and without -ffast-math): the bits do not depend on the thread
+ * count, the ISA the file was compiled for, or the other rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +25,12 @@
 #include <string.h>
 
 #define MAX_GROUP 16
+#define LANES 8
+
+/* Sum of 8 partial sums, in a fixed tree. */
+static inline float tree8(const float a[LANES]) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
 
 /* exp(x) for x <= 0 (scores minus their max), vectorizable (Cephes' expf scheme, about 1 ulp):
  * x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact reduction), exp(r) by a
@@ -25,7 +38,7 @@
  * to 0 (the true value is under 2e-38). */
 static inline float exp_nonpos(float x) {
     const float xc = x < -87.f ? -87.f : x;
-    const float n = rintf(xc * 1.44269504088896341f);
+    const float n = __builtin_rintf(xc * 1.44269504088896341f);
     const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -39,18 +52,24 @@ static inline float exp_nonpos(float x) {
     return x < -87.f ? 0.f : u.f;
 }
 
-/* One K or V row's dot with / accumulation into float vectors: float32 rows in place, int8 rows
- * with their scale (quantized is a constant in each instantiation). */
+/* One K row's dot with a query head: float32 rows in place, int8 rows converted (exactly). */
 static inline __attribute__((always_inline)) float
 row_dot(const float *x, const uint8_t *row, int64_t head_dim, const int quantized) {
-    float s = 0.f;
+    float acc[LANES] = {0};
+    int64_t d = 0;
     if (quantized) {
         const int8_t *r = (const int8_t *)row;
-        for (int64_t d = 0; d < head_dim; d++) s += x[d] * (float)r[d];
-    } else {
-        const float *r = (const float *)row;
-        for (int64_t d = 0; d < head_dim; d++) s += x[d] * r[d];
+        for (; d + LANES <= head_dim; d += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * (float)r[d + l];
+        float s = tree8(acc);
+        for (; d < head_dim; d++) s += x[d] * (float)r[d];
+        return s;
     }
+    const float *r = (const float *)row;
+    for (; d + LANES <= head_dim; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * r[d + l];
+    float s = tree8(acc);
+    for (; d < head_dim; d++) s += x[d] * r[d];
     return s;
 }
 
@@ -71,27 +90,49 @@ static inline __attribute__((always_inline)) float row_scale(const uint8_t *row,
     return s;
 }
 
+/* exp(s - mx) in place over n scores, returning their sum (8 partial sums, fixed tree). */
+static inline float softmax_numerators(float *restrict sc, int64_t n, float mx) {
+    float acc[LANES] = {0};
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float e = exp_nonpos(sc[t + l] - mx);
+            sc[t + l] = e;
+            acc[l] += e;
+        }
+    float s = tree8(acc);
+    for (; t < n; t++) {
+        sc[t] = exp_nonpos(sc[t] - mx);
+        s += sc[t];
+    }
+    return s;
+}
+
 static inline __attribute__((always_inline)) void
-paged_decode(const float *q, const void *k_cache, const void *v_cache, float *out,
-             const int64_t *qrow, const int64_t *tables, int64_t table_stride,
-             const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-             int64_t head_dim, int64_t block_size, float scale, int64_t window,
-             int64_t num_threads, const int quantized) {
+attend(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *qrow,
+       const int64_t *qseq, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+       int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+       float scale, int64_t window, int64_t num_threads, const int quantized) {
     const int64_t group = num_heads / kv_heads;
     const int64_t row_bytes = quantized ? head_dim + 4 : head_dim * 4;
     const int64_t tok_stride = kv_heads * row_bytes;       /* bytes between slots */
     const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
+    (void)num_threads;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t len = lens[i];
             const int64_t start = (window > 0 && len > window) ? len - window : 0;
             const int64_t n = len - start;
-            const int64_t *table = tables + i * table_stride;
+            const int64_t *table = tables + (qseq ? qseq[i] : i) * table_stride;
             const float *qh = q + qrow[i] * num_heads * head_dim + h * group * head_dim;
             float *oh = out + qrow[i] * num_heads * head_dim + h * group * head_dim;
             float *scores = (float *)malloc(sizeof(float) * group * (n > 0 ? n : 1));
             float mx[MAX_GROUP], sum[MAX_GROUP];
+            if (!scores) {                       /* out of memory: a visible NaN, never a crash */
+                for (int64_t d = 0; d < group * head_dim; d++) oh[d] = NAN;
+                continue;
+            }
             for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
             /* Walk the context block by block (no division per key): positions p in
              * [start, len), slot = table[p / block_size] * block_size + p % block_size. */
@@ -109,16 +150,7 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache, float *ou
                 p += run;
             }
             for (int64_t g = 0; g < group; g++) {
-                float acc = 0.f;
-                float *restrict sc = scores + g * n;
-                const float m = mx[g];
-                #pragma omp simd reduction(+:acc)
-                for (int64_t t = 0; t < n; t++) {
-                    const float e = exp_nonpos(sc[t] - m);
-                    sc[t] = e;
-                    acc += e;
-                }
-                sum[g] = acc;
+                sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
                 memset(oh + g * head_dim, 0, sizeof(float) * head_dim);
             }
             for (int64_t p = start, t = 0; p < len;) {
@@ -143,15 +175,15 @@ paged_decode(const float *q, const void *k_cache, const void *v_cache, float *ou
 
 /* The exported entry: float32 pools, or int8 rows with a scale when int8_rows is set. Each branch
  * is an instantiation with its row format fixed at compile time. */
-void paged_decode_pool(const float *q, const void *k_cache, const void *v_cache, float *out,
-                       const int64_t *qrow, const int64_t *tables, int64_t table_stride,
-                       const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                       int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                       int64_t num_threads, int64_t int8_rows) {
+void paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
+                     const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
+                     const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                     int64_t num_threads, int64_t int8_rows) {
     if (int8_rows)
-        paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
-                     kv_heads, head_dim, block_size, scale, window, num_threads, 1);
+        attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
+               kv_heads, head_dim, block_size, scale, window, num_threads, 1);
     else
-        paged_decode(q, k_cache, v_cache, out, qrow, tables, table_stride, lens, num_rows, num_heads,
-                     kv_heads, head_dim, block_size, scale, window, num_threads, 0);
+        attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
+               kv_heads, head_dim, block_size, scale, window, num_threads, 0);
 }

@@ -1,0 +1,78 @@
+/* The contract between the GGUF block GEMV driver (gguf_gemv.c) and its per-ISA kernels
+ * (gguf_gemv_avx512vnni.c, gguf_gemv_avx2.c, gguf_gemv_neon.c, gguf_gemv_portable.c).
+ *
+ * Weights: the file's Q4_0 / Q4_1 / Q8_0 blocks (32 weights: an fp16 scale d, for Q4_1 an fp16
+ * offset m, and 4- or 8-bit integers q; w = d q + m, with m = -8 d for Q4_0 and m = 0 for Q8_0)
+ * interleaved at load time 16 output rows at a time (kvserve/ops/gguf_blocks.py). Values are not
+ * changed. Per group of 16 rows and block of 32 weights (rows past N are zero):
+ *   Q4 (kind 4):  d[16] fp16, m[16] fp16, then 4 chunks of 64 bytes: chunk c holds, for row i, the
+ *                 bytes (q[4c + t] | q[4c + 16 + t] << 4), t = 0..3, at offset 4 i + t.   320 bytes
+ *   Q8 (kind 8):  d[16] fp16, then 8 chunks of 64 bytes: chunk c holds q[4c + t] + 128 (as u8)
+ *                 of row i at offset 4 i + t.                                              544 bytes
+ *
+ * Activations: each row, per block of 32, becomes two signed 8-bit parts (gguf_gemv.c,
+ * quantize_rows): v = x 127 / max|x|, xa = rint(v), xb = rint((v - xa) 256) clamped to +-127, so
+ * x ~= dx (256 xa + xb) with dx = max|x| / (127 256): about 15 bits, where llama.cpp's single
+ * 8-bit part costs SmolLM2 2% of perplexity.
+ *
+ * What every kernel computes, exactly (the same bits on every ISA; tests compare them):
+ *   for each of the 16 rows i and each activation row r < R:
+ *     acc = 0
+ *     for each block b, in order:
+ *       s   = sum_j q_ij (256 xa_rj + xb_rj)            integers, exact in int32; q signed for Q8
+ *             (Q4: q in 0..15, the m term below carries the offset)
+ *       acc = acc + (float)s * (d_i * dx_rb)             float32, rounded after each operation
+ *       Q4 only: acc = acc + m_i * sx_rb                 sx: the float sum of the block's x
+ *     out[r * 16 + i] = acc
+ * No fused multiply-add: a separate multiply and add round the same way in SIMD lanes and in
+ * scalar code, so builds are bit-identical (they are compiled with -ffp-contract=off).
+ */
+#ifndef KVSERVE_GGUF_GEMV_H
+#define KVSERVE_GGUF_GEMV_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define GGUF_ROWS 16         /* output rows per interleaved group */
+#define GGUF_TILE_M 8        /* activation rows per pass over a group's weights */
+
+static inline int64_t gguf_packed_block_bytes(int64_t kind) { return kind == 4 ? 320 : 544; }
+
+/* Activations of one pass: R rows of nb blocks each. xq holds, per (row, block), 64 s8 values:
+ * the 32 xa, then the 32 xb. dx: scale; sx: sum of the block's float x (Q4's m term); sq:
+ * 256 sum xa + sum xb (for kernels that store Q8 weights offset by 128). */
+typedef struct {
+    const int8_t *xq;
+    const float *dx, *sx;
+    const int32_t *sq;
+} gguf_acts_t;
+
+/* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
+ * activation rows; out[r * 16 + i]. kind: 4 or 8. */
+void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);
+
+/* The name of the instruction set the kernel was written for ("avx512vnni", "avx2", "neon",
+ * "portable"). */
+const char *gguf_kernel_isa(void);
+
+/* IEEE half -> float, exact, without F16C or Arm fp16 instructions (the portable reference). */
+static inline float gguf_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {                       /* zero or subnormal: man * 2^-24, exact */
+        f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t gguf_load_u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
+
+#endif

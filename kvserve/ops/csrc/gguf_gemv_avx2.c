@@ -1,0 +1,111 @@
+/* gguf_group_dot (gguf_gemv.h) for AVX2 (Haswell and later, AMD Zen): a 256-bit register holds
+ * 4 weights of 8 rows, so a group of 16 rows is two halves. AVX2 has no vpdpbusd: vpmaddubsw
+ * multiplies u8 weights by s8 activations into pairs summed in int16, vpmaddwd widens to int32.
+ *   Q4 (q in 0..15): a pair is at most 2 * 15 * 127 = 3810, so the 8 chunks of a block add up
+ *       in int16 (<= 30480) before one widening per part.
+ *   Q8: the stored u8 (q + 128) would saturate int16 (255 * 127 * 2); the weights go back to
+ *       signed q and the sign moves onto the activations (|q| * (x sign q), <= 2 * 128 * 127 =
+ *       32512 a pair), widened chunk by chunk.
+ * Both give the exact integer s, so the results are the portable kernel's, bit for bit.
+ * Build: -mavx2 -mfma -mf16c (x86-64-v3). */
+#include <immintrin.h>
+
+#include "gguf_gemv.h"
+
+const char *gguf_kernel_isa(void) { return "avx2"; }
+
+#define R_MAX 4     /* activation rows per pass here: 2 * R_MAX accumulators + 8 weight registers */
+
+/* int32 [8 rows] of sum_j q_j x_j over one part (xa or xb) of a Q4 block: q[c] = weights
+ * 4c..4c+3 of 8 rows (u8 0..15), x = the part's 32 s8 values. */
+static inline __attribute__((always_inline)) __m256i dot_q4(const __m256i q[8], const int8_t *x) {
+    const int32_t *x4 = (const int32_t *)x;
+    __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(x4[0]));
+    for (int c = 1; c < 8; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[c], _mm256_set1_epi32(x4[c])));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+
+/* sum_j q_j xa_j and sum_j q_j xb_j for one half of a Q8 block (8 rows): w = the half's 8 chunks
+ * (q + 128 as u8, 64 bytes apart), x = the block's 32 xa then 32 xb. Weights are read from L1
+ * chunk by chunk (16 of them would not fit the 16 registers). */
+static inline __attribute__((always_inline)) void
+dot_q8(const uint8_t *w, const int8_t *x, __m256i *sa, __m256i *sb) {
+    const int32_t *xa = (const int32_t *)x, *xb = xa + 8;
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 64 * c)), bias);
+        const __m256i aq = _mm256_abs_epi8(q);
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(xa[c]), q)), ones));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(xb[c]), q)), ones));
+    }
+    *sa = a;
+    *sb = b;
+}
+
+static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256i sb) {
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sa, 8), sb));
+}
+
+static inline __attribute__((always_inline)) void
+group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+    __m256 acc[R_MAX][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t pb = gguf_packed_block_bytes(kind);
+    if (kind == 4) {
+        const __m256i low4 = _mm256_set1_epi8(0x0f);
+        for (int64_t b = 0; b < nb; b++, wg += pb) {
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)));
+                __m256i q[8];
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 64 + 64 * c + 32 * h));
+                    q[c] = _mm256_and_si256(v, low4);
+                    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int64_t rb = r * nb + b;
+                    const int8_t *x = a->xq + rb * 64;
+                    const __m256 s = two_parts(dot_q4(q, x), dot_q4(q, x + 32));
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
+                }
+            }
+        }
+    } else {
+        for (int64_t b = 0; b < nb; b++, wg += pb) {
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
+                for (int r = 0; r < R; r++) {
+                    const int64_t rb = r * nb + b;
+                    __m256i sa, sb;
+                    dot_q8(wg + 32 + 32 * h, a->xq + rb * 64, &sa, &sb);
+                    const __m256 s = two_parts(sa, sb);
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * GGUF_ROWS, acc[r][0]);
+        _mm256_storeu_ps(out + r * GGUF_ROWS + 8, acc[r][1]);
+    }
+}
+
+static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    switch (R) {   /* R as a constant: the accumulators stay in registers */
+        case 1: group_dot(wg, kind, nb, a, 1, out); break;
+        case 2: group_dot(wg, kind, nb, a, 2, out); break;
+        case 3: group_dot(wg, kind, nb, a, 3, out); break;
+        default: group_dot(wg, kind, nb, a, 4, out); break;
+    }
+}
+
+void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    /* Rows past R_MAX re-read the group's weights from L1 (they are a few KB). */
+    for (int r0 = 0; r0 < R; r0 += R_MAX) {
+        const gguf_acts_t ar = {a->xq + (int64_t)r0 * nb * 64, a->dx + r0 * nb, a->sx + r0 * nb, a->sq + r0 * nb};
+        group_dot_upto4(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
+    }
+}

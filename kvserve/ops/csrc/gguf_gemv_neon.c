@@ -1,0 +1,133 @@
+/* gguf_group_dot (gguf_gemv.h) for Arm NEON with the dot product extension (Armv8.2-A+dotprod:
+ * Graviton 2/3/4, Ampere Altra, Apple M1 and later, Cortex-A76 and later).
+ *
+ * sdot by lane (vdotq_laneq_s32) multiplies 4 s8 weights of 4 rows by the same 4 s8 activations
+ * and adds each row's sum to an int32 lane: the packed layout's 16-byte slice 16v..16v+15 of a
+ * 64-byte chunk is exactly that for rows 4v..4v+3, so a group of 16 rows is four int32x4 vectors
+ * and no horizontal sums are needed. Per block, row quad v and activation row r:
+ *   w[c]     weights j = 4c..4c+3       (Q4: chunk c's low nibbles;  Q8: chunk c)      c = 0..3
+ *   w[4 + c] weights j = 16+4c..16+4c+3 (Q4: chunk c's high nibbles; Q8: chunk 4 + c)
+ * dotted with lane c of the part's x[0..15] and x[16..31]. Q4 nibbles (0..15) are valid s8 as
+ * they are; Q8 bytes (q + 128) become s8 q by flipping the top bit. Both parts (xa, xb) go into
+ * one exact int32: s = 256 sum q xa + sum q xb (|s| < 2^28). The float steps are the portable
+ * kernel's: (float)s * (d dx), then a separate add (vmulq_f32 + vaddq_f32, never vfmaq; built
+ * with -ffp-contract=off), and for Q4 + m sx. fp16 d and m: vcvt_f32_f16 is exact.
+ *
+ * Register budget (32 x 128 bit): 8 weight vectors, 4 R float accumulators, the activation parts
+ * and the int32 sums. Up to R_MAX = 4 activation rows go in one pass over the group's weights;
+ * R = 5..8 takes two passes (4 + the rest), the second re-reading the group's weights from L1 -
+ * one pass of 8 rows would need all 32 registers for its accumulators alone and spill.
+ * Build: -march=armv8.2-a+dotprod (or any later -march / -mcpu with dotprod). */
+#include <arm_neon.h>
+
+#include "gguf_gemv.h"
+
+#ifndef __ARM_FEATURE_DOTPROD
+#error "gguf_gemv_neon.c needs the Armv8.2 dot product extension: build with -march=armv8.2-a+dotprod"
+#endif
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF   /* clang: no fused multiply-add, whatever the command line says */
+#elif defined(__GNUC__)
+/* GCC's scheduler before register allocation hoists every weight load of a block to its start
+ * and spills the float accumulators (R = 4: ~180 stack accesses a block instead of ~40). The
+ * exact float steps hold even if the library is built with -ffast-math or -ffp-contract=fast. */
+#pragma GCC optimize("no-schedule-insns", "fp-contract=off", "no-fast-math")
+#endif
+
+const char *gguf_kernel_isa(void) { return "neon"; }
+
+#define R_MAX 4     /* activation rows per pass: 4 R_MAX accumulators + 8 weight registers + parts */
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")   /* whole: constant indices keep the arrays in registers */
+
+/* acc + sum over the 32 weights of 4 rows (w, as above) times one part (lo: x[0..15], hi:
+ * x[16..31]): 8 sdot, one dependency chain. */
+INLINE int32x4_t dot32(int32x4_t acc, const int8x16_t w[8], int8x16_t lo, int8x16_t hi) {
+    acc = vdotq_laneq_s32(acc, w[0], lo, 0);
+    acc = vdotq_laneq_s32(acc, w[1], lo, 1);
+    acc = vdotq_laneq_s32(acc, w[2], lo, 2);
+    acc = vdotq_laneq_s32(acc, w[3], lo, 3);
+    acc = vdotq_laneq_s32(acc, w[4], hi, 0);
+    acc = vdotq_laneq_s32(acc, w[5], hi, 1);
+    acc = vdotq_laneq_s32(acc, w[6], hi, 2);
+    acc = vdotq_laneq_s32(acc, w[7], hi, 3);
+    return acc;
+}
+
+/* s = 256 sum q xa + sum q xb for 4 rows, from one activation row's block (x: xa[32], xb[32]).
+ * With one activation row the two parts are two independent chains (latency); with several,
+ * the rows already give the core independent chains, and one chain saves two instructions. */
+INLINE int32x4_t block_s(const int8x16_t w[8], const int8_t *x, const int R) {
+    const int8x16_t a0 = vld1q_s8(x), a1 = vld1q_s8(x + 16), b0 = vld1q_s8(x + 32), b1 = vld1q_s8(x + 48);
+    if (R == 1) {
+        const int32x4_t sa = dot32(vdupq_n_s32(0), w, a0, a1), sb = dot32(vdupq_n_s32(0), w, b0, b1);
+        return vaddq_s32(vshlq_n_s32(sa, 8), sb);
+    }
+    return dot32(vshlq_n_s32(dot32(vdupq_n_s32(0), w, a0, a1), 8), w, b0, b1);
+}
+
+INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R,
+                      float *out) {
+    float32x4_t acc[R_MAX][4];
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int v = 0; v < 4; v++) acc[r][v] = vdupq_n_f32(0.f);
+    const int64_t pb = gguf_packed_block_bytes(kind);
+    const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
+    for (int64_t b = 0; b < nb; b++, wg += pb) {
+        float dx[R_MAX], sx[R_MAX];
+        UNROLL for (int r = 0; r < R; r++) {
+            dx[r] = a->dx[r * nb + b];
+            if (kind == 4) sx[r] = a->sx[r * nb + b];
+        }
+        const float16x8_t dh0 = vreinterpretq_f16_u8(vld1q_u8(wg)), dh1 = vreinterpretq_f16_u8(vld1q_u8(wg + 16));
+        const float32x4_t d[4] = {vcvt_f32_f16(vget_low_f16(dh0)), vcvt_high_f32_f16(dh0),
+                                  vcvt_f32_f16(vget_low_f16(dh1)), vcvt_high_f32_f16(dh1)};
+        float32x4_t m[4];
+        if (kind == 4) {
+            const float16x8_t mh0 = vreinterpretq_f16_u8(vld1q_u8(wg + 32)), mh1 = vreinterpretq_f16_u8(vld1q_u8(wg + 48));
+            m[0] = vcvt_f32_f16(vget_low_f16(mh0));
+            m[1] = vcvt_high_f32_f16(mh0);
+            m[2] = vcvt_f32_f16(vget_low_f16(mh1));
+            m[3] = vcvt_high_f32_f16(mh1);
+        }
+        UNROLL for (int v = 0; v < 4; v++) {   /* rows 4v..4v+3 */
+            int8x16_t w[8];
+            if (kind == 4) {
+                UNROLL for (int c = 0; c < 4; c++) {
+                    const uint8x16_t p = vld1q_u8(wg + 64 + 64 * c + 16 * v);
+                    w[c] = vreinterpretq_s8_u8(vandq_u8(p, low4));
+                    w[c + 4] = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
+                }
+            } else {
+                UNROLL for (int c = 0; c < 8; c++)
+                    w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wg + 32 + 64 * c + 16 * v), top));
+            }
+            UNROLL for (int r = 0; r < R; r++) {
+                const float32x4_t s = vcvtq_f32_s32(block_s(w, a->xq + (r * nb + b) * 64, R));
+                acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(s, vmulq_n_f32(d[v], dx[r])));
+                if (kind == 4) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int v = 0; v < 4; v++) vst1q_f32(out + r * GGUF_ROWS + 4 * v, acc[r][v]);
+}
+
+/* kind and R as constants: the accumulators stay in registers, the loops unroll. */
+#define KINDS(R) (kind == 4 ? group_dot(wg, 4, nb, a, R, out) : group_dot(wg, 8, nb, a, R, out))
+
+static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    switch (R) {
+        case 1: KINDS(1); break;
+        case 2: KINDS(2); break;
+        case 3: KINDS(3); break;
+        default: KINDS(4); break;
+    }
+}
+
+void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    for (int r0 = 0; r0 < R; r0 += R_MAX) {
+        const gguf_acts_t ar = {a->xq + (int64_t)r0 * nb * 64, a->dx + r0 * nb, a->sx + r0 * nb, a->sq + r0 * nb};
+        group_dot_upto4(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
+    }
+}

@@ -1,0 +1,38 @@
+/* The portable C reference of gguf_group_dot (gguf_gemv.h): plain loops, any CPU. Every SIMD
+ * kernel must give exactly these bits. */
+#include "gguf_gemv.h"
+
+const char *gguf_kernel_isa(void) { return "portable"; }
+
+void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    const int64_t pb = gguf_packed_block_bytes(kind);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < GGUF_ROWS; i++) out[r * GGUF_ROWS + i] = 0.f;
+    for (int64_t b = 0; b < nb; b++, wg += pb) {
+        for (int i = 0; i < GGUF_ROWS; i++) {
+            const float d = gguf_half_to_float(gguf_load_u16(wg + 2 * i));
+            const float m = kind == 4 ? gguf_half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
+            for (int r = 0; r < R; r++) {
+                const int8_t *xa = a->xq + (r * nb + b) * 64, *xb = xa + 32;
+                int32_t s = 0;
+                if (kind == 4) {
+                    for (int c = 0; c < 4; c++)
+                        for (int t = 0; t < 4; t++) {
+                            const int32_t v = wg[64 + 64 * c + 4 * i + t], j = 4 * c + t;
+                            s += (v & 15) * (256 * xa[j] + xb[j]) + (v >> 4) * (256 * xa[j + 16] + xb[j + 16]);
+                        }
+                } else {
+                    for (int c = 0; c < 8; c++)
+                        for (int t = 0; t < 4; t++) {
+                            const int32_t j = 4 * c + t, q = (int32_t)wg[32 + 64 * c + 4 * i + t] - 128;
+                            s += q * (256 * xa[j] + xb[j]);
+                        }
+                }
+                const float scale = d * a->dx[r * nb + b];
+                float acc = out[r * GGUF_ROWS + i] + (float)s * scale;
+                if (kind == 4) acc = acc + m * a->sx[r * nb + b];
+                out[r * GGUF_ROWS + i] = acc;
+            }
+        }
+    }
+}

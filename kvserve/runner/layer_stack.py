@@ -1,0 +1,92 @@
+"""Whole steps of a Llama-family model as one C call (kvserve/ops/csrc/layer_stack.c).
+
+When every linear of the model holds GGUF-packed weights (quant.GgufMethod) and the C kernels
+are built, the runner sends every step here, prompt chunks and decodes alike: same weights and
+same math as LlamaForCausalLM.forward (tests compare the two), no Python between layers, and
+each token's numbers computed on their own in a fixed order, so a request's tokens at
+temperature 0 do not depend on the thread count, on how its prompt was chunked, on what else
+shares the step, nor on the ISA build. Other models (dense or int4/int8 weights, bf16) run the
+PyTorch forward.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.quant import GgufMethod
+from kvserve.ops import cpu_kernels
+from kvserve.ops.attention import AttentionMetadata
+
+
+class CLayerStack:
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.isa = cpu_kernels.selected_isa()       # the kernel build, fixed for the engine's life
+        self._kv_caches = None         # the pools the layer table points at
+        self._layers = None
+        self._struct = None
+
+    @classmethod
+    def build(cls, model) -> CLayerStack | None:
+        """A CLayerStack for `model`, or None when some part has no C path (not a Llama-family
+        float32 model, a linear without packed GGUF weights, no C kernels)."""
+        if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32 or not cpu_kernels.available():
+            return None
+        attn = model.layers[0].self_attn
+        if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP or model.embed_tokens.weight.dtype != torch.float32:
+            return None
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if not isinstance(lin.quant_method, GgufMethod) or lin.gguf_packed is None:
+                    return None
+            if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
+                return None
+        return cls(model)
+
+    @staticmethod
+    def runs(kv_caches) -> bool:
+        """Whether the KV pool is one the C attention reads (float32 or int8 rows)."""
+        return kv_caches[0][0].dtype in (torch.float32, torch.int8)
+
+    def _bind(self, kv_caches) -> None:
+        """The C tables of weights and pools (pointers into tensors that live as long as the model)."""
+        m = self.model
+        arch = m.arch
+        layers = (cpu_kernels.StackLayer * len(m.layers))()
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+        for i, (layer, (k, v)) in enumerate(zip(m.layers, kv_caches, strict=True)):
+            a, f = layer.self_attn, layer.mlp
+            layers[i] = cpu_kernels.StackLayer(
+                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                ptr(a.qkv_proj.gguf_packed), ptr(a.o_proj.gguf_packed),
+                ptr(f.gate_up_proj.gguf_packed), ptr(f.down_proj.gguf_packed),
+                a.qkv_proj.gguf_kind, a.o_proj.gguf_kind, f.gate_up_proj.gguf_kind, f.down_proj.gguf_kind,
+                ptr(a.qkv_proj.bias), ptr(a.o_proj.bias), ptr(k), ptr(v))
+        a = m.layers[0].self_attn
+        self._struct = cpu_kernels.StackModel(
+            len(m.layers), arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, arch.intermediate_size,
+            kv_caches[0][0].shape[1], a.sliding_window or 0, int(kv_caches[0][0].dtype == torch.int8),
+            m.layers[0].input_layernorm.eps, a.scale,
+            ptr(m.embed_tokens.weight), ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
+            ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)))
+        self._layers, self._kv_caches = layers, kv_caches
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches, out_rows: torch.Tensor) -> torch.Tensor:
+        """Run every layer on the flat batch; returns the final-normed hidden states of the rows
+        `out_rows` (int64), [len(out_rows), hidden]."""
+        if kv_caches is not self._kv_caches:
+            self._bind(kv_caches)
+        qsl = meta.query_start_loc
+        q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)], dtype=torch.long)
+        seq = torch.repeat_interleave(torch.arange(meta.num_seqs, dtype=torch.long), q_lens)
+        out = torch.empty(out_rows.shape[0], self.model.arch.hidden_size)
+        cpu_kernels.layer_stack(self._struct, input_ids.contiguous(), positions.contiguous(),
+                                meta.slot_mapping.contiguous(), seq, meta.block_tables.contiguous(),
+                                out_rows.contiguous(), out, isa=self.isa)
+        return out

@@ -1,0 +1,185 @@
+/* A self-contained check of the GGUF block GEMV (kvserve/ops/csrc/gguf_gemv.c + one per-ISA
+ * kernel): no files, no Python. Linked with each kernel (and built for each ISA) it must print the
+ * same text, because gguf_gemv.h fixes every float operation: tests/unit/test_arm_kernels.py
+ * compares the NEON kernel with the portable one under qemu-aarch64, and both with a native build.
+ *
+ * It packs deterministic pseudo-random weights straight into the interleaved layout of
+ * gguf_gemv.h (Q4 with Q4_0-style m = -8 d and Q4_1-style m of either sign, Q8 including
+ * q = -128; fp16 scales normal, subnormal and zero; rows past N zero), makes activations with an
+ * outlier, an all-zero block and a row small enough for subnormal d dx (compared bit for bit, not
+ * with the reference below: such scales keep few significant bits), runs gguf_gemv over
+ * shapes with N not a multiple of 16 and M = 1..20 (every tile size R = 1..8), and prints per
+ * case a hash of the output bits and the first values' bits (all of them with --all).
+ * It also checks every output against a double-precision sum of the dequantized weights times x:
+ * |y - ref| <= 2^-12 sum_k |w_k x_k| (+ 2^-20 (|bias| + |y before|)); exit status 1 if not.
+ *
+ * Build, e.g.: cc -O2 -ffp-contract=off -I kvserve/ops/csrc tests/unit/csrc/gemv_check.c
+ *              kvserve/ops/csrc/gguf_gemv.c kvserve/ops/csrc/gguf_gemv_portable.c -o gemv_check
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf_gemv.h"
+
+/* gguf_gemv.c's entry points (no header declares them). */
+int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+              int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
+              int64_t num_threads);
+const char *gguf_gemv_isa(void);
+
+static uint64_t rng_state;
+static uint64_t next_u64(void) {              /* splitmix64 */
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static uint32_t below(uint32_t n) { return (uint32_t)(next_u64() >> 32) % n; }
+static float uniform(void) { return (float)(next_u64() >> 40) * (2.f / 16777216.f) - 1.f; }   /* [-1, 1), exact */
+
+/* fp16 bits: a small positive scale (2^-12 .. 2^-3), sometimes subnormal or zero. */
+static uint16_t random_scale(void) {
+    const uint32_t u = below(64);
+    if (u == 0) return 0;
+    if (u == 1) return (uint16_t)(1 + below(0x3ff));                    /* subnormal */
+    return (uint16_t)(((3 + below(10)) << 10) | below(0x400));
+}
+
+/* The value of fp16 bits, computed independently of gguf_gemv.h. */
+static double half_value(uint16_t h) {
+    const int e = (h >> 10) & 31, man = h & 0x3ff;
+    const double v = e == 0 ? ldexp(man, -24) : ldexp(1024 + man, e - 25);
+    return h & 0x8000 ? -v : v;
+}
+
+/* Packed weights of gguf_gemv.h for N rows, K columns. Q4 variant: 0 = m = -8 d, 1 = random m. */
+static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, groups = (N + 15) / 16, pb = gguf_packed_block_bytes(kind);
+    uint8_t *w = calloc((size_t)(groups * nb * pb), 1);
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = w + (g * nb + b) * pb;
+            for (int i = 0; i < 16; i++) {
+                if (g * 16 + i >= N) continue;                          /* rows past N stay zero */
+                uint16_t d = random_scale(), m = 0;
+                if (kind == 4) {
+                    if (q4_variant == 0) {                              /* -8 d, exact in fp16 */
+                        const int e = (d >> 10) & 31;
+                        if (e == 0 || e > 27) d = (uint16_t)(((3 + below(10)) << 10) | below(0x400));
+                        m = (uint16_t)(0x8000 | (d + (3 << 10)));
+                    } else {
+                        m = random_scale() | (below(2) ? 0x8000 : 0);
+                    }
+                    memcpy(p + 32 + 2 * i, &m, 2);
+                }
+                memcpy(p + 2 * i, &d, 2);
+                const int extreme = below(16) == 0;                     /* all q at the range's end */
+                if (kind == 4)
+                    for (int c = 0; c < 4; c++)
+                        for (int t = 0; t < 4; t++) p[64 + 64 * c + 4 * i + t] = extreme ? 0xff : (uint8_t)below(256);
+                else
+                    for (int c = 0; c < 8; c++)
+                        for (int t = 0; t < 4; t++) p[32 + 64 * c + 4 * i + t] = extreme ? 0 : (uint8_t)below(256);
+            }
+        }
+    return w;
+}
+
+/* Weight (n, k) of the packed layout, dequantized in double: d q + m (Q4), d (u - 128) (Q8). */
+static double weight(const uint8_t *w, int kind, int64_t K, int64_t n, int64_t k) {
+    const int64_t nb = K / 32, pb = gguf_packed_block_bytes(kind), b = k / 32, j = k % 32, i = n % 16;
+    const uint8_t *p = w + ((n / 16) * nb + b) * pb;
+    const double d = half_value(gguf_load_u16(p + 2 * i));
+    if (kind == 4) {
+        const int c = (int)(j % 16) / 4, t = (int)(j % 4);
+        const uint8_t byte = p[64 + 64 * c + 4 * i + t];
+        const int q = j < 16 ? byte & 15 : byte >> 4;
+        return d * q + half_value(gguf_load_u16(p + 32 + 2 * i));
+    }
+    const int c = (int)j / 4, t = (int)(j % 4);
+    return d * ((int)p[32 + 64 * c + 4 * i + t] - 128);
+}
+
+static uint64_t fnv(uint64_t h, uint32_t v) {
+    for (int s = 0; s < 32; s += 8) h = (h ^ ((v >> s) & 0xff)) * 0x100000001b3ull;
+    return h;
+}
+static uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+typedef struct { int64_t N, K, M; int pad_x, pad_y, bias, accumulate; } shape_t;
+
+static const shape_t SHAPES[] = {
+    {16, 32, 1, 0, 0, 0, 0},   {40, 160, 3, 0, 0, 0, 0},   {3, 64, 9, 0, 0, 0, 0},
+    {33, 96, 8, 0, 0, 0, 0},   {100, 256, 20, 0, 0, 1, 0}, {17, 512, 5, 32, 8, 0, 1},
+    {64, 1024, 13, 0, 0, 1, 1}, {31, 128, 2, 0, 0, 0, 0},  {16, 64, 4, 0, 0, 0, 0},
+    {50, 2048, 6, 0, 0, 0, 0}, {20, 96, 7, 0, 3, 0, 0},    {48, 4096, 1, 0, 0, 0, 0},
+};
+
+int main(int argc, char **argv) {
+    const int all = argc > 1 && strcmp(argv[1], "--all") == 0;
+    int failed = 0, ncase = 0;
+    double worst = 0;
+    fprintf(stderr, "gemv_check: kernel %s\n", gguf_gemv_isa());
+    rng_state = 20240601;
+    for (size_t s = 0; s < sizeof SHAPES / sizeof SHAPES[0]; s++)
+        for (int variant = 0; variant < 3; variant++) {                 /* Q4 (m = -8 d), Q4 (m), Q8 */
+            const shape_t sh = SHAPES[s];
+            const int kind = variant == 2 ? 8 : 4;
+            const int64_t N = sh.N, K = sh.K, M = sh.M, ldx = K + sh.pad_x, ldy = N + sh.pad_y;
+            uint8_t *w = make_weights(kind, variant, N, K);
+            float *x = malloc(sizeof(float) * (size_t)(M * ldx)), *y = malloc(sizeof(float) * (size_t)(M * ldy));
+            float *y0 = malloc(sizeof(float) * (size_t)(M * ldy)), *bias = malloc(sizeof(float) * (size_t)N);
+            for (int64_t r = 0; r < M; r++) {
+                const float scale = r == 2 ? 1e-35f : 0.25f + (float)below(16);   /* row 2: subnormal dx */
+                for (int64_t k = 0; k < ldx; k++) x[r * ldx + k] = uniform() * scale;
+            }
+            x[5] = 40.f * (1 + (float)below(4));                       /* an outlier */
+            if (M > 1 && K >= 64)
+                for (int k = 32; k < 64; k++) x[ldx + k] = 0.f;         /* an all-zero block */
+            for (int64_t i = 0; i < M * ldy; i++) y[i] = y0[i] = uniform() * 4;
+            for (int64_t n = 0; n < N; n++) bias[n] = uniform();
+            const int rc = gguf_gemv(w, kind, N, K, x, ldx, M, y, ldy, sh.bias ? bias : NULL, sh.accumulate, 1);
+            if (rc != 0) { printf("case %d: gguf_gemv returned %d\n", ncase, rc); failed = 1; }
+
+            uint64_t h = 0xcbf29ce484222325ull;
+            int ok = 1;
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t n = 0; n < ldy; n++) {
+                    const float got = y[r * ldy + n];
+                    h = fnv(h, bits(got));
+                    if (n >= N) { ok &= bits(got) == bits(y0[r * ldy + n]); continue; }   /* untouched */
+                    if (r == 2) continue;      /* subnormal d dx: few significant bits; compared bit for bit only */
+                    double ref = 0, mag = 0;
+                    for (int64_t k = 0; k < K; k++) {
+                        const double t = weight(w, kind, K, n, k) * x[r * ldx + k];
+                        ref += t;
+                        mag += fabs(t);
+                    }
+                    double extra = 0;
+                    if (sh.bias) { ref += bias[n]; extra += fabs(bias[n]); }
+                    if (sh.accumulate) { ref += y0[r * ldy + n]; extra += fabs(y0[r * ldy + n]); }
+                    const double bound = ldexp(mag, -12) + ldexp(extra, -20) + 1e-37;
+                    const double ratio = fabs(got - ref) / bound;
+                    if (!(ratio <= 1)) {
+                        if (ok) printf("case %d: y[%lld][%lld] = %.9g, reference %.9g, bound %.3g\n", ncase,
+                                       (long long)r, (long long)n, got, ref, bound);
+                        ok = 0;
+                    }
+                    if (ratio > worst) worst = ratio;
+                }
+            failed |= !ok;
+            printf("case %2d kind %d%s N %3lld K %4lld M %2lld: %016llx", ncase, kind,
+                   kind == 4 ? (variant ? "/m" : "/0") : "  ", (long long)N, (long long)K, (long long)M,
+                   (unsigned long long)h);
+            for (int64_t i = 0; i < (all ? M * ldy : 4); i++) printf(" %08x", bits(y[i]));
+            printf("%s\n", ok ? "" : "  REFERENCE MISMATCH");
+            free(w); free(x); free(y); free(y0); free(bias);
+            ncase++;
+        }
+    printf("reference check (|y - ref| <= 2^-12 sum|w x|): %s, worst error / bound %.3f\n",
+           failed ? "FAILED" : "passed", worst);
+    return failed;
+}

@@ -1,0 +1,111 @@
+# The Arm NEON GEMV kernel, cross-compiled and run under qemu-user against the portable reference.
+#
+# Needs the Debian/Ubuntu packages gcc-aarch64-linux-gnu and qemu-user (skipped without them;
+# .ci/run installs them when it can). By hand, from the repository root:
+#
+#   sudo apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu qemu-user
+#   S=kvserve/ops/csrc F="-O3 -ffp-contract=off -fno-fast-math -fno-math-errno -fno-trapping-math -static -I$S"
+#   aarch64-linux-gnu-gcc $F -march=armv8.2-a+dotprod tests/unit/csrc/gemv_check.c $S/gguf_gemv.c \
+#       $S/gguf_gemv_neon.c -lm -o /tmp/gemv_neon
+#   aarch64-linux-gnu-gcc $F -march=armv8-a tests/unit/csrc/gemv_check.c $S/gguf_gemv.c \
+#       $S/gguf_gemv_portable.c -lm -o /tmp/gemv_portable
+#   qemu-aarch64 -cpu max /tmp/gemv_neon > /tmp/neon.txt && qemu-aarch64 -cpu max /tmp/gemv_portable > /tmp/portable.txt
+#   diff /tmp/neon.txt /tmp/portable.txt && tail -1 /tmp/neon.txt     # no diff; "reference check ...: passed"
+#   (gemv_check --all prints every output's bits, to find the first differing value.)
+#
+# or just: python3 -m pytest -q -p no:cacheprovider tests/unit/test_arm_kernels.py
+"""The NEON kernel (kvserve/ops/csrc/gguf_gemv_neon.c) gives the portable kernel's bits on
+aarch64 (under qemu-aarch64 -cpu max), both give the bits of a native x86/host build, and the whole
+C kernel library cross-compiles for aarch64 with the NEON kernel."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "kvserve" / "ops" / "csrc"
+CHECK = Path(__file__).resolve().parent / "csrc" / "gemv_check.c"
+CROSS_CC = "aarch64-linux-gnu-gcc"
+QEMU = "qemu-aarch64"
+# The float flags of every GGUF GEMV library (cpu_kernels._BASE_FLAGS; gguf_gemv.h: identical bits).
+EXACT = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math"]
+NEON_ARCH = "-march=armv8.2-a+dotprod"
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None,
+    reason=f"needs {CROSS_CC} and {QEMU} (Debian packages gcc-aarch64-linux-gnu and qemu-user)")
+
+
+def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
+
+
+def _build(cc: str, arch: list[str], kernel: str, out: Path, static: bool) -> Path:
+    p = _run([cc, *EXACT, *arch, *(["-static"] if static else []), f"-I{CSRC}", CHECK,
+              CSRC / "gguf_gemv.c", CSRC / kernel, "-lm", "-o", out])
+    assert p.returncode == 0, f"{cc} {kernel} failed:\n{p.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """gemv_check's output for the NEON and the portable kernel under qemu-aarch64."""
+    tmp = tmp_path_factory.mktemp("arm")
+    runs = {}
+    for kernel, arch in (("neon", NEON_ARCH), ("portable", "-march=armv8-a")):
+        exe = _build(CROSS_CC, [arch], f"gguf_gemv_{kernel}.c", tmp / f"gemv_check_{kernel}", static=True)
+        runs[kernel] = _run([QEMU, "-cpu", "max", exe])
+    return runs
+
+
+def _assert_ran(run: subprocess.CompletedProcess, kernel: str) -> None:
+    assert f"gemv_check: kernel {kernel}" in run.stderr, run.stderr
+    assert run.returncode == 0 and run.stdout.splitlines()[-1].startswith("reference check"), \
+        run.stdout[-3000:] + run.stderr
+    assert ": passed," in run.stdout.splitlines()[-1], run.stdout.splitlines()[-1]
+
+
+def _first_difference(a: str, b: str) -> str:
+    for la, lb in zip(a.splitlines(), b.splitlines()):
+        if la != lb:
+            return f"\n  {la}\n  {lb}"
+    return " (different lengths)"
+
+
+def test_neon_kernel_gives_the_portable_bits_under_qemu(outputs):
+    _assert_ran(outputs["portable"], "portable")
+    _assert_ran(outputs["neon"], "neon")
+    neon, portable = outputs["neon"].stdout, outputs["portable"].stdout
+    assert neon == portable, "NEON and portable outputs differ:" + _first_difference(neon, portable)
+
+
+def test_native_build_gives_the_aarch64_bits(outputs, tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no host C compiler")
+    run = _run([_build(cc, [], "gguf_gemv_portable.c", tmp_path / "gemv_check_host", static=False)])
+    _assert_ran(run, "portable")
+    assert run.stdout == outputs["portable"].stdout, \
+        "host and aarch64 outputs differ:" + _first_difference(run.stdout, outputs["portable"].stdout)
+
+
+def test_kernel_library_cross_compiles_for_aarch64(tmp_path):
+    """Every C source of the library, with the NEON kernel and not another ISA's, compiles for
+    aarch64 with the library's flags, and the objects link into one shared library."""
+    sources = sorted(p for p in CSRC.glob("*.c")
+                     if not (p.name.startswith("gguf_gemv_") and p.name != "gguf_gemv_neon.c"))
+    assert CSRC / "gguf_gemv_neon.c" in sources and CSRC / "gguf_gemv.c" in sources
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", NEON_ARCH]
+    objects, errors = [], []
+    for src in sources:
+        obj = tmp_path / (src.stem + ".o")
+        p = _run([CROSS_CC, *flags, f"-I{CSRC}", "-c", src, "-o", obj])
+        if p.returncode:
+            errors.append(f"{src.name}:\n{p.stderr}")
+        objects.append(obj)
+    assert not errors, "aarch64 compile failed:\n" + "\n".join(errors)
+    p = _run([CROSS_CC, *flags, *objects, "-lm", "-o", tmp_path / "libkvserve_neon.so"])
+    assert p.returncode == 0, "aarch64 link failed:\n" + p.stderr
