@@ -113,6 +113,7 @@ def new_result(kind: str, argv: list[str], args) -> dict:
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine_info(),
+        "kvserve_isa_env": os.environ.get("KVSERVE_ISA"),
         "versions": versions(),
         "load_avg_before": load,
         "runs": [],

@@ -82,7 +82,7 @@ def run_kvserve(args, req: BenchRequest) -> dict:
         m = out.metrics
         samples.append(_sample(prefill, m.first_token_time - m.arrival_time, m.last_token_time - m.first_token_time,
                                e2e, len(out.outputs[0].token_ids)))
-    config = {"dtype": args.dtype, "quantization": llm.engine.quantization}
+    config = {"dtype": args.dtype, "quantization": llm.engine.quantization, "steps": llm.engine.step_path}
     del llm
     gc.collect()
     return {"engine": "kvserve", "mode": "offline", "config": config, "samples": samples,

@@ -112,7 +112,7 @@ def run_kvserve(args, reqs: list[BenchRequest]) -> dict:
     lens = [len(o.outputs[0].token_ids) for o in outs]
     inp, _ = _counts(reqs)
     useful = sum(min(n, r.max_tokens) for n, r in zip(lens, reqs))
-    run = {"engine": "kvserve", "load_s": load_s, "model": llm.engine.model_path,
+    run = {"engine": "kvserve", "load_s": load_s, "model": llm.engine.model_path, "steps": llm.engine.step_path,
            "config": _kvserve_config(args, llm),
            **cache_figures(ttfts(outs), inp, sum(o.num_cached_tokens for o in outs)),
            "metrics": throughput_report(len(reqs), inp, sum(lens), useful, elapsed)}

@@ -92,7 +92,14 @@ class EngineCore:
                 f"  KV cache: {bpt} bytes/token, {self.num_blocks} blocks x {self.config.cache.block_size} tokens "
                 f"= {cap} tokens ({self.num_blocks * bpt * self.config.cache.block_size / 2**20:.0f} MiB); "
                 f"max concurrency at {self.max_model_len} tokens: {cap / self.max_model_len:.2f}x; "
-                f"prefix caching {'on' if self.config.cache.enable_prefix_caching else 'off'}")
+                f"prefix caching {'on' if self.config.cache.enable_prefix_caching else 'off'}\n"
+                f"  steps: {self.step_path}")
+
+    @property
+    def step_path(self) -> str:
+        """How the runner runs a step, e.g. "C layer stack, avx2 kernels" (benchmarks record it)."""
+        stack = self.runner.layer_stack
+        return f"C layer stack, {stack.isa} kernels" if stack is not None else "PyTorch forward"
 
     # ---- requests in ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

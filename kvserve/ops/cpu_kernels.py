@@ -73,7 +73,12 @@ def _cpu_flags() -> set[str]:
 
 def host_isas() -> list[str]:
     """The ISA builds this CPU can execute, best first (portable always last)."""
-    flags, machine = _cpu_flags(), platform.machine().lower()
+    return list(_host_isas(platform.machine().lower()))
+
+
+@functools.cache
+def _host_isas(machine: str) -> tuple[str, ...]:
+    flags = _cpu_flags()
     isas = []
     if machine in ("x86_64", "amd64", "i686", "x86"):
         if {"avx512f", "avx512bw", "avx512vl"} <= flags and ("avx512_vnni" in flags or "avx512vnni" in flags):
@@ -82,7 +87,7 @@ def host_isas() -> list[str]:
             isas.append("avx2")
     elif machine in ("aarch64", "arm64") and ("asimddp" in flags or sys.platform == "darwin" and "asimddp" in flags):
         isas.append("neon")
-    return isas + ["portable"]
+    return (*isas, "portable")
 
 
 def selected_isa() -> str:

@@ -89,3 +89,25 @@ def test_64_concurrent_streams(server, aclient_factory, model_name, metrics, idl
     finished = (after["kvserve:request_success_total{finished_reason=length}"]
                 - before["kvserve:request_success_total{finished_reason=length}"])
     assert finished == 64
+
+
+def test_greedy_answer_is_the_same_alone_and_among_15_others(client, aclient_factory, model_name):
+    """A temperature-0 request's text does not depend on what else the server runs beside it
+    (other users' prompts chunked into the same steps, sampled neighbours, batched decodes)."""
+    prompt, n = "List three primary colors:", 32
+    alone = client.completions.create(model=model_name, prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+
+    async def run_all():
+        c = aclient_factory()
+        try:
+            others = [c.completions.create(model=model_name, prompt=("In the beginning " * (10 + 9 * i)) + f"#{i}",
+                                           max_tokens=4 + 3 * i, temperature=0.9, seed=i, extra_body={"ignore_eos": True})
+                      for i in range(15)]
+            mine = c.completions.create(model=model_name, prompt=prompt, max_tokens=n, temperature=0,
+                                        extra_body={"ignore_eos": True})
+            return await asyncio.gather(mine, *others)
+        finally:
+            await c.close()
+    batched = asyncio.run(run_all())[0].choices[0].text
+    assert batched == alone

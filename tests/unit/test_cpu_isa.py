@@ -20,6 +20,14 @@ HOST_ISAS = cpu_kernels.host_isas()
 
 
 @pytest.fixture(autouse=True)
+def _fresh_cpu_facts():
+    """host_isas() caches what the CPU reports: tests that fake the CPU start and end clean."""
+    cpu_kernels._host_isas.cache_clear()
+    yield
+    cpu_kernels._host_isas.cache_clear()
+
+
+@pytest.fixture(autouse=True)
 def fresh_kernels(monkeypatch):
     """No ISA forced, C kernels on, nothing loaded: each test starts from a clean state."""
     monkeypatch.delenv("KVSERVE_ISA", raising=False)
@@ -166,9 +174,11 @@ def test_cpu_flags_map_to_isas(monkeypatch, tmp_path, machine, flags, isas):
                         raising=False)
     assert cpu_kernels._cpu_flags() == set(flags.split())
     monkeypatch.setattr(platform, "machine", lambda: machine)
+    cpu_kernels._host_isas.cache_clear()
     assert cpu_kernels.host_isas() == isas
     # the same through a patched _cpu_flags
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set(flags.split()))
+    cpu_kernels._host_isas.cache_clear()
     assert cpu_kernels.host_isas() == isas
     assert cpu_kernels.selected_isa() == isas[0]
 

@@ -14,6 +14,10 @@
 
 #include "gguf_gemv.h"
 
+#ifndef GEMV_SCHEDULE
+#define GEMV_SCHEDULE static
+#endif
+
 /* x rows -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq (gguf_acts_t).
  * The sum sx runs j = 0..31 in order (no reassociation: -ffp-contract=off, no -ffast-math). */
 static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t nb, int8_t *xq,
@@ -49,23 +53,28 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t nb, in
 
 const char *gguf_gemv_isa(void) { return gguf_kernel_isa(); }
 
-/* y[r][n] (+)= sum_k x[r][k] W[n][k] (+ bias[n]) for r < M, n < N, with W packed (kind 4 or 8).
- * x: M rows, leading dimension ldx; y: leading dimension ldy. Returns 0, or -1 for a bad kind /
- * K, -3 when out of memory. */
-int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
-              int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
-              int64_t num_threads) {
-    if ((kind != 4 && kind != 8) || K % 32 || K <= 0) return -1;
-    if (M <= 0 || N <= 0) return 0;
+int64_t gguf_workspace_bytes(int64_t M, int64_t K) {
+    const int64_t nb = K / 32;
+    return M * K * 2 + M * nb * (int64_t)(2 * sizeof(float) + sizeof(int32_t)) + 64;
+}
+
+/* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
+ * `omp for` below splits its loop over them; without OpenMP one thread does it all). kind and K
+ * must have been checked (gguf_gemv_check); ws holds gguf_workspace_bytes(M, K) bytes, 64-byte
+ * aligned. */
+void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+                    int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
-    int8_t *xq = aligned_alloc(64, (size_t)(M * K * 2));
-    float *dx = malloc(sizeof(float) * M * nb), *sx = malloc(sizeof(float) * M * nb);
-    int32_t *sq = malloc(sizeof(int32_t) * M * nb);
-    if (!xq || !dx || !sx || !sq) { free(xq); free(dx); free(sx); free(sq); return -3; }
-    quantize_rows(x, ldx, M, nb, xq, dx, sx, sq);
-    (void)num_threads;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    int8_t *xq = (int8_t *)ws;
+    float *dx = (float *)(xq + M * K * 2), *sx = dx + M * nb;
+    int32_t *sq = (int32_t *)(sx + M * nb);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        quantize_rows(x + r * ldx, ldx, 1, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb);
+    /* A thread runs every activation tile against a group while the group's weights (K / 32
+     * blocks, a few KB) are in L1: weights stream from memory once per call. */
+    #pragma omp for schedule(GEMV_SCHEDULE)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *wg = w + g * gbytes;
         const int64_t rows = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
@@ -84,6 +93,24 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
             }
         }
     }
-    free(xq); free(dx); free(sx); free(sq);
+}
+
+int gguf_gemv_check(int64_t kind, int64_t K) { return (kind != 4 && kind != 8) || K % 32 || K <= 0 ? -1 : 0; }
+
+/* y[r][n] (+)= sum_k x[r][k] W[n][k] (+ bias[n]) for r < M, n < N, with W packed (kind 4 or 8).
+ * x: M rows, leading dimension ldx; y: leading dimension ldy. Returns 0, or -1 for a bad kind /
+ * K, -3 when out of memory. */
+int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+              int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
+              int64_t num_threads) {
+    if (gguf_gemv_check(kind, K)) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const size_t bytes = (size_t)gguf_workspace_bytes(M, K);
+    void *ws = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!ws) return -3;
+    (void)num_threads;
+    #pragma omp parallel num_threads(num_threads)
+    gguf_gemv_team(w, kind, N, K, x, ldx, M, y, ldy, bias, accumulate, ws);
+    free(ws);
     return 0;
 }

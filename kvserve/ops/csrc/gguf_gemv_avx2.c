@@ -55,6 +55,7 @@ group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, con
     if (kind == 4) {
         const __m256i low4 = _mm256_set1_epi8(0x0f);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
+            gguf_prefetch_block(wg, pb);
             for (int h = 0; h < 2; h++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
                 const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)));
@@ -75,6 +76,7 @@ group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, con
         }
     } else {
         for (int64_t b = 0; b < nb; b++, wg += pb) {
+            gguf_prefetch_block(wg, pb);
             for (int h = 0; h < 2; h++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
                 for (int r = 0; r < R; r++) {

@@ -28,6 +28,7 @@ group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, con
     if (kind == 4) {
         const __m512i low4 = _mm512_set1_epi8(0x0f);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
+            gguf_prefetch_block(wg, pb);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg));
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)));
             __m512i q[8];
@@ -45,6 +46,7 @@ group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, con
         }
     } else {
         for (int64_t b = 0; b < nb; b++, wg += pb) {
+            gguf_prefetch_block(wg, pb);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg));
             __m512i q[8];
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + 32 + 64 * c);

@@ -74,6 +74,7 @@ INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_
     const int64_t pb = gguf_packed_block_bytes(kind);
     const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
     for (int64_t b = 0; b < nb; b++, wg += pb) {
+        gguf_prefetch_block(wg, pb);
         float dx[R_MAX], sx[R_MAX];
         UNROLL for (int r = 0; r < R; r++) {
             dx[r] = a->dx[r * nb + b];

@@ -26,9 +26,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
-              int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate, int64_t num_threads);
-void paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
+int64_t gguf_workspace_bytes(int64_t M, int64_t K);
+int gguf_gemv_check(int64_t kind, int64_t K);
+void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+                    int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws);
+void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                      const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                      const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, float scale, int64_t window,
@@ -114,58 +116,74 @@ static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads,
     }
 }
 
-/* Returns 0, or the first failing kernel's code. out: [n_out][hidden], the final-normed states
- * of rows out_rows[0..n_out). */
+/* Returns 0, -1 for a weight of a bad kind or shape, -3 when out of memory. out: [n_out][hidden],
+ * the final-normed states of rows out_rows[0..n_out).
+ * One OpenMP parallel region runs the whole step: each phase is an `omp for` over tokens, row
+ * groups or attention tasks, with the barrier at its end (no fork/join per kernel). */
 int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *positions, const int64_t *slots,
                 const int64_t *seq, int64_t T, const int64_t *tables, int64_t table_stride,
                 const int64_t *out_rows, int64_t n_out, float *out, int64_t num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, qs = m->num_heads * D, kvs = m->kv_heads * D;
     const int64_t nqkv = qs + 2 * kvs, I = m->intermediate;
     const float eps = (float)m->eps;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const stack_layer_t *L = &m->layers[l];
+        if (gguf_gemv_check(L->qkv_kind, H) || gguf_gemv_check(L->o_kind, qs) ||
+            gguf_gemv_check(L->gate_up_kind, H) || gguf_gemv_check(L->down_kind, I)) return -1;
+    }
+    const int64_t kmax = H > qs ? (H > I ? H : I) : (qs > I ? qs : I);
+    const size_t ws_bytes = ((size_t)gguf_workspace_bytes(T, kmax) + 63) / 64 * 64;
     float *h = malloc(sizeof(float) * T * H), *x = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * nqkv), *q = malloc(sizeof(float) * T * qs);
     float *att = malloc(sizeof(float) * T * qs), *gu = malloc(sizeof(float) * T * 2 * I);
     float *act = malloc(sizeof(float) * T * I);
     int64_t *qrow = malloc(sizeof(int64_t) * T), *lens = malloc(sizeof(int64_t) * T);
+    void *ws = aligned_alloc(64, ws_bytes);
     int rc = -3;
     (void)num_threads;
-    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens) goto done;
-    for (int64_t t = 0; t < T; t++) {
-        memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
-        qrow[t] = t;
-        lens[t] = positions[t] + 1;
-    }
-    for (int64_t l = 0; l < m->num_layers; l++) {
-        const stack_layer_t *L = &m->layers[l];
-        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
-        for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
-        if ((rc = gguf_gemv(L->qkv, L->qkv_kind, nqkv, H, x, H, T, qkv, nqkv, L->qkv_bias, 0, num_threads))) goto done;
-        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
+    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws) goto done;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            float *row = qkv + t * nqkv;
-            const float *c = m->cos + positions[t] * D, *s = m->sin + positions[t] * D;
-            for (int64_t hd = 0; hd < m->num_heads + m->kv_heads; hd++) rope(row + hd * D, c, s, D);
-            memcpy(q + t * qs, row, sizeof(float) * qs);
-            store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_int8);
-            store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_int8);
+            memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
+            qrow[t] = t;
+            lens[t] = positions[t] + 1;
         }
-        paged_attention(q, L->k_cache, L->v_cache, att, qrow, seq, tables, table_stride, lens, T, m->num_heads,
-                        m->kv_heads, D, m->block_size, (float)m->scale, m->window, num_threads, m->kv_int8);
-        if ((rc = gguf_gemv(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, num_threads))) goto done;
-        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
-        for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
-        if ((rc = gguf_gemv(L->gate_up, L->gate_up_kind, 2 * I, H, x, H, T, gu, 2 * I, NULL, 0, num_threads))) goto done;
-        #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 8)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < I; i++) {
-                const float g = gu[t * 2 * I + i];
-                act[t * I + i] = g / (1.f + exp_f32(-g)) * gu[t * 2 * I + I + i];
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const stack_layer_t *L = &m->layers[l];
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
+            gguf_gemv_team(L->qkv, L->qkv_kind, nqkv, H, x, H, T, qkv, nqkv, L->qkv_bias, 0, ws);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                float *row = qkv + t * nqkv;
+                const float *c = m->cos + positions[t] * D, *s = m->sin + positions[t] * D;
+                for (int64_t hd = 0; hd < m->num_heads + m->kv_heads; hd++) rope(row + hd * D, c, s, D);
+                memcpy(q + t * qs, row, sizeof(float) * qs);
+                store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_int8);
+                store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_int8);
             }
-        if ((rc = gguf_gemv(L->down, L->down_kind, H, I, act, I, T, h, H, NULL, 1, num_threads))) goto done;
+            paged_attention_team(q, L->k_cache, L->v_cache, att, qrow, seq, tables, table_stride, lens, T,
+                                 m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
+                                 num_threads, m->kv_int8);
+            gguf_gemv_team(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, ws);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
+            gguf_gemv_team(L->gate_up, L->gate_up_kind, 2 * I, H, x, H, T, gu, 2 * I, NULL, 0, ws);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < I; i++) {
+                    const float g = gu[t * 2 * I + i];
+                    act[t * I + i] = g / (1.f + exp_f32(-g)) * gu[t * 2 * I + I + i];
+                }
+            gguf_gemv_team(L->down, L->down_kind, H, I, act, I, T, h, H, NULL, 1, ws);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < n_out; r++) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);
     }
-    for (int64_t r = 0; r < n_out; r++) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);
     rc = 0;
 done:
-    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens);
+    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws);
     return rc;
 }

@@ -118,7 +118,7 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
     const int64_t tok_stride = kv_heads * row_bytes;       /* bytes between slots */
     const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
     (void)num_threads;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t len = lens[i];
@@ -173,9 +173,10 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
     }
 }
 
-/* The exported entry: float32 pools, or int8 rows with a scale when int8_rows is set. Each branch
- * is an instantiation with its row format fixed at compile time. */
-void paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
+/* The work of one call shared by the threads of an enclosing OpenMP parallel region (layer_stack.c):
+ * float32 pools, or int8 rows with a scale when int8_rows is set. Each branch is an
+ * instantiation with its row format fixed at compile time. */
+void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                      const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                      const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, float scale, int64_t window,
@@ -186,4 +187,16 @@ void paged_attention(const float *q, const void *k_cache, const void *v_cache, f
     else
         attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
                kv_heads, head_dim, block_size, scale, window, num_threads, 0);
+}
+
+/* The exported entry: its own parallel region over num_threads threads. */
+void paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
+                     const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
+                     const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                     int64_t num_threads, int64_t int8_rows) {
+    (void)num_threads;
+    #pragma omp parallel num_threads(num_threads)
+    paged_attention_team(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
+                         kv_heads, head_dim, block_size, scale, window, num_threads, int8_rows);
 }
