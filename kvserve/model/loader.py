@@ -14,7 +14,6 @@ from kvserve.model import quant
 from kvserve.model.arch import ModelArch
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.ops import cpu_kernels
 
 log = logging.getLogger("kvserve.model")
 
@@ -92,7 +91,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if missing:
         raise ValueError(f"{path}: missing weights {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     model.eval()
-    log.info("weights: %s (%s)", fmt, quant.DESCRIPTION[fmt].replace("%s", cpu_kernels.selected_isa()))
+    log.info("weights: %s (%s)", fmt, quant.DESCRIPTION[fmt])
     return LoadedModel(model, arch, tokenizer, path, dtype, time.perf_counter() - t0, fmt)
 
 

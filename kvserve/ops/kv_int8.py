@@ -4,7 +4,7 @@ int8 [num_blocks, block_size, kv_heads, head_dim + 4]: 68 bytes a row for head_d
 256 in float32 (3.8x more tokens for the same memory). Per-row scales follow each token's own
 range (keys have per-token outliers); x ~= scale * q, at most scale / 2 off per element.
 
-The C decode kernels read these rows in place (csrc/paged_decode.c, csrc/decode_layers.c);
+The C decode kernels read these rows in place (csrc/paged_attention.c, csrc/layer_stack.c);
 the PyTorch paths quantize on write and dequantize what they gather.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.loader import TORCH_DTYPES as _TORCH_DTYPES   # canonical dtype name -> torch.dtype
-from kvserve.ops import cpu_kernels, kv_int8
+from kvserve.ops import kv_int8
 from kvserve.ops.attention import AttentionMetadata
 from kvserve.runner.layer_stack import CLayerStack
 from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs

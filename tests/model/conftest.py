@@ -19,11 +19,8 @@ def _torch_threads():
 
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
-    from kvserve.model.loader import default_model_path
-    path = default_model_path()
-    if not os.path.exists(path):
-        pytest.skip(f"default model not installed ({path})")
-    return path
+    from tests.conftest import default_model_or_skip
+    return default_model_or_skip()
 
 
 @pytest.fixture(scope="session")

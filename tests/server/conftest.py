@@ -69,11 +69,15 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def server_factory():
     """server_factory(args) -> a started ServerProcess of its own (the test stops it)."""
+    from tests.conftest import default_model_or_skip
+    default_model_or_skip()
     return ServerProcess
 
 
 @pytest.fixture(scope="session")
 def server_process():
+    from tests.conftest import default_model_or_skip
+    default_model_or_skip()
     srv = ServerProcess(SERVER_ARGS)
     srv.wait_ready()
     yield srv

@@ -82,9 +82,8 @@ def test_hf_directory(tmp_path):
 
 
 def test_smollm2_gguf_figures():
-    path = kv_calc.default_model_path()
-    if not os.path.exists(path):
-        pytest.skip("default model not installed")
+    from tests.conftest import default_model_or_skip
+    path = default_model_or_skip()
     arch = kv_calc.load_arch(None)
     assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.num_heads) == (30, 3, 64, 9)
     assert arch.context_length == 8192 and arch.sliding_window is None

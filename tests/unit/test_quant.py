@@ -129,13 +129,9 @@ def test_gguf_blocks_load_bit_exact(qtype):
 
 
 def test_gguf_q4_1_of_default_model_bit_exact():
-    import os
-
     from kvserve.model.gguf_loader import GGUFFile, gguf_arch, iter_gguf_weights
-    from kvserve.model.loader import default_model_path
-    path = default_model_path()
-    if not os.path.exists(path):
-        pytest.skip("default model not installed")
+    from tests.conftest import default_model_or_skip
+    path = default_model_or_skip()
     g = GGUFFile(path)
     arch = gguf_arch(g)
     seen = 0

@@ -58,10 +58,8 @@ INDENTED_DIGITS_TOKENS = ["x", "Ġ=", "Ġ[", "ĊĠĠĠĠ", "1", ",", "ĊĠĠĠĠ
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    path = default_model_path()
-    if not os.path.exists(path):
-        pytest.skip("default model not installed")
-    return Tokenizer.from_gguf(path)
+    from tests.conftest import default_model_or_skip
+    return Tokenizer.from_gguf(default_model_or_skip())
 
 
 @pytest.mark.parametrize("name", list(TEXTS))
@@ -111,8 +109,8 @@ def test_chat_template(tok):
     assert tok.encode(text)[:1] == [1]
 
 
-def test_chat_template_helpers():
-    t = Tokenizer(Tokenizer.from_gguf(default_model_path()).backend, bos_token_id=1, eos_token_id=2,
+def test_chat_template_helpers(tok):
+    t = Tokenizer(tok.backend, bos_token_id=1, eos_token_id=2,
                   chat_template="{{ bos_token }}{{ messages | tojson }}{% if messages | length > 1 %}"
                                 "{{ raise_exception('one message only') }}{% endif %}")
     assert t.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>[{"role": "user", "content": "é"}]'

@@ -118,5 +118,5 @@ DESCRIPTION = {
     "none": "dense weights in the model dtype, GGUF blocks dequantized",
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, LM head included",
-    "gguf": "GGUF Q4_0/Q4_1/Q8_0 blocks run by kvserve's C kernels (%s build) at every batch size",
+    "gguf": "GGUF Q4_0/Q4_1/Q8_0 blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size",
 }

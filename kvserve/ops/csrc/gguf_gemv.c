@@ -14,9 +14,7 @@
 
 #include "gguf_gemv.h"
 
-#ifndef GEMV_SCHEDULE
-#define GEMV_SCHEDULE static
-#endif
+#define GGUF_CHUNK_M 64     /* activation rows whose quantized values stay in L2 */
 
 /* x rows -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq (gguf_acts_t).
  * The sum sx runs j = 0..31 in order (no reassociation: -ffp-contract=off, no -ffast-math). */
@@ -72,27 +70,33 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++)
         quantize_rows(x + r * ldx, ldx, 1, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb);
-    /* A thread runs every activation tile against a group while the group's weights (K / 32
-     * blocks, a few KB) are in L1: weights stream from memory once per call. */
-    #pragma omp for schedule(GEMV_SCHEDULE)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *wg = w + g * gbytes;
-        const int64_t rows = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
-        float out[GGUF_TILE_M * GGUF_ROWS];
-        for (int64_t r0 = 0; r0 < M; r0 += GGUF_TILE_M) {
-            const int R = (int)(M - r0 < GGUF_TILE_M ? M - r0 : GGUF_TILE_M);
-            const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb};
-            gguf_group_dot(wg, kind, nb, &a, R, out);
-            for (int r = 0; r < R; r++) {
-                float *yr = y + (r0 + r) * ldy + g * GGUF_ROWS;
-                const float *o = out + r * GGUF_ROWS;
-                for (int64_t i = 0; i < rows; i++) {
-                    float v = accumulate ? yr[i] + o[i] : o[i];
-                    yr[i] = bias ? v + bias[g * GGUF_ROWS + i] : v;
+    /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
+     * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
+     * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to
+     * GGUF_CHUNK_M rows (every decode step) the weights stream from memory once per call. */
+    for (int64_t c0 = 0; c0 < M; c0 += GGUF_CHUNK_M) {
+        const int64_t c1 = M - c0 < GGUF_CHUNK_M ? M : c0 + GGUF_CHUNK_M;
+        #pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *wg = w + g * gbytes;
+            const int64_t rows = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
+            float out[GGUF_TILE_M * GGUF_ROWS];
+            for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
+                const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
+                const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb};
+                gguf_group_dot(wg, kind, nb, &a, R, out);
+                for (int r = 0; r < R; r++) {
+                    float *yr = y + (r0 + r) * ldy + g * GGUF_ROWS;
+                    const float *o = out + r * GGUF_ROWS;
+                    for (int64_t i = 0; i < rows; i++) {
+                        float v = accumulate ? yr[i] + o[i] : o[i];
+                        yr[i] = bias ? v + bias[g * GGUF_ROWS + i] : v;
+                    }
                 }
             }
         }
     }
+    #pragma omp barrier
 }
 
 int gguf_gemv_check(int64_t kind, int64_t K) { return (kind != 4 && kind != 8) || K % 32 || K <= 0 ? -1 : 0; }
