@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fixed_math.h"
+
 int64_t gguf_workspace_bytes(int64_t M, int64_t K);
 int gguf_gemv_check(int64_t kind, int64_t K);
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -77,23 +79,11 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
     }
 }
 
-/* exp(x), deterministic (Cephes' scheme, about 1 ulp; no libm, whose expf differs between its
- * variants): 0 below -87, +inf above 88. */
+/* exp(x) for any x: 0 below -87, +inf above 88 (fixed_math.h). */
 static inline float exp_f32(float x) {
     if (x < -87.f) return 0.f;
     if (x > 88.f) return INFINITY;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } u = {p};
-    u.i += (int32_t)n << 23;
-    return u.f;
+    return exp_in_range(x);
 }
 
 /* Store one token's K or V heads ([kv_heads][D] floats) at `slot` of a pool. */

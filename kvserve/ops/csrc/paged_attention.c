@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fixed_math.h"
+
 #define MAX_GROUP 16
 #define LANES 8
 
@@ -32,24 +34,11 @@ static inline float tree8(const float a[LANES]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-/* exp(x) for x <= 0 (scores minus their max), vectorizable (Cephes' expf scheme, about 1 ulp):
- * x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact reduction), exp(r) by a
- * degree-7 polynomial, 2^n added to the float's exponent bits. Below -87 the result is flushed
- * to 0 (the true value is under 2e-38). */
+/* exp(x) for x <= 0 (scores minus their max): below -87 the result is flushed to 0 (the true
+ * value is under 2e-38). */
 static inline float exp_nonpos(float x) {
-    const float xc = x < -87.f ? -87.f : x;
-    const float n = __builtin_rintf(xc * 1.44269504088896341f);
-    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } u = {p};
-    u.i += (int32_t)n << 23;
-    return x < -87.f ? 0.f : u.f;
+    const float e = exp_in_range(x < -87.f ? -87.f : x);
+    return x < -87.f ? 0.f : e;
 }
 
 /* One K row's dot with a query head: float32 rows in place, int8 rows converted (exactly). */
