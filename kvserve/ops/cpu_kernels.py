@@ -83,9 +83,9 @@ def _host_isas(machine: str) -> tuple[str, ...]:
     if machine in ("x86_64", "amd64", "i686", "x86"):
         if {"avx512f", "avx512bw", "avx512vl"} <= flags and ("avx512_vnni" in flags or "avx512vnni" in flags):
             isas.append("avx512vnni")
-        if {"avx2", "f16c"} <= flags or {"avx2_0", "f16c"} <= flags:
+        if {"avx2", "f16c"} <= flags:
             isas.append("avx2")
-    elif machine in ("aarch64", "arm64") and ("asimddp" in flags or sys.platform == "darwin" and "asimddp" in flags):
+    elif machine in ("aarch64", "arm64") and "asimddp" in flags:      # Linux; macOS: FEAT_DotProd
         isas.append("neon")
     return (*isas, "portable")
 
