@@ -16,37 +16,36 @@
 
 #define GGUF_CHUNK_M 64     /* activation rows whose quantized values stay in L2 */
 
-/* x rows -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq (gguf_acts_t).
- * The sum sx runs j = 0..31 in order (no reassociation: -ffp-contract=off, no -ffast-math). */
-static void quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t nb, int8_t *xq,
-                          float *dx, float *sx, int32_t *sq) {
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *p = x + r * ldx + b * 32;
-            float amax = 0.f, sum = 0.f;
-            for (int j = 0; j < 32; j++) {
-                const float a = p[j] < 0 ? -p[j] : p[j];
-                amax = a > amax ? a : amax;
-            }
-            for (int j = 0; j < 32; j++) sum += p[j];
-            if (!(amax >= 1e-30f)) amax = 0.f;   /* tiny blocks count as zero: 127 / amax stays finite */
-            const float inv = amax > 0 ? 127.f / amax : 0.f;
-            int8_t *qa = xq + (r * nb + b) * 64, *qb = qa + 32;
-            int32_t sa = 0, sb = 0;
-            for (int j = 0; j < 32; j++) {
-                const float v = p[j] * inv;                       /* in [-127, 127] */
-                const float a = __builtin_rintf(v);
-                float rb = __builtin_rintf((v - a) * 256.f);      /* in [-128, 128] */
-                rb = rb > 127.f ? 127.f : rb < -127.f ? -127.f : rb;
-                qa[j] = (int8_t)a;
-                qb[j] = (int8_t)rb;
-                sa += qa[j];
-                sb += qb[j];
-            }
-            dx[r * nb + b] = amax / (127.f * 256.f);
-            sx[r * nb + b] = sum;
-            sq[r * nb + b] = 256 * sa + sb;
+/* One row of x -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq
+ * (gguf_acts_t). The sum sx runs j = 0..31 in order (no reassociation: -ffp-contract=off, no
+ * -ffast-math). */
+static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float *sx, int32_t *sq) {
+    for (int64_t b = 0; b < nb; b++) {
+        const float *p = x + b * 32;
+        float amax = 0.f, sum = 0.f;
+        for (int j = 0; j < 32; j++) {
+            const float a = p[j] < 0 ? -p[j] : p[j];
+            amax = a > amax ? a : amax;
         }
+        for (int j = 0; j < 32; j++) sum += p[j];
+        if (!(amax >= 1e-30f)) amax = 0.f;   /* tiny blocks count as zero: 127 / amax stays finite */
+        const float inv = amax > 0 ? 127.f / amax : 0.f;
+        int8_t *qa = xq + b * 64, *qb = qa + 32;
+        int32_t sa = 0, sb = 0;
+        for (int j = 0; j < 32; j++) {
+            const float v = p[j] * inv;                       /* in [-127, 127] */
+            const float a = __builtin_rintf(v);
+            float rb = __builtin_rintf((v - a) * 256.f);      /* in [-128, 128] */
+            rb = rb > 127.f ? 127.f : rb < -127.f ? -127.f : rb;
+            qa[j] = (int8_t)a;
+            qb[j] = (int8_t)rb;
+            sa += qa[j];
+            sb += qb[j];
+        }
+        dx[b] = amax / (127.f * 256.f);
+        sx[b] = sum;
+        sq[b] = 256 * sa + sb;
+    }
 }
 
 const char *gguf_gemv_isa(void) { return gguf_kernel_isa(); }
@@ -69,7 +68,7 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     int32_t *sq = (int32_t *)(sx + M * nb);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++)
-        quantize_rows(x + r * ldx, ldx, 1, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb);
+        quantize_row(x + r * ldx, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb);
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
      * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to

@@ -33,10 +33,9 @@ int gguf_gemv_check(int64_t kind, int64_t K);
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                     int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws);
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
-                     const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                     int64_t num_threads, int64_t int8_rows);
+                          const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
+                          const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t int8_rows);
 
 typedef struct {
     const float *ln1, *ln2;                          /* RMSNorm weights [hidden] */
@@ -156,7 +155,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
             }
             paged_attention_team(q, L->k_cache, L->v_cache, att, qrow, seq, tables, table_stride, lens, T,
                                  m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
-                                 num_threads, m->kv_int8);
+                                 m->kv_int8);
             gguf_gemv_team(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, ws);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);

@@ -101,12 +101,11 @@ static inline __attribute__((always_inline)) void
 attend(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *qrow,
        const int64_t *qseq, const int64_t *tables, int64_t table_stride, const int64_t *lens,
        int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-       float scale, int64_t window, int64_t num_threads, const int quantized) {
+       float scale, int64_t window, const int quantized) {
     const int64_t group = num_heads / kv_heads;
     const int64_t row_bytes = quantized ? head_dim + 4 : head_dim * 4;
     const int64_t tok_stride = kv_heads * row_bytes;       /* bytes between slots */
     const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
-    (void)num_threads;
     #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -166,16 +165,15 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
  * float32 pools, or int8 rows with a scale when int8_rows is set. Each branch is an
  * instantiation with its row format fixed at compile time. */
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
-                     const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                     int64_t num_threads, int64_t int8_rows) {
+                          const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
+                          const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t int8_rows) {
     if (int8_rows)
         attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
-               kv_heads, head_dim, block_size, scale, window, num_threads, 1);
+               kv_heads, head_dim, block_size, scale, window, 1);
     else
         attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
-               kv_heads, head_dim, block_size, scale, window, num_threads, 0);
+               kv_heads, head_dim, block_size, scale, window, 0);
 }
 
 /* The exported entry: its own parallel region over num_threads threads. */
@@ -187,5 +185,5 @@ void paged_attention(const float *q, const void *k_cache, const void *v_cache, f
     (void)num_threads;
     #pragma omp parallel num_threads(num_threads)
     paged_attention_team(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
-                         kv_heads, head_dim, block_size, scale, window, num_threads, int8_rows);
+                         kv_heads, head_dim, block_size, scale, window, int8_rows);
 }
