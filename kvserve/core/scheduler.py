@@ -279,5 +279,10 @@ class Scheduler:
         return self.kv_cache_manager.num_free_blocks
 
     @property
+    def num_used_blocks(self) -> int:
+        """Blocks some request references (0 when idle: anything else is a leak)."""
+        return self.kv_cache_manager.num_total_blocks - self.kv_cache_manager.num_free_blocks
+
+    @property
     def num_total_blocks(self) -> int:
         return self.kv_cache_manager.num_total_blocks

@@ -285,6 +285,7 @@ class EngineCore:
         s = self.scheduler
         return {"num_running": s.num_running, "num_waiting": s.num_waiting,
                 "kv_cache_usage": s.kv_cache_usage,
+                "kv_blocks_used": s.num_used_blocks, "kv_blocks_total": self.num_blocks,
                 "prefix_cache_queries": s.stats.prefix_cache_queries,
                 "prefix_cache_hits": s.stats.prefix_cache_hits,
                 "num_preemptions": s.stats.num_preemptions,

@@ -67,6 +67,12 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.kv_blocks_used = gauge("kv_cache_blocks_used",
+                                    "KV cache blocks referenced by requests (cached free blocks not counted).")
+        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
+        self.engine_restarts = counter("engine_restarts", "Times the engine loop died and was restarted.")
+        self.failed_requests = counter("request_failures",
+                                       "Requests failed alone by the engine (a step raised because of them).")
         self._last_stats: dict[str, float] = {}
 
     def record_finished(self, m: RequestMetrics | None, finish_reason: str | None) -> None:
@@ -86,6 +92,8 @@ class EngineMetrics:
         self.running.set(stats.get("num_running", 0))
         self.waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.kv_blocks_used.set(stats.get("kv_blocks_used", 0))
+        self.kv_blocks_total.set(stats.get("kv_blocks_total", 0))
         for key, attr in _COUNTER_STATS.items():
             if key not in stats:
                 continue
