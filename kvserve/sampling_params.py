@@ -1,11 +1,29 @@
 """Per-request sampling parameters, validated on construction.
 
-Every invalid value raises ValueError naming the field and the allowed range, so the
-server can turn it into an HTTP 400 with `param` set.
+Every invalid value raises ParamError (a ValueError) naming the field and the allowed range, so
+the server can turn it into an HTTP 400 with `param` set. Nothing a request carries past this
+check can make the sampler raise or produce NaN: floats are finite and bounded, ints fit the
+types torch holds them in.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MIN_TEMPERATURE = 0.01      # 0 < temperature < this is raised to it (as vLLM does): logits / 1e-40 overflow
+SEED_RANGE = (-2**63, 2**64)  # torch.Generator.manual_seed takes [-2**63, 2**64)
+
+
+class ParamError(ValueError):
+    """A request parameter the engine refuses: `param` names it (an HTTP 400's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -36,48 +54,72 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._check()
+        self.check()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise ParamError naming the first field out of its range (run at construction and
+        again at admission)."""
         def bad(name: str, rule: str) -> None:
-            raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+            value = repr(getattr(self, name))
+            raise ParamError(name, f"{name} {rule}, got {value[:80]}{'...' if len(value) > 80 else ''}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.n > 128:
-            bad("n", "must be <= 128")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
+        def integer(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> bool:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                return False
+            v = float(v) if abs(v) < 2**1023 else math.inf
+            return math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
+
+        if not integer("n") or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
+        if not number("temperature", 0, math.inf):
+            bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if not number("top_p", 0, 1, lo_open=True):
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer("top_k") or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
-        if not 0 <= self.min_p <= 1:
+        if not number("min_p", 0, 1):
             bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
-        if not -2 <= self.presence_penalty <= 2:
+        if not number("repetition_penalty", 0.01, 100):
+            bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
+        if not number("presence_penalty", -2, 2):
             bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
+        if not number("frequency_penalty", -2, 2):
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not integer("max_tokens") or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not integer("min_tokens") or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        if self.logprobs is not None and (not integer("logprobs") or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+        if self.prompt_logprobs is not None and (not integer("prompt_logprobs")
+                                                 or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", "must be in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if len(self.stop) > 16:
-            bad("stop", "must hold at most 16 strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings")
+        if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            bad("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if any(not _is_text(s) for s in self.stop):
+            bad("stop", "must be valid Unicode text (no lone surrogates)")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be token ids (non-negative integers)")
+        if self.seed is not None:
+            lo, hi = SEED_RANGE
+            if not integer("seed") or not lo <= self.seed or self.seed + self.n - 1 >= hi:
+                bad("seed", f"must be an integer with {lo} <= seed and seed + n - 1 < 2**64")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
 
     @property
     def greedy(self) -> bool:
@@ -89,3 +131,12 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _is_text(s: str) -> bool:
+    """True when `s` encodes to UTF-8 (no lone surrogates)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

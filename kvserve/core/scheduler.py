@@ -10,6 +10,8 @@ Holds: every unfinished request by id, the running list (in admission order), th
 queue (sorted: priority, then preempted-at-front, then arrival), and the KVCacheManager.
 
 One step is `schedule()` -> the runner executes the SchedulerOutput -> `update_from_output()`.
+A request whose own data makes its scheduling raise (prefix hashing, allocation) is finished
+alone and reported by `pop_failed()`; the other requests of the step go on.
 `num_computed_tokens` advances at schedule time; the prefix cache learns a block's hash only
 in `update_from_output`, once its KV has really been written.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache import KVCacheManager, cdiv
 from kvserve.core.request import Request, RequestStatus
+from kvserve.sampling_params import ParamError
 
 
 class QueueFullError(RuntimeError):
@@ -67,6 +70,7 @@ class Scheduler:
         self._counter = itertools.count()
         self._arrival_seq: dict[str, int] = {}
         self._queue_key: dict[str, tuple] = {}
+        self._failed: list[tuple[str, str]] = []    # (request id, cause) since the last pop_failed()
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -79,16 +83,16 @@ class Scheduler:
         if req.max_tokens is None:
             req.max_tokens = self.max_model_len - p
             if req.max_tokens < 1:
-                raise ValueError(f"the prompt has {p} tokens, which leaves no room for output "
-                                 f"in max_model_len={self.max_model_len}")
+                raise ParamError("prompt", f"the prompt has {p} tokens, which leaves no room for output "
+                                           f"in max_model_len={self.max_model_len}")
         if p + req.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) = "
-                             f"{p + req.max_tokens} exceeds max_model_len={self.max_model_len}")
+            raise ParamError("max_tokens", f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) = "
+                                           f"{p + req.max_tokens} exceeds max_model_len={self.max_model_len}")
         bs, total = self.cache.block_size, self.kv_cache_manager.num_total_blocks
         needed = cdiv(p + req.max_tokens - 1, bs)
         if needed > total:
-            raise ValueError(f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) needs {needed} "
-                             f"KV blocks of {bs} tokens, but the whole cache has {total}")
+            raise ParamError("max_tokens", f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) needs "
+                                           f"{needed} KV blocks of {bs} tokens, but the whole cache has {total}")
         if len(self.waiting) >= self.sched.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting "
                                  f"(max_waiting={self.sched.max_waiting}): retry later")
@@ -118,6 +122,16 @@ class Scheduler:
         del self.requests[req.request_id]
         del self._arrival_seq[req.request_id]
         self._queue_key.pop(req.request_id, None)
+
+    def _fail(self, req: Request, err: Exception) -> None:
+        """Finish a request whose own data made scheduling it raise; its blocks go back."""
+        self._failed.append((req.request_id, f"{type(err).__name__}: {err}"))
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def pop_failed(self) -> list[tuple[str, str]]:
+        """(request id, cause) of the requests failed alone since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _enqueue(self, req: Request, front: bool) -> None:
         """Insert into the waiting queue: by priority, preempted requests at the front of theirs."""
@@ -188,15 +202,21 @@ class Scheduler:
                 computed_before = parent.num_computed_tokens - scheduled.get(parent.request_id, 0)
                 if parent.status != RequestStatus.RUNNING or computed_before < parent.num_prompt_tokens:
                     continue
-                shared_blocks, num_shared = kv.get_fork_blocks(parent, req)
-            else:
-                shared_blocks, num_shared = kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_shared
-            if (not self.sched.chunked_prefill and num_new > budget
-                    and num_new <= self.sched.max_num_batched_tokens):
-                break  # whole prompts only; one longer than the whole budget is still chunked
-            num_new = min(num_new, budget)
-            if not kv.allocate_slots(req, num_new, copy_blocks, shared_blocks, num_shared):
+            try:
+                if parent is not None:
+                    shared_blocks, num_shared = kv.get_fork_blocks(parent, req)
+                else:
+                    shared_blocks, num_shared = kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_shared
+                if (not self.sched.chunked_prefill and num_new > budget
+                        and num_new <= self.sched.max_num_batched_tokens):
+                    break  # whole prompts only; one longer than the whole budget is still chunked
+                num_new = min(num_new, budget)
+                allocated = kv.allocate_slots(req, num_new, copy_blocks, shared_blocks, num_shared)
+            except Exception as e:  # this request's own data (e.g. its hash inputs): it fails alone
+                self._fail(req, e)
+                continue
+            if not allocated:
                 break
             if parent is None and self.cache.enable_prefix_caching:
                 self.stats.prefix_cache_queries += req.num_tokens
@@ -230,7 +250,11 @@ class Scheduler:
             req = chunk.request
             if req.status != RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
                 continue
-            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            try:
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            except Exception as e:  # hashing this request's blocks: it fails alone
+                self._fail(req, e)
+                continue
             if not chunk.sample:
                 continue
             for token_id in sampled.get(req.request_id, ()):

@@ -9,6 +9,16 @@ the event loop in one `loop.call_soon_threadsafe`, where they land in per-reques
 queues. So an HTTP client that goes away frees its KV blocks within one engine step, and a
 long prefill never blocks the event loop (torch releases the GIL inside its kernels).
 
+The engine loop is supervised: if anything raises out of a step (EngineCore already fails a
+request that breaks a step alone, so this is a bug, not bad input), the requests in flight fail
+with the cause, the core drops every request and its blocks (the model and KV tensors stay),
+the loop starts again and `kvserve:engine_restarts` counts it. More than MAX_RESTARTS within
+RESTART_WINDOW seconds and the engine is declared dead: /health answers 503.
+
+Admission fast path: when the waiting queue is known to be full, `generate` raises
+QueueFullError on the event loop at once instead of waiting for the engine thread to get
+to the request between two steps (a 429 in milliseconds under a burst).
+
 Why a thread and not a separate process: see docs/server.md ("Engine thread or process").
 """
 from __future__ import annotations
@@ -19,11 +29,15 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from kvserve.engine.errors import QueueFullError
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve")
+
+MAX_RESTARTS = 5
+RESTART_WINDOW = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -42,10 +56,14 @@ class AsyncEngine:
         self.max_model_len: int = core.max_model_len
         self.metrics = metrics or EngineMetrics(core.model_name)
         self.metrics.record_stats(core.stats())
+        self.max_waiting: int = core.config.scheduler.max_waiting
         self.accepting = True
+        self.restarts = 0
         self._cv = threading.Condition()
         self._commands: list[tuple] = []               # guarded by _cv
         self._closing = False                          # guarded by _cv
+        self._queued_sequences = 0                     # guarded by _cv: sequences in "add" commands
+        self._core_waiting = 0                         # written by the engine thread after each step
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}   # event-loop thread only
@@ -79,10 +97,15 @@ class AsyncEngine:
             raise EngineClosedError("server is shutting down")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_queue(params.n)
         self._loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        self._send(("add", request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic()))
+        with self._cv:
+            self._queued_sequences += params.n
+            self._commands.append(("add", request_id, list(prompt_token_ids), params, priority, cache_salt,
+                                   time.monotonic()))
+            self._cv.notify()
         done = False
         try:
             while not done:
@@ -99,6 +122,18 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def check_queue(self, num_sequences: int) -> None:
+        """QueueFullError now when `num_sequences` more would overflow the waiting queue as last
+        seen (the core's own check stays the authority); ValueError if they never could."""
+        if num_sequences > self.max_waiting:
+            raise ValueError(f"{num_sequences} sequences can never fit the waiting queue "
+                             f"(max_waiting={self.max_waiting}, --max-waiting)")
+        with self._cv:
+            waiting = self._core_waiting + self._queued_sequences
+        if waiting + num_sequences > self.max_waiting:
+            raise QueueFullError(f"{waiting} requests are waiting (max_waiting={self.max_waiting}): "
+                                 "retry later")
 
     def check_health(self) -> None:
         """Raise EngineDeadError when the engine thread is not running."""
@@ -139,40 +174,68 @@ class AsyncEngine:
 
     # ---- the engine thread ----
     def _run(self) -> None:
-        core = self.core
-        busy = False
-        failures = 0
-        try:
-            while True:
-                with self._cv:
-                    while not self._commands and not busy and not self._closing:
-                        self._cv.wait()
-                    commands, self._commands = self._commands, []
-                    closing = self._closing
-                for command in commands:
-                    self._apply(command)
-                if closing:
-                    self._drain()
+        """Supervise the step loop: restart it after a crash, up to MAX_RESTARTS per window."""
+        crashes: list[float] = []
+        while True:
+            try:
+                self._step_loop()
+                return                                  # closing
+            except BaseException as e:
+                log.exception("engine loop crashed")
+                now = time.monotonic()
+                crashes = [t for t in crashes if now - t < RESTART_WINDOW] + [now]
+                if len(crashes) > MAX_RESTARTS or not isinstance(e, Exception) or not self._recover(e):
+                    self._die(e)
                     return
-                if core.has_unfinished_requests():
-                    try:
-                        outputs = core.step()
-                        failures = 0
-                    except Exception as e:  # fail the requests in flight, keep serving
-                        failures += 1
-                        log.exception("engine step failed")
-                        if failures > 1:
-                            raise
-                        outputs = []
-                        self._abort_live(e)
-                    self._deliver(outputs)
-                busy = core.has_unfinished_requests()
-                self.metrics.record_stats(core.stats())
-        except BaseException as e:
-            log.exception("engine thread died")
-            self._dead = e
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine died: {e!r}"))
+                self.restarts += 1
+                self.metrics.engine_restarts.inc()
+                log.warning("engine loop restarted (%d restart(s) so far)", self.restarts)
+
+    def _step_loop(self) -> None:
+        core = self.core
+        busy = core.has_unfinished_requests()
+        while True:
+            with self._cv:
+                while not self._commands and not busy and not self._closing:
+                    self._cv.wait()
+                commands, self._commands = self._commands, []
+                closing = self._closing
+            for command in commands:
+                self._apply(command)
+            if closing:
+                self._drain()
+                return
+            if core.has_unfinished_requests():
+                self._deliver(core.step())
+            busy = core.has_unfinished_requests()
+            self._record_stats()
+
+    def _record_stats(self) -> None:
+        stats = self.core.stats()
+        self._core_waiting = stats["num_waiting"]
+        self.metrics.record_stats(stats)
+
+    def _recover(self, err: Exception) -> bool:
+        """After a crash: fail every request in flight with the cause, and have the core drop
+        them all and check its blocks. False when the core cannot get back to a clean state."""
+        failed = [(rid, RuntimeError(f"the engine failed while serving this request and restarted: {err!r}"))
+                  for rid in self._live]
+        self._live.clear()
+        self._last_token_at.clear()
+        self._to_loop(failed)
+        try:
+            self.core.reset()
+            self._record_stats()
+        except Exception:
+            log.exception("engine could not reset after a crash")
+            return False
+        return True
+
+    def _die(self, err: BaseException) -> None:
+        self._dead = err
+        log.error("engine stopped for good: %r", err)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine died: {err!r}"))
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -180,6 +243,8 @@ class AsyncEngine:
                 self.core.abort_request(command[1])
             return
         _, request_id, prompt_token_ids, params, priority, cache_salt, arrival = command
+        with self._cv:
+            self._queued_sequences -= params.n
         try:
             self.core.add_request(request_id, prompt_token_ids, params, priority=priority,
                                   cache_salt=cache_salt, arrival_time=arrival)
@@ -199,6 +264,8 @@ class AsyncEngine:
             if out.finished:
                 self._live.discard(rid)
                 self._last_token_at.pop(rid, None)
+                if out.error:
+                    self.metrics.failed_requests.inc()
                 reason = "abort" if out.error else next(
                     (o.finish_reason for o in out.outputs if o.finish_reason), "stop")
                 self.metrics.record_finished(out.metrics, reason)
@@ -208,16 +275,6 @@ class AsyncEngine:
     def _to_loop(self, items: list[tuple[str, object]]) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._dispatch, items)
-
-    def _abort_live(self, err: Exception) -> None:
-        failed = []
-        for rid in list(self._live):
-            try:
-                self.core.abort_request(rid)
-            except Exception:
-                log.exception("abort of %s failed", rid)
-            failed.append((rid, RuntimeError(f"engine step failed: {err!r}")))
-        self._to_loop(failed)
 
     def _drain(self) -> None:
         """Shutdown: abort everything the core still holds and deliver the final outputs."""

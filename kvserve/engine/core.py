@@ -3,6 +3,13 @@
 Not thread-safe: one thread owns it (the offline LLM's caller, or AsyncEngine's engine thread).
 A request with n > 1 becomes n sibling sequences ("<id>#<i>") in the scheduler; the first
 computes the prompt and the others fork its KV blocks (shared by refcount, copy-on-write).
+
+Fault isolation: `add_request` validates and normalizes everything a request carries, so that
+nothing in it can make a step raise. If a step raises anyway, only the requests responsible
+fail: the scheduler fails a request whose own data breaks its scheduling, and a model step that
+raises is run again on halves of its batch until the chunks that raise are found (a step's KV
+writes are idempotent, and the runner restores seeded generators on failure). Those requests
+finish with `error` set; everyone else's step goes on.
 """
 from __future__ import annotations
 
@@ -13,14 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+import operator
+
 from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, EngineConfig, KVShape
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runner.model_runner import ModelRunner, SampledToken
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger("kvserve")
 
@@ -105,19 +114,18 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
                     arrival_time: float | None = None) -> None:
-        if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not isinstance(request_id, str) or request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use or not a string")
+        prompt_token_ids = self._checked_prompt(prompt_token_ids)
+        self._check_params(params, priority, cache_salt)
         room = self.max_model_len - len(prompt_token_ids)
         if room < 1:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, which leaves no room to generate")
+            raise ParamError("prompt", f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                                       f"{self.max_model_len} tokens, which leaves no room to generate")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if params.min_tokens > max_tokens:
+            raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) is more than the "
+                                           f"{max_tokens} tokens this request can generate")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
@@ -146,6 +154,40 @@ class EngineCore:
         self._groups[request_id] = group
         self.prompt_tokens_total += len(prompt_token_ids)
 
+    def _checked_prompt(self, prompt_token_ids) -> list[int]:
+        """The prompt as a list of Python ints inside the vocabulary, or ParamError("prompt")."""
+        try:
+            ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise ParamError("prompt", "prompt token ids must be integers") from None
+        if not ids:
+            raise ParamError("prompt", "prompt is empty: give at least one token")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_params(self, params: SamplingParams, priority: int, cache_salt: str | None) -> None:
+        """What a request carries besides its prompt, checked again here: the offline API hands
+        SamplingParams objects that may have been changed after they were built."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check()
+        if params.n > self.config.scheduler.max_waiting:
+            raise ParamError("n", f"n={params.n} sequences can never fit the waiting queue "
+                                  f"(max_waiting={self.config.scheduler.max_waiting}, --max-waiting)")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
+            raise ParamError("priority", "priority must be an integer in [-2**63, 2**63)")
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ParamError("cache_salt", "cache_salt must be a non-empty string")
+            try:
+                cache_salt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ParamError("cache_salt", "cache_salt must be valid Unicode text "
+                                               "(no lone surrogates)") from None
+
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)
         if group is None:
@@ -157,6 +199,16 @@ class EngineCore:
                 s.changed = True
         self._pending.append(self._emit(group))
 
+    def reset(self) -> None:
+        """Drop every request at once, after a crash of the loop driving this core: a fresh
+        scheduler (every KV block free, the prefix cache empty), no per-request runner state.
+        The model and the KV tensors stay; nothing is reloaded."""
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_blocks, self.max_model_len)
+        self.runner.forget_requests()
+        self._groups.clear()
+        self._seq_to_group.clear()
+        self._pending.clear()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._pending)
 
@@ -166,17 +218,16 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         sched = self.scheduler.schedule()
+        self._fail_scheduler_rejects()
         now = time.monotonic()
         for c in sched.chunks:
             group, _ = self._seq_to_group[c.request.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        try:
-            sampled = self.runner.execute(sched)
-        except Exception as e:  # a failure fails the requests in this batch, not the engine
-            log.error("model step failed:\n%s", traceback.format_exc())
-            return outputs + self._fail_batch(sched, e)
-        finished = self.scheduler.update_from_output(sched, {k: [v.token_id] for k, v in sampled.items()})
+        sampled = self._execute(sched)
+        finished = self.scheduler.update_from_output(sched, {k: [v.token_id] for k, v in sampled.items()
+                                                            if k in self._seq_to_group})
+        self._fail_scheduler_rejects()
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for seq_id, tok in sampled.items():
@@ -195,8 +246,50 @@ class EngineCore:
                 self._finish_sample(sample, req)
             touched[group.request_id] = group
         for group in touched.values():
-            outputs.append(self._emit(group))
+            if group.request_id in self._groups:
+                outputs.append(self._emit(group))
+        outputs.extend(self._pending)
+        self._pending = []
         return outputs
+
+    # ---- fault isolation ----
+    def _execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+        """The runner's step; if it raises, the chunks responsible fail alone (see the module doc)."""
+        try:
+            return self.runner.execute(sched)
+        except Exception as e:
+            log.error("model step of %d chunks failed; isolating the request(s) responsible:\n%s",
+                      len(sched.chunks), traceback.format_exc())
+            return self._isolate(sched.chunks, sched.copy_blocks, e)
+
+    def _isolate(self, chunks, copy_blocks, err: Exception) -> dict[str, SampledToken]:
+        """Bisect: run each half of `chunks` on its own; a single chunk that raises fails its request."""
+        if len(chunks) == 1:
+            self._fail_sequence(chunks[0].request.request_id, f"{type(err).__name__}: {err}")
+            return {}
+        sampled: dict[str, SampledToken] = {}
+        mid = len(chunks) // 2
+        for half in (chunks[:mid], chunks[mid:]):
+            part = SchedulerOutput(half, copy_blocks, [], sum(len(c.token_ids) for c in half))
+            try:
+                sampled.update(self.runner.execute(part))   # copy-on-write copies are idempotent
+            except Exception as e:
+                sampled.update(self._isolate(half, copy_blocks, e))
+        return sampled
+
+    def _fail_scheduler_rejects(self) -> None:
+        for seq_id, cause in self.scheduler.pop_failed():
+            log.error("request %s failed while being scheduled: %s", seq_id, cause)
+            self._fail_sequence(seq_id, cause)
+
+    def _fail_sequence(self, seq_id: str, cause: str) -> None:
+        """Fail the user request that `seq_id` belongs to (all its samples), with `cause`."""
+        entry = self._seq_to_group.get(seq_id)
+        if entry is None:
+            return
+        group, _ = entry
+        group.error = cause
+        self.abort_request(group.request_id)
 
     def _append_token(self, group: _Group, sample: _Sample, tok: SampledToken, now: float) -> None:
         out = sample.out
@@ -243,17 +336,6 @@ class EngineCore:
         return Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                        token=dec([lp.token_id], skip_special_tokens=False),
                        top=[(t, dec([t], skip_special_tokens=False), v) for t, v in lp.top])
-
-    def _fail_batch(self, sched, err: Exception) -> list[RequestOutput]:
-        outs = []
-        for gid in {self._seq_to_group[c.request.request_id][0].request_id for c in sched.chunks
-                    if c.request.request_id in self._seq_to_group}:
-            group = self._groups[gid]
-            group.error = f"{type(err).__name__}: {err}"
-            self.abort_request(gid)
-        outs.extend(self._pending)
-        self._pending = []
-        return outs
 
     def _emit(self, group: _Group) -> RequestOutput:
         """Snapshot the samples that changed this step; retire the group once all are done."""

@@ -74,6 +74,10 @@ class ModelRunner:
         """Forget per-request state (its seeded generator) once it has finished."""
         self._generators.pop(request_id, None)
 
+    def forget_requests(self) -> None:
+        """Drop the per-request state of every request (the engine reset)."""
+        self._generators.clear()
+
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None:
@@ -143,6 +147,12 @@ class ModelRunner:
                             output_token_ids=c.request.output_token_ids,
                             generator=self._generator(c.request),
                             eos_token_ids=c.request.eos_token_ids) for c in sampling]
-        sampled = self.sampler(logits, rows)
+        saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+        try:
+            sampled = self.sampler(logits, rows)
+        except Exception:  # a failed step draws nothing: the engine may run it again
+            for g, state in saved:
+                g.set_state(state)
+            raise
         return {c.request.request_id: SampledToken(tok, lp)
                 for c, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)}

@@ -14,7 +14,7 @@ from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_err
 from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, chat_messages)
-from kvserve.server.serving import ServerState, check_request, with_cancellation
+from kvserve.server.serving import ServerState, check_request, off_loop, with_cancellation
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completions import create_completion
 
@@ -31,7 +31,9 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
                   description="OpenAI-compatible API of the kvserve LLM serving engine")
     app.state.kv = state
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body,
+                       metrics_public=getattr(args, "metrics_public", False),
+                       body_timeout=getattr(args, "body_timeout", None))
 
     @app.post("/v1/completions")
     @with_cancellation
@@ -65,7 +67,7 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
             raise Unavailable(str(e)) from None
         if not engine.accepting:
             raise Unavailable("shutting down")
-        return {"status": "ok"}
+        return {"status": "ok", "engine_restarts": engine.restarts}
 
     @app.get("/version")
     async def version():
@@ -82,9 +84,9 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         request.check()
         tok = engine.tokenizer
         if request.messages is not None:
-            ids = render_chat(tok, chat_messages(request.messages), request.add_generation_prompt)
+            ids = await off_loop(render_chat, tok, chat_messages(request.messages), request.add_generation_prompt)
         else:
-            ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            ids = await off_loop(tok.encode, request.prompt, add_special_tokens=request.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -94,6 +96,6 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+        return {"prompt": await off_loop(engine.tokenizer.decode, request.tokens, skip_special_tokens=False)}
 
     return app

@@ -6,6 +6,7 @@ Bad input is a 4xx, never a 500: request validation (pydantic) and malformed JSO
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,11 @@ class NotFound(APIError):
     code = "not_found"
 
 
+class RequestTimeout(APIError):
+    status = 408
+    code = "request_timeout"
+
+
 class TooLarge(APIError):
     status = 413
     code = "request_too_large"
@@ -93,7 +99,9 @@ def validation_error(exc: RequestValidationError) -> BadRequest:
     errors = exc.errors()
     if not errors:
         return BadRequest("invalid request")
-    err = errors[0]
+    # For a union (str | list[str]) pydantic reports every member's failure; the member whose type
+    # matched and whose value was wrong (e.g. a lone surrogate in list item 1) says what to fix.
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return BadRequest(f"We could not parse the JSON body of your request ({detail}). "
@@ -103,7 +111,7 @@ def validation_error(exc: RequestValidationError) -> BadRequest:
         if isinstance(item, int):
             parts.append(str(item))
         elif item in _TYPE_TAGS or "[" in item or "(" in item:
-            break                                 # a union member's type tag, not a field
+            continue                              # a union member's type tag, not a field
         else:
             parts.append(item)
     param = ".".join(parts) or None
@@ -141,7 +149,68 @@ def install_error_handlers(app: FastAPI) -> None:
             err.type = "server_error"
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return InternalError(f"internal error: {type(exc).__name__}").response()
+    app.add_middleware(InternalErrorMiddleware)
+    _document_400(app)
+
+
+class InternalErrorMiddleware:
+    """Pure ASGI, inside Starlette's ServerErrorMiddleware: an exception no handler took becomes
+    a 500 with an OpenAI error body, and the keep-alive connection stays usable (Starlette's
+    own 500 path re-raises, and uvicorn then drops the connection without `Connection: close`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:                       # mid-response: nothing sane to add; the body ends here
+                return
+            body = json.dumps(InternalError(f"internal error: {type(exc).__name__}").body()).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _document_400(app: FastAPI) -> None:
+    """The OpenAPI document says what the server answers: 400 with an OpenAI error body where
+    FastAPI would write 422 (validation errors are 400 here)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = generate()
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = {"description": "Invalid request: the error names the field in `param`",
+                                        "content": {"application/json": {
+                                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        components["ErrorResponse"] = _ERROR_SCHEMA
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

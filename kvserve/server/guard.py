@@ -1,64 +1,102 @@
-"""The ASGI guard in front of every route: the API key, and the request body size limit."""
+"""The ASGI guard in front of every route: the API key, the request body size limit, and the
+body read timeout."""
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 
-from kvserve.server.errors import TooLarge, Unauthorized
+from kvserve.server.errors import APIError, RequestTimeout, TooLarge, Unauthorized
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20
+DEFAULT_BODY_TIMEOUT = 30.0
 DRAIN_LIMIT = 64 * 2**20  # past this much of an oversized body, stop reading and close
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+
+
+class BodyRejected(Exception):
+    """A request body refused before the app sees it: the error to answer, and whether to close
+    the connection after it."""
+
+    def __init__(self, error: APIError, close: bool):
+        super().__init__(error.message)
+        self.error = error
+        self.close = close
 
 
 class GuardMiddleware:
-    """Pure ASGI (streaming and disconnects pass through untouched): the API key on /v1 routes,
-    and the request body size limit (read here, then replayed to the app)."""
+    """Pure ASGI (streaming and disconnects pass through untouched): the API key on every route
+    but /health (and /metrics when `metrics_public`), and the request body, read here within
+    `body_timeout` seconds and under the size limit, then replayed to the app."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics_public: bool = False,
+                 body_timeout: float | None = None):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.open_paths = (OPEN_PATHS | {"/metrics"}) if metrics_public else OPEN_PATHS
+        self.body_timeout = body_timeout or DEFAULT_BODY_TIMEOUT
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1"):
+        if self.api_key and scope["path"] not in self.open_paths:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not secrets.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                 return await _send_error(send, Unauthorized(
                     "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'"))
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(self.read_body(headers, receive), self.body_timeout)
+        except asyncio.TimeoutError:
+            return await _send_error(send, RequestTimeout(
+                f"the request body did not arrive within {self.body_timeout:g} seconds (--body-timeout)"),
+                close=True)
+        except BodyRejected as rejected:
+            return await _send_error(send, rejected.error, close=rejected.close)
+        if body is None:  # the client went away
+            return
+        return await self.app(scope, _replay(body, receive), send)
+
+    async def read_body(self, headers: dict, receive) -> bytes | None:
+        """The whole request body, or None when the client disconnected first. Raises
+        BodyRejected past the size limit (reading on up to DRAIN_LIMIT to keep the connection)."""
         limit = self.max_body_bytes
         too_large = TooLarge(f"request body is larger than the limit of {limit} bytes (--max-body-bytes)")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT:
-            return await _send_error(send, too_large, close=True)
+            raise BodyRejected(too_large, close=True)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return
+                return None
             body = message.get("body", b"")
             size += len(body)
             more = message.get("more_body", False)
             if size > DRAIN_LIMIT:
-                return await _send_error(send, too_large, close=True)
+                raise BodyRejected(too_large, close=True)
             if size <= limit:
                 chunks.append(body)
         if size > limit:
-            return await _send_error(send, too_large)
-        body, replayed = b"".join(chunks), False
+            raise BodyRejected(too_large, close=False)
+        return b"".join(chunks)
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
 
-        return await self.app(scope, replay, send)
+def _replay(body: bytes, receive):
+    """A receive() that hands the app the whole body once, then passes through (disconnects)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 async def _send_error(send, err, close: bool = False) -> None:

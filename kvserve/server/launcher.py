@@ -2,7 +2,10 @@
 
 SIGTERM (or Ctrl-C) drains: new requests get 503 and /health turns 503, running requests finish
 (for up to --shutdown-timeout seconds; the rest are aborted), then the process exits 0.
-A second signal exits at once.
+A second signal exits at once with code 1 (FORCED_EXIT_CODE), cutting running requests off.
+
+Connections are limited below the app (kvserve/server/connections.py: header read timeout, idle
+keep-alive timeout, --max-connections, accept() at the fd limit) and in the guard (body timeout).
 """
 from __future__ import annotations
 
@@ -15,8 +18,14 @@ import sys
 import uvicorn
 
 from kvserve.config import add_engine_args, engine_config_from_args, parse_size
+from kvserve.server.connections import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, AcceptErrorHandler,
+                                        ConnectionLimits, default_max_connections, protocol_class,
+                                        raise_open_files_limit)
+from kvserve.server.guard import DEFAULT_BODY_TIMEOUT
 
 log = logging.getLogger("kvserve")
+
+FORCED_EXIT_CODE = 1  # a second SIGTERM / Ctrl-C while draining
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,18 +39,50 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send and see (default: the model file's name)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route "
-                        "(default: $KVSERVE_API_KEY when set, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(and /metrics with --metrics-public) (default: $KVSERVE_API_KEY when set, else no key)")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (default: /metrics needs the key when one is set)")
     g.add_argument("--max-body-bytes", default="2MiB",
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them "
                         "(default: %(default)s)")
+    add_connection_args(g)
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s)")
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request (default: log)")
     add_engine_args(p)
     return p
+
+
+def add_connection_args(g) -> None:
+    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="close a connection whose request line and headers are not complete this many "
+                        "seconds after it opened or after its previous response (default: %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="answer 408 and close when a request body has not arrived completely this many "
+                        "seconds after its headers (default: %(default)s)")
+    g.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+                   help="close a connection idle this many seconds after a response (default: %(default)s)")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; one more gets 503 + Retry-After and is closed "
+                        "(default: min(2048, the open-files limit minus 64))")
+
+
+def check_connection_args(args) -> None:
+    """Raise the open-files limit, fill in --max-connections, and refuse values that make no sense."""
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
+    open_files = raise_open_files_limit()
+    if args.max_connections is None:
+        args.max_connections = default_max_connections(open_files)
+    elif args.max_connections < 1:
+        raise ValueError("--max-connections must be at least 1")
+    elif args.max_connections > open_files:
+        log.warning("--max-connections %d is above the open-files limit %d: past it, new connections "
+                    "are refused as they arrive", args.max_connections, open_files)
 
 
 class Server(uvicorn.Server):
@@ -56,15 +97,26 @@ class Server(uvicorn.Server):
         self.drain_task: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorHandler())
         await super().startup(sockets=sockets)
         if self.started:
             print(self.banner, file=sys.stderr, flush=True)
 
-    def handle_exit(self, sig, frame) -> None:  # a signal handler: only set flags here
+    def handle_exit(self, sig, frame) -> None:  # a signal handler: set flags, or exit outright
         if self.drain_requested:
-            self.should_exit = self.force_exit = True
+            self.exit_now()
         self.drain_requested = True
         self.engine.accepting = False  # from now on new requests get 503
+
+    def exit_now(self) -> None:
+        """The second signal: leave at once. Not through interpreter shutdown, which can abort the
+        process while the engine thread is inside native code."""
+        log.warning("second signal: exiting now with code %d, cutting off %d running request(s)",
+                    FORCED_EXIT_CODE, self.engine.num_in_flight)
+        logging.shutdown()  # flushes every handler
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FORCED_EXIT_CODE)
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_requested and self.drain_task is None:
@@ -106,6 +158,7 @@ def main(argv: list[str]) -> int:
         args.threads = serving_threads()
     try:
         parse_size(args.max_body_bytes)
+        check_connection_args(args)
         config = engine_config_from_args(args)
     except ValueError as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
@@ -122,7 +175,9 @@ def main(argv: list[str]) -> int:
     name = args.served_model_name or core.model_name
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=not args.no_access_log,
-                               timeout_graceful_shutdown=max(5, int(args.shutdown_timeout) + 5))
+                               timeout_graceful_shutdown=max(5, int(args.shutdown_timeout) + 5),
+                               http=protocol_class(ConnectionLimits(args.header_timeout, args.max_connections)),
+                               timeout_keep_alive=args.keep_alive_timeout)
     server = Server(uv_config, engine, args.shutdown_timeout,
                     banner(core, args.host, args.port, name, args.api_key))
     server.run()

@@ -1,18 +1,40 @@
 """Request models of the OpenAI protocol (pydantic v2, strict types) and their mapping to SamplingParams.
 
 Strict: a number where a string belongs (or "0.5" where a number belongs) is a 400, not a silent
-coercion. Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields
-keep working. Value ranges are checked once, by SamplingParams; `to_sampling_params` turns its
+coercion. Every string must be valid Unicode (JSON's "\ud800" escapes are refused). Unknown
+fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working, except
+the ones in UNSUPPORTED_FIELDS, which would change what the answer means. Value ranges are checked once, by SamplingParams; `to_sampling_params` turns its
 ValueError into a 400 that names the request field.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams
 from kvserve.server.errors import BadRequest
+
+MAX_PROMPTS = 256             # prompts in one /v1/completions request
+MAX_CACHE_SALT_CHARS = 1024
+
+# Fields of OpenAI or vLLM requests that change what the answer means and that kvserve does not
+# implement (yet): a 400 naming the field, never a silently different answer.
+UNSUPPORTED_FIELDS = ("logit_bias", "functions", "function_call", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar", "structured_outputs", "prompt_logprobs")
+
+
+def _valid_unicode(v: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\ud800") that no tokenizer or encoder accepts."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"must be valid Unicode text: lone surrogate {v[e.start]!r} "
+                         f"at character {e.start}") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Model(BaseModel):
@@ -25,15 +47,18 @@ class StreamOptions(_Model):
 
 
 class _SamplingRequest(_Model):
-    """Fields that completions and chat share."""
-    model: str | None = None
+    """Fields that completions and chat share. Unknown fields are kept (not used) so that
+    `check` can refuse the ones in UNSUPPORTED_FIELDS."""
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -45,20 +70,20 @@ class _SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    cache_salt: str | None = None
-    user: str | None = None
+    cache_salt: Text | None = None
+    user: Text | None = None
 
     def check(self) -> None:
         """Rules across fields and values kvserve does not support: BadRequest naming the field."""
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:
-            raise BadRequest("seed must fit in 64 bits", "seed")
-        if self.cache_salt is not None and not self.cache_salt:
-            raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            if extra.get(name) not in (None, {}, []):
+                raise BadRequest(f"{name} is not supported by this server", name)
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise BadRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                             "characters", "cache_salt")
 
     def _params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str]) -> SamplingParams:
         given = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -72,15 +97,16 @@ class _SamplingRequest(_Model):
         kwargs = {k: v for k, v in given.items() if v is not None or k == "max_tokens"}
         try:
             return SamplingParams(**kwargs)
-        except ValueError as e:  # "<field> must be ...": name the request's field
-            field = str(e).split(" ", 1)[0]
-            param = names.get(field, field)
-            raise BadRequest(str(e).replace(field, param, 1), param) from None
+        except ParamError as e:  # "<field> must be ...": name the request's field
+            param = names.get(e.param, e.param)
+            raise BadRequest(str(e).replace(e.param, param, 1), param) from None
 
 
 # ---- /v1/completions ----
 
 def _check_prompt(v: Any) -> Any:
+    if isinstance(v, list) and len(v) > MAX_PROMPTS and not all(type(x) is int for x in v):
+        raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(v)}")
     ok = (isinstance(v, str)
           or (isinstance(v, list) and v and (
               all(isinstance(x, str) for x in v)
@@ -93,11 +119,11 @@ def _check_prompt(v: Any) -> Any:
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
@@ -129,7 +155,7 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(_Model):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 def _check_content(v: Any) -> Any:
@@ -146,8 +172,8 @@ def _check_content(v: Any) -> Any:
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -168,7 +194,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 class ResponseFormat(_Model):
-    type: str
+    type: Text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -178,7 +204,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Text | dict | None = None
     response_format: ResponseFormat | None = None
 
     def check(self) -> None:
@@ -206,8 +232,8 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---- /tokenize, /detokenize ----
 
 class TokenizeRequest(_Model):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -220,5 +246,5 @@ class TokenizeRequest(_Model):
 
 
 class DetokenizeRequest(_Model):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -60,8 +61,20 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
                          param=param, code="context_length_exceeded")
 
 
-def api_error(err: BaseException) -> APIError:
-    """What an engine-side exception means to the client."""
+def check_capacity(state: ServerState, num_sequences: int, param: str) -> None:
+    """Before any tokenization: 400 when the request's sequences (prompts x n) can never fit
+    the waiting queue, 429 at once when the queue is full now."""
+    try:
+        state.engine.check_queue(num_sequences)
+    except ValueError as e:
+        raise BadRequest(f"{e}: send fewer prompts or a smaller n", param) from None
+    except QueueFullError as e:
+        raise api_error(e) from None
+
+
+def api_error(err: BaseException, names: dict[str, str] | None = None) -> APIError:
+    """What an engine-side exception means to the client. `names` renames the engine's
+    parameter names to the endpoint's (chat: prompt -> messages)."""
     if isinstance(err, APIError):
         return err
     if isinstance(err, QueueFullError):
@@ -71,7 +84,8 @@ def api_error(err: BaseException) -> APIError:
     if isinstance(err, EngineDeadError):
         return Unavailable(f"engine unavailable: {err}")
     if isinstance(err, ValueError):
-        return BadRequest(str(err))
+        param = getattr(err, "param", None)
+        return BadRequest(str(err), (names or {}).get(param, param))
     log.error("request failed: %r", err)
     return InternalError(f"request failed: {type(err).__name__}: {err}")
 
@@ -88,7 +102,8 @@ Stream = tuple[RequestOutput, AsyncIterator[RequestOutput]]
 
 
 async def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
-                       request_id: str, priority: int, cache_salt: str | None) -> list[Stream]:
+                       request_id: str, priority: int, cache_salt: str | None,
+                       names: dict[str, str] | None = None) -> list[Stream]:
     """Submit every prompt and wait for each one's first output, so that admission errors
     (400 can-never-fit, 429 queue full, 503 shutting down) come back as the HTTP status."""
     gens = [engine.generate(ids, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
@@ -101,7 +116,7 @@ async def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sa
     err = next((f for f in firsts if isinstance(f, BaseException)), None)
     if err is not None:
         await _close(gens)
-        raise api_error(err)
+        raise api_error(err, names)
     return list(zip(firsts, gens))
 
 
@@ -185,7 +200,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 # ---- logprobs in the two OpenAI formats ----
 
 def _lp(value: float) -> float:
-    return max(value, MIN_LOGPROB)
+    """JSON has neither -inf nor NaN."""
+    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
 
 
 def completion_logprobs(lps: list[Logprob], num_top: int, text_offset: int) -> tuple[dict, int]:
@@ -212,7 +228,8 @@ def chat_logprobs(lps: list[Logprob], num_top: int) -> dict:
 # ---- server-sent events ----
 
 def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event; strict JSON (a NaN raises here rather than reach a client)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
 
 
 async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -228,6 +245,14 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
+
+
+# ---- work off the event loop ----
+
+async def off_loop(fn, *args, **kwargs):
+    """Run CPU work (tokenizing, chat templates) in a worker thread, so a 2 MB prompt does not
+    stall /health and everyone else's streams."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 # ---- client disconnects ----

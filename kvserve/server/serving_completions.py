@@ -9,9 +9,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.server.errors import BadRequest
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, check_context, check_output,
-                                    check_request, completion_logprobs, merge, open_streams, sse_stream,
-                                    usage)
+from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, check_capacity, check_context,
+                                    check_output, check_request, completion_logprobs, merge, off_loop,
+                                    open_streams, sse_stream, usage)
 
 
 async def create_completion(req: CompletionRequest, state: ServerState):
@@ -20,10 +20,14 @@ async def create_completion(req: CompletionRequest, state: ServerState):
     params = req.to_sampling_params()
     engine = state.engine
     tok = engine.tokenizer
+    prompts = req.prompts()
+    check_capacity(state, len(prompts) * params.n, "n" if len(prompts) == 1 else "prompt")
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await off_loop(lambda: [tok.encode(t, add_special_tokens=True) for t in texts]))
     prompt_ids: list[list[int]] = []
     echo_texts: list[str] = []
-    for p in req.prompts():
-        ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+    for p in prompts:
+        ids = next(encoded) if isinstance(p, str) else list(p)
         if not ids:
             raise BadRequest("the prompt is empty after tokenization", "prompt")
         check_context(len(ids), params.max_tokens, engine.max_model_len, "prompt")

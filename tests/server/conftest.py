@@ -125,7 +125,7 @@ def auth() -> dict[str, str]:
 
 def read_metrics(base_url: str) -> dict[str, float]:
     """/metrics as {'name{label=value,...}': value}, labels sorted, model_name left out."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

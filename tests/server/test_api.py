@@ -9,16 +9,16 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 def test_utility_endpoints(server, client, model_name, auth, metrics):
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
-    assert "version" in httpx.get(f"{server}/version").json()
+    assert httpx.get(f"{server}/health").json() == {"status": "ok", "engine_restarts": 0}
+    assert "version" in httpx.get(f"{server}/version", headers=auth).json()
     models = client.models.list().data
     assert [m.id for m in models] == [model_name] and models[0].max_model_len == MAX_MODEL_LEN
     assert client.models.retrieve(model_name).id == model_name
-    tok = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()
+    tok = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}, headers=auth).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == MAX_MODEL_LEN
-    detok = httpx.post(f"{server}/detokenize", json={"tokens": tok["tokens"]}).json()
+    detok = httpx.post(f"{server}/detokenize", json={"tokens": tok["tokens"]}, headers=auth).json()
     assert detok["prompt"].endswith(PROMPT)
-    chat_tok = httpx.post(f"{server}/tokenize", json={"messages": CHAT}).json()
+    chat_tok = httpx.post(f"{server}/tokenize", json={"messages": CHAT}, headers=auth).json()
     non_stream = httpx.post(f"{server}/v1/chat/completions", headers=auth,
                             json={"messages": CHAT, "max_tokens": 1}).json()
     assert non_stream["usage"]["prompt_tokens"] == chat_tok["count"]
@@ -140,8 +140,8 @@ def test_echo(client, model_name):
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
-def test_prompt_list_and_token_ids(client, model_name, server):
-    ids = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+def test_prompt_list_and_token_ids(client, model_name, server, auth):
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}, headers=auth).json()["tokens"]
     by_text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0)
     by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=5, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text

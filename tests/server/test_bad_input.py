@@ -79,13 +79,14 @@ def test_context_error_has_the_numbers(server, auth):
     assert "1024" in err["message"] and "1100" in err["message"] and "1000" in err["message"]
 
 
-def test_wrong_method_and_unprotected_routes(server):
+def test_wrong_method_and_unprotected_routes(server, auth):
     r = httpx.get(f"{server}{CMPL}")
     assert r.status_code in (401, 405)  # the key is checked first on /v1
     r = httpx.delete(f"{server}/health")
     assert r.status_code == 405 and "error" in r.json()
-    assert httpx.get(f"{server}/health").status_code == 200  # /health, /metrics need no key
-    assert httpx.get(f"{server}/metrics").status_code == 200
+    assert httpx.get(f"{server}/health").status_code == 200  # only /health needs no key
+    assert httpx.get(f"{server}/metrics").status_code == 401
+    assert httpx.get(f"{server}/metrics", headers=auth).status_code == 200
 
 
 def test_still_serving_after_bad_input(client, model_name):

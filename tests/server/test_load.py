@@ -50,11 +50,11 @@ def test_dropped_non_streaming_request_is_aborted(server, auth, metrics, idle):
     assert time.monotonic() - t0 < 30
 
 
-def test_64_concurrent_streams(server, aclient_factory, model_name, metrics, idle):
+def test_64_concurrent_streams(server, auth, aclient_factory, model_name, metrics, idle):
     idle_kv = idle(1.0)["kvserve:kv_cache_usage_perc"]
     prompts = [f"Request {i}: write a sentence about the number {i}." for i in range(64)]
-    expected_prompt_tokens = [len(httpx.post(f"{server}/tokenize", json={"prompt": p}).json()["tokens"])
-                              for p in prompts]
+    expected_prompt_tokens = [
+        len(httpx.post(f"{server}/tokenize", json={"prompt": p}, headers=auth).json()["tokens"]) for p in prompts]
 
     async def one(client, i):
         stream = await client.completions.create(

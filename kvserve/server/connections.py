@@ -1,0 +1,226 @@
+"""Connection limits of `kvserve serve`, below the ASGI app (the body read timeout is in guard.py).
+
+- `LimitedH11Protocol`, uvicorn's h11 protocol with a header read timeout (a connection whose
+  request line and headers are not complete within `header_timeout` seconds of opening, or of the
+  end of the previous response, is closed: slow-loris and never-speaking connections) and a cap
+  on open connections (one over `max_connections` gets a 503 with Retry-After and is closed).
+  uvicorn's own idle keep-alive timer stays as it is. `protocol_class(limits)` binds the limits.
+- The open-files limit: `raise_open_files_limit()` lifts the soft RLIMIT_NOFILE to the hard one,
+  `default_max_connections()` keeps the cap below it.
+- `AcceptErrorHandler`, the event loop's exception handler: when accept() fails at the fd limit
+  (EMFILE / ENFILE), the pending connection is accepted on a reserve descriptor and closed at
+  once (refused, not left hanging), and the error is logged once per interval with a count,
+  instead of asyncio's traceback per failed accept. Every other error goes to asyncio's handler.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import resource
+import socket
+import time
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvserve.server.errors import error_body
+
+log = logging.getLogger("kvserve")
+
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
+MAX_CONNECTIONS_CEILING = 2048
+FD_RESERVE = 64  # descriptors kept for everything that is not a client connection
+REFUSAL_LINGER = 1.0  # seconds a refused connection may take to read its 503 before it is closed
+LOG_INTERVAL = 10.0
+OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+OUT_OF_RESOURCES = OUT_OF_FDS + (errno.ENOBUFS, errno.ENOMEM)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_connections: int = MAX_CONNECTIONS_CEILING
+
+
+class RateLimitedLog:
+    """Logs a kind of warning at most once per `interval` seconds; the next one that gets through
+    says how many were suppressed in between."""
+
+    def __init__(self, interval: float = LOG_INTERVAL, logger: logging.Logger = log):
+        self.interval = interval
+        self.logger = logger
+        self.last_logged: dict[str, float] = {}
+        self.suppressed: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        last = self.last_logged.get(kind)
+        if last is not None and now - last < self.interval:
+            self.suppressed[kind] = self.suppressed.get(kind, 0) + 1
+            return
+        self.last_logged[kind] = now
+        skipped = self.suppressed.pop(kind, 0)
+        suffix = f" ({skipped} more since the last such message)" if skipped else ""
+        self.logger.warning("%s%s", message, suffix)
+
+
+def raise_open_files_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard limit when it is lower; returns the soft limit
+    in force afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, e)
+    return soft
+
+
+def default_max_connections(open_files_limit: int) -> int:
+    """A connection cap that leaves FD_RESERVE descriptors (or half of a tiny limit) free."""
+    if open_files_limit == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_CEILING
+    return max(1, min(MAX_CONNECTIONS_CEILING, max(open_files_limit - FD_RESERVE, open_files_limit // 2)))
+
+
+def refusal_response(max_connections: int) -> bytes:
+    """The raw HTTP/1.1 503 written to a connection over the cap before closing it."""
+    body = json.dumps(error_body(
+        f"the server has {max_connections} open connections, its limit (--max-connections); retry later",
+        "service_unavailable_error", None, "too_many_connections")).encode()
+    head = ("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus the header read timeout and the connection cap. Between
+    requests the header timer runs alongside uvicorn's keep-alive timer (which any received
+    byte stops); once a request's headers are in, neither runs until its response is sent."""
+
+    limits = ConnectionLimits()
+    warnings = RateLimitedLog()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timer: asyncio.TimerHandle | None = None
+        self.refused = False
+        self.linger_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self.refuse(transport)
+            return
+        super().connection_made(transport)
+        self.update_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel_header_timer()
+        if self.linger_timer is not None:
+            self.linger_timer.cancel()
+        if not self.refused:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        super().data_received(data)
+        self.update_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.update_header_timer()
+
+    def refuse(self, transport: asyncio.Transport) -> None:
+        """Answer 503 and close. The close waits for the client's end of stream (or REFUSAL_LINGER
+        seconds) while discarding what it sends: closing on unread request bytes would reset the
+        connection, and the client would lose the 503."""
+        self.refused = True
+        self.warnings.warning("refused", f"refusing connections over --max-connections "
+                                         f"{self.limits.max_connections} (503, then closed)")
+        transport.write(refusal_response(self.limits.max_connections))
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.linger_timer = self.loop.call_later(REFUSAL_LINGER, transport.close)
+
+    def request_in_progress(self) -> bool:
+        """A request's headers are in and its response is not yet complete."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def update_header_timer(self) -> None:
+        if self.transport.is_closing() or self.request_in_progress():
+            self.cancel_header_timer()
+        elif self.header_timer is None:
+            self.header_timer = self.loop.call_later(self.limits.header_timeout, self.header_timed_out)
+
+    def cancel_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def header_timed_out(self) -> None:
+        self.header_timer = None
+        if not self.transport.is_closing() and not self.request_in_progress():
+            log.debug("closing a connection whose request headers did not arrive within %.1fs",
+                      self.limits.header_timeout)
+            self.transport.close()
+
+
+def protocol_class(limits: ConnectionLimits) -> type[LimitedH11Protocol]:
+    """A LimitedH11Protocol bound to `limits`, for `uvicorn.Config(http=...)`."""
+    return type("LimitedH11Protocol", (LimitedH11Protocol,), {"limits": limits,
+                                                              "warnings": RateLimitedLog()})
+
+
+class AcceptErrorHandler:
+    """The loop's exception handler (`loop.set_exception_handler(AcceptErrorHandler())`): accept()
+    out of file descriptors refuses the waiting connection and logs once per interval; any other
+    error goes to asyncio's default handler."""
+
+    def __init__(self, interval: float = LOG_INTERVAL):
+        self.warnings = RateLimitedLog(interval)
+        self.reserve_fd = open_reserve_fd()
+        self.refused = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if not (isinstance(exc, OSError) and exc.errno in OUT_OF_RESOURCES and "socket" in context):
+            loop.default_exception_handler(context)
+            return
+        if exc.errno in OUT_OF_FDS:
+            self.refuse_waiting_connection(context["socket"])
+        self.warnings.warning("accept", f"accept() failed: {exc.strerror} (errno {exc.errno}); "
+                                        f"refusing new connections until descriptors free up "
+                                        f"({self.refused} refused so far)")
+
+    def refuse_waiting_connection(self, listening) -> None:
+        """Close the reserve descriptor, accept one waiting connection on it, close that, and
+        take the reserve back."""
+        if self.reserve_fd is None:
+            self.reserve_fd = open_reserve_fd()
+            return
+        os.close(self.reserve_fd)
+        self.reserve_fd = None
+        listener = socket.socket(fileno=listening.fileno())  # the same descriptor, not a copy
+        try:
+            listener.setblocking(False)
+            conn, _ = listener.accept()
+            conn.close()
+            self.refused += 1
+        except OSError:
+            pass
+        finally:
+            listener.detach()
+            self.reserve_fd = open_reserve_fd()
+
+
+def open_reserve_fd() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY)
+    except OSError:
+        return None
