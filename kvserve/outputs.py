@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One generated position: the chosen token and the top-N alternatives."""
+    """One position (generated, or a prompt token): its token and the top-N alternatives."""
     token_id: int
     logprob: float
     rank: int                                   # 1 = most likely
@@ -87,3 +87,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt: str | None = None
     error: str | None = None                    # set when the request failed inside the engine
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (the first is None, nothing
+    # predicts it), in every output once the whole prompt has been computed.
+    prompt_logprobs: list[Logprob | None] | None = None

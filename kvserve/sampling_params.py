@@ -43,7 +43,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen one)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-N logprobs of every prompt token after the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -92,8 +92,10 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not number("frequency_penalty", -2, 2):
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not integer("max_tokens") or self.max_tokens < 1):
+        if self.max_tokens is not None and (not integer("max_tokens") or self.max_tokens < 0):
             bad("max_tokens", "must be an integer >= 1")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            bad("max_tokens", "must be >= 1 (0, scoring the prompt only, needs prompt_logprobs)")
         if not integer("min_tokens") or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -140,3 +142,90 @@ def _is_text(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputs:
+    """A constraint on the generated text (vLLM's `structured_outputs`): exactly one of
+    `json` (a JSON schema: a dict or its JSON text), `json_object` (any JSON object), `regex`,
+    `choice` (one of these strings) or `grammar` (Lark syntax as llguidance reads it, or GBNF).
+    `disable_any_whitespace` makes JSON compact (no whitespace between its tokens), as in vLLM."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: one of STRUCTURED_OUTPUT_KINDS (after check())."""
+        return self._kinds_set()[0]
+
+    def _kinds_set(self) -> list[str]:
+        return [k for k in STRUCTURED_OUTPUT_KINDS
+                if (self.json_object is True if k == "json_object" else getattr(self, k) is not None)]
+
+    def check(self) -> None:
+        """Raise ParamError("structured_outputs", ...) unless exactly one kind is set, with a value
+        of the right type."""
+        bad = _structured_outputs_error
+        for flag in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(f"{flag} must be true or false")
+        kinds = self._kinds_set()
+        if len(kinds) != 1:
+            bad(f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got "
+                f"{', '.join(kinds) if kinds else 'none'}")
+        kind = kinds[0]
+        if kind == "json":
+            if not isinstance(self.json, (dict, str)):
+                bad("json must be a JSON schema (an object, or its JSON text)")
+            self._canonical_schema()
+        elif kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value or not _is_text(value):
+                bad(f"{kind} must be a non-empty string")
+        elif kind == "choice":
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) or not _is_text(c) for c in self.choice)):
+                bad("choice must be a non-empty list of strings")
+
+    def _canonical_schema(self) -> str:
+        """The JSON schema as compact JSON text, keys in their given order (the order of
+        `properties` is the order the output's keys take, so it is never sorted)."""
+        from json import dumps, loads
+        bad = _structured_outputs_error
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = loads(schema)
+            except ValueError as e:
+                bad(f"json is not valid JSON: {e}")
+        if not isinstance(schema, dict):
+            bad("json must be a JSON schema object")
+        try:
+            return dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            bad(f"json is not serializable as JSON: {e}")
+
+    def key(self) -> tuple:
+        """A hashable canonical form: equal constraints (whatever their spelling) give equal keys."""
+        kind = self.kind
+        if kind == "json":
+            return ("json", self._canonical_schema(), self.disable_any_whitespace)
+        if kind == "json_object":
+            return ("json_object", self.disable_any_whitespace)
+        if kind == "choice":
+            return ("choice", tuple(self.choice))
+        return (kind, getattr(self, kind))
+
+
+def _structured_outputs_error(message: str):
+    raise ParamError("structured_outputs", f"structured_outputs: {message}")

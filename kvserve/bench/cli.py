@@ -1,15 +1,16 @@
-"""`kvserve bench throughput | serve | latency | roofline | report`."""
+"""`kvserve bench throughput | serve | latency | roofline | soak | report`."""
 from __future__ import annotations
 
 import argparse
 
-from kvserve.bench import latency, report, roofline, serve, throughput
+from kvserve.bench import latency, report, roofline, serve, soak, throughput
 
 COMMANDS = {
     "throughput": (throughput, "offline throughput through kvserve.LLM, every request at once"),
     "serve": (serve, "load an OpenAI-compatible server: Poisson arrivals, TTFT/TPOT/ITL, goodput, sweeps"),
     "latency": (latency, "one request at a time: prefill time, TTFT, decode tokens/s, N repeats"),
     "roofline": (roofline, "this machine's peak FLOP/s and memory bandwidth; a model's MBU and MFU"),
+    "soak": (soak, "many requests, some dropped, some hostile: the server must stay whole (no 5xx, no leak)"),
     "report": (report, "regenerate docs/benchmarks.md from docs/bench-results/*.json"),
 }
 

@@ -154,8 +154,35 @@ def section_roofline(res: dict) -> list[str]:
     return out
 
 
+def soak_run_lines(run: dict, workload: dict) -> list[str]:
+    from kvserve.bench.soak import CLASSES, FAILURES, VERDICTS, mib, statuses_text, verdict_label
+    server, classes = run["server"], run["classes"]
+    failed = [c["check"] for c in run["invariants"] if c["ok"] is False]
+    out = [f"{run['num_requests']} requests, {workload['concurrency']} at a time, in {run['duration_s']:.0f} s "
+           f"({run['requests_per_s']:.1f} req/s): {workload['disconnect_fraction']:.0%} dropped by the client, "
+           f"{workload['bad_fraction']:.0%} bad inputs (attacks: {workload['attacks']}), seed {workload['seed']}. "
+           f"Server RSS after the first {run['warmup']} requests {mib(server['rss_start'])} MiB, at the end "
+           f"{mib(server['rss_end'])} MiB, peak {mib(server['rss_peak'])} MiB.", "",
+           md_table(["class", "sent", *VERDICTS], [[k, classes[k]["sent"], *(classes[k][v] for v in VERDICTS)]
+                                                   for k in CLASSES]), "",
+           md_table(["invariant", "value", "result"], [[c["check"], common.fmt(c["value"]), verdict_label(c["ok"])]
+                                                       for c in run["invariants"]]), "",
+           "Verdict: " + ("all invariants hold" if not failed else "invariants failed: " + ", ".join(failed))
+           + ". Bad inputs: " + run["bad_inputs"] + "."]
+    if run["misanswered"]:
+        out += ["", md_table(["class", "request", "sent", "failed", "statuses", "example"],
+                             [[r["kind"], r["name"], r["sent"], sum(r["verdicts"].get(v, 0) for v in FAILURES),
+                               statuses_text(r), r["example"][:100].replace("|", "\\|")]
+                              for r in run["misanswered"]])]
+    return out
+
+
+def section_soak(res: dict) -> list[str]:
+    return [line for run in res["runs"] for line in soak_run_lines(run, res["workload"])]
+
+
 SECTIONS = {"roofline": "Hardware limits (roofline)", "latency": "Latency", "throughput": "Offline throughput",
-            "serve": "Serving load"}
+            "serve": "Serving load", "soak": "Soak: fault isolation under load"}
 
 
 def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
@@ -190,6 +217,8 @@ def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
                 lines += section_latency(r)
             elif kind == "serve":
                 lines += section_serve(r, page_dir)
+            elif kind == "soak":
+                lines += section_soak(r)
             else:
                 lines += section_roofline(r)
     return "\n".join(lines) + "\n"

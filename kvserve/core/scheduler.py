@@ -89,7 +89,7 @@ class Scheduler:
             raise ParamError("max_tokens", f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) = "
                                            f"{p + req.max_tokens} exceeds max_model_len={self.max_model_len}")
         bs, total = self.cache.block_size, self.kv_cache_manager.num_total_blocks
-        needed = cdiv(p + req.max_tokens - 1, bs)
+        needed = cdiv(p + max(req.max_tokens, 1) - 1, bs)
         if needed > total:
             raise ParamError("max_tokens", f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) needs "
                                            f"{needed} KV blocks of {bs} tokens, but the whole cache has {total}")
@@ -154,6 +154,13 @@ class Scheduler:
         """max() of this is the request to preempt: lowest priority (largest value), then newest."""
         return req.priority, req.arrival_time, self._arrival_seq[req.request_id]
 
+    def _cached_prefix(self, req: Request):
+        """Prefix-cache hits for a request, none when it asked for prompt logprobs (every prompt
+        position must then be computed)."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        return self.kv_cache_manager.get_computed_blocks(req)
+
     def _fork_parent(self, req: Request) -> Request | None:
         """The sibling an n > 1 child shares its prompt with, or None to run it on its own."""
         parent = self.requests.get(req.fork_of) if req.fork_of is not None else None
@@ -206,7 +213,7 @@ class Scheduler:
                 if parent is not None:
                     shared_blocks, num_shared = kv.get_fork_blocks(parent, req)
                 else:
-                    shared_blocks, num_shared = kv.get_computed_blocks(req)
+                    shared_blocks, num_shared = self._cached_prefix(req)
                 num_new = req.num_tokens - num_shared
                 if (not self.sched.chunked_prefill and num_new > budget
                         and num_new <= self.sched.max_num_batched_tokens):
@@ -236,7 +243,7 @@ class Scheduler:
             req = self.requests[rid]
             end = req.num_computed_tokens
             chunks.append(ScheduledChunk(req, req.all_token_ids[end - n:end], end - n,
-                                         kv.block_ids(rid), sample=end == req.num_tokens))
+                                         kv.block_ids(rid), sample=end == req.num_tokens and req.max_tokens > 0))
         return SchedulerOutput(chunks, copy_blocks, preempted, sum(scheduled.values()))
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -254,6 +261,10 @@ class Scheduler:
                 self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
             except Exception as e:  # hashing this request's blocks: it fails alone
                 self._fail(req, e)
+                continue
+            if req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)   # scoring the prompt only
+                finished.append(req)
                 continue
             if not chunk.sample:
                 continue

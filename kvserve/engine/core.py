@@ -28,7 +28,8 @@ from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.runner.model_runner import ModelRunner, SampledToken
+from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
+from kvserve.runner.sampler import TokenLogprobs
 from kvserve.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger("kvserve")
@@ -56,6 +57,15 @@ class _Group:
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_seen: bool = field(default=False)
+    prompt_logprobs: list[Logprob | None] | None = None   # by prompt position; [0] is always None
+    prompt_logprobs_missing: int = 0                      # positions still to come
+
+    def record_prompt_logprobs(self, start: int, entries: list[Logprob]) -> None:
+        """Keep the first value of each position (a preempted request computes them again)."""
+        for pos, lp in enumerate(entries, start):
+            if self.prompt_logprobs[pos] is None:
+                self.prompt_logprobs[pos] = lp
+                self.prompt_logprobs_missing -= 1
 
     @property
     def finished(self) -> bool:
@@ -146,6 +156,9 @@ class EngineCore:
                 self.scheduler.abort_request(r.request_id)
             raise
         group = _Group(request_id, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=arrival))
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+            group.prompt_logprobs_missing = len(prompt_token_ids) - 1
         for i, r in enumerate(seqs):
             sample = _Sample(r.request_id, i, r, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, r.sampling_params),
                              CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None))
@@ -224,7 +237,12 @@ class EngineCore:
             group, _ = self._seq_to_group[c.request.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        sampled = self._execute(sched)
+        step = self._execute(sched)
+        sampled = step.sampled
+        for seq_id, plp in step.prompt_logprobs.items():
+            entry = self._seq_to_group.get(seq_id)
+            if entry is not None:
+                entry[0].record_prompt_logprobs(plp.start, [self._to_logprob(t) for t in plp.entries])
         finished = self.scheduler.update_from_output(sched, {k: [v.token_id] for k, v in sampled.items()
                                                             if k in self._seq_to_group})
         self._fail_scheduler_rejects()
@@ -253,7 +271,7 @@ class EngineCore:
         return outputs
 
     # ---- fault isolation ----
-    def _execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+    def _execute(self, sched: SchedulerOutput) -> StepOutput:
         """The runner's step; if it raises, the chunks responsible fail alone (see the module doc)."""
         try:
             return self.runner.execute(sched)
@@ -262,12 +280,12 @@ class EngineCore:
                       len(sched.chunks), traceback.format_exc())
             return self._isolate(sched.chunks, sched.copy_blocks, e)
 
-    def _isolate(self, chunks, copy_blocks, err: Exception) -> dict[str, SampledToken]:
+    def _isolate(self, chunks, copy_blocks, err: Exception) -> StepOutput:
         """Bisect: run each half of `chunks` on its own; a single chunk that raises fails its request."""
         if len(chunks) == 1:
             self._fail_sequence(chunks[0].request.request_id, f"{type(err).__name__}: {err}")
-            return {}
-        sampled: dict[str, SampledToken] = {}
+            return StepOutput()
+        sampled = StepOutput()
         mid = len(chunks) // 2
         for half in (chunks[:mid], chunks[mid:]):
             part = SchedulerOutput(half, copy_blocks, [], sum(len(c.token_ids) for c in half))
@@ -305,7 +323,7 @@ class EngineCore:
         group.metrics.last_token_time = now
         group.metrics.num_generation_tokens = max(group.metrics.num_generation_tokens, len(out.token_ids))
         if tok.logprobs is not None and out.logprobs is not None:
-            lp = self._to_logprob(tok)
+            lp = self._to_logprob(tok.logprobs)
             out.logprobs.append(lp)
             out.delta_logprobs = (out.delta_logprobs or []) + [lp]
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp.logprob
@@ -330,8 +348,7 @@ class EngineCore:
         sample.changed = True
         self.runner.free_request(sample.seq_id)
 
-    def _to_logprob(self, tok: SampledToken) -> Logprob:
-        lp = tok.logprobs
+    def _to_logprob(self, lp: TokenLogprobs) -> Logprob:
         dec = self.tokenizer.decode
         return Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                        token=dec([lp.token_id], skip_special_tokens=False),
@@ -358,9 +375,11 @@ class EngineCore:
             for s in group.samples:
                 self._seq_to_group.pop(s.seq_id, None)
                 self.runner.free_request(s.seq_id)
+        complete = group.prompt_logprobs is not None and group.prompt_logprobs_missing == 0
         return RequestOutput(request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
                              outputs=changed, finished=finished, num_cached_tokens=group.num_cached_tokens,
-                             metrics=group.metrics, error=group.error)
+                             metrics=group.metrics, error=group.error,
+                             prompt_logprobs=group.prompt_logprobs if complete else None)
 
     # ---- numbers for /metrics and the bench ----
     def stats(self) -> dict:

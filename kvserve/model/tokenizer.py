@@ -88,6 +88,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+GIL_FREE_CHARS = 4096     # texts at least this long are encoded with the GIL released
+GIL_FREE_TOKENS = 4096    # and token lists this long decoded so
+
 class Tokenizer:
     """encode/decode, special ids, chat template. `backend` is the tokenizers.Tokenizer."""
 
@@ -155,11 +158,20 @@ class Tokenizer:
                    chat_template=template, extra_eos_ids=gen_eos)
 
     # ---- the tokenizer interface ----
+    # The `tokenizers` library holds the GIL in encode() and decode() but releases it in their
+    # batch forms: long inputs go through those, so that tokenizing a 2 MB prompt in a worker
+    # thread does not stop the server's event loop (and every other stream) for a second.
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) >= GIL_FREE_CHARS:
+            batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            return batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) >= GIL_FREE_TOKENS:
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids):
         if isinstance(ids, int):

@@ -11,7 +11,7 @@ model's weights allow it, else through the model's PyTorch forward.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,7 @@ from kvserve.model.loader import TORCH_DTYPES as _TORCH_DTYPES   # canonical dty
 from kvserve.ops import kv_int8
 from kvserve.ops.attention import AttentionMetadata
 from kvserve.runner.layer_stack import CLayerStack
-from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs
+from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
 
 log = logging.getLogger("kvserve")
 
@@ -38,6 +38,23 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens start, start + 1, ... (start >= 1) computed by one chunk."""
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)         # by request id
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+    def update(self, other: "StepOutput") -> None:
+        self.sampled.update(other.sampled)
+        self.prompt_logprobs.update(other.prompt_logprobs)
 
 
 class ModelRunner:
@@ -126,22 +143,28 @@ class ModelRunner:
                 meta, sample_idx)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token of every chunk with sample=True, by request id."""
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        """Run one step: the sampled token of every chunk with sample=True, and the prompt
+        logprobs of the chunks whose request asked for them."""
         if out.copy_blocks:
             self._copy_blocks(out.copy_blocks)
         if not out.chunks:
-            return {}
+            return StepOutput()
         input_ids, positions, meta, sample_idx = self.prepare(out)
-        rows = torch.tensor(sample_idx, dtype=torch.long)
+        spans = self._prompt_logprob_spans(out, meta.query_start_loc)
+        rows = torch.tensor(sample_idx + [r for _, first, n, _ in spans for r in range(first, first + n)],
+                            dtype=torch.long)
         if self.layer_stack is not None and self.layer_stack.runs(self.kv_caches):
             hidden = self.layer_stack(input_ids, positions, meta, self.kv_caches, rows)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)[rows]
+        if rows.numel() == 0:
+            return StepOutput()
+        logits = self.model.compute_logits(hidden)
+        step = StepOutput(prompt_logprobs=self._prompt_logprobs(spans, logits[len(sample_idx):]))
         sampling = [c for c in out.chunks if c.sample]
         if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden)
+            return step
         rows = [SamplingRow(params=c.request.sampling_params,
                             prompt_token_ids=c.request.prompt_token_ids,
                             output_token_ids=c.request.output_token_ids,
@@ -149,10 +172,36 @@ class ModelRunner:
                             eos_token_ids=c.request.eos_token_ids) for c in sampling]
         saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
         try:
-            sampled = self.sampler(logits, rows)
+            sampled = self.sampler(logits[:len(sample_idx)], rows)
         except Exception:  # a failed step draws nothing: the engine may run it again
             for g, state in saved:
                 g.set_state(state)
             raise
-        return {c.request.request_id: SampledToken(tok, lp)
-                for c, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)}
+        step.sampled = {c.request.request_id: SampledToken(tok, lp)
+                        for c, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)}
+        return step
+
+    @staticmethod
+    def _prompt_logprob_spans(out: SchedulerOutput, query_start_loc: list[int]) -> list[tuple]:
+        """(chunk, first flat row, rows, first target position) for each chunk that computes
+        prompt positions whose next token is a prompt token, of a request with prompt_logprobs."""
+        spans = []
+        for i, c in enumerate(out.chunks):
+            req = c.request
+            if req.sampling_params.prompt_logprobs is None:
+                continue
+            end = min(c.start_pos + len(c.token_ids), req.num_prompt_tokens - 1)
+            if end > c.start_pos:
+                spans.append((c, query_start_loc[i], end - c.start_pos, c.start_pos + 1))
+        return spans
+
+    @staticmethod
+    def _prompt_logprobs(spans: list[tuple], logits: torch.Tensor) -> dict[str, PromptLogprobs]:
+        result, row = {}, 0
+        for c, _, n, start in spans:
+            req = c.request
+            targets = req.prompt_token_ids[start:start + n]
+            result[req.request_id] = PromptLogprobs(
+                start, token_logprobs(logits[row:row + n], targets, req.sampling_params.prompt_logprobs))
+            row += n
+        return result

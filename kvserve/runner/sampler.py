@@ -239,6 +239,19 @@ def _greedy_and_sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: li
     return tokens
 
 
+def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Logprob, rank and top-`num_top` of each row's target token under the raw logits (prompt
+    logprobs: how likely the model found each prompt token, nothing applied to the logits)."""
+    lp = logits.float().log_softmax(dim=-1)
+    target = torch.tensor(targets, dtype=torch.long, device=lp.device).unsqueeze(1)
+    chosen = lp.gather(1, target)
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    top_lp, top_ids = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], lp[:, :0].long())
+    return [TokenLogprobs(t, c, r, list(zip(ids, vals)))
+            for t, c, r, ids, vals in zip(targets, chosen.squeeze(1).tolist(), ranks, top_ids.tolist(),
+                                          top_lp.tolist())]
+
+
 def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
     """Chosen-token logprob, its rank and the top-N for every row that asked for logprobs."""
     out: list[TokenLogprobs | None] = [None] * len(params)

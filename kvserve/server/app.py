@@ -14,7 +14,7 @@ from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_err
 from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, chat_messages)
-from kvserve.server.serving import ServerState, check_request, off_loop, with_cancellation
+from kvserve.server.serving import ServerState, admission_error, check_request, off_loop, with_cancellation
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completions import create_completion
 
@@ -33,7 +33,8 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body,
                        metrics_public=getattr(args, "metrics_public", False),
-                       body_timeout=getattr(args, "body_timeout", None))
+                       body_timeout=getattr(args, "body_timeout", None),
+                       overloaded=lambda: admission_error(state))
 
     @app.post("/v1/completions")
     @with_cancellation

@@ -1,10 +1,12 @@
-"""The ASGI guard in front of every route: the API key, the request body size limit, and the
-body read timeout."""
+"""The ASGI guard in front of every route: the API key, the request body size limit, the
+body read timeout, and the overload fast path (429 before any parsing when the queue is full)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
+
+from collections.abc import Callable
 
 from kvserve.server.errors import APIError, RequestTimeout, TooLarge, Unauthorized
 
@@ -12,6 +14,7 @@ DEFAULT_MAX_BODY_BYTES = 2 * 2**20
 DEFAULT_BODY_TIMEOUT = 30.0
 DRAIN_LIMIT = 64 * 2**20  # past this much of an oversized body, stop reading and close
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 class BodyRejected(Exception):
@@ -27,11 +30,17 @@ class BodyRejected(Exception):
 class GuardMiddleware:
     """Pure ASGI (streaming and disconnects pass through untouched): the API key on every route
     but /health (and /metrics when `metrics_public`), and the request body, read here within
-    `body_timeout` seconds and under the size limit, then replayed to the app."""
+    `body_timeout` seconds and under the size limit, then replayed to the app.
+
+    `overloaded()` returns the error for a generation request that cannot be queued now (429 when
+    the waiting queue is full, 503 when draining) or None: such a request is answered as soon as
+    its body is read, before JSON parsing, validation and tokenization, so a burst of them costs
+    the server little and each client hears back in milliseconds."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics_public: bool = False,
-                 body_timeout: float | None = None):
+                 body_timeout: float | None = None, overloaded: Callable[[], APIError | None] | None = None):
         self.app = app
+        self.overloaded = overloaded
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.open_paths = (OPEN_PATHS | {"/metrics"}) if metrics_public else OPEN_PATHS
@@ -58,6 +67,10 @@ class GuardMiddleware:
             return await _send_error(send, rejected.error, close=rejected.close)
         if body is None:  # the client went away
             return
+        if self.overloaded is not None and scope["path"] in GENERATION_PATHS:
+            error = self.overloaded()
+            if error is not None:
+                return await _send_error(send, error)
         return await self.app(scope, _replay(body, receive), send)
 
     async def read_body(self, headers: dict, receive) -> bytes | None:
@@ -102,6 +115,7 @@ def _replay(body: bytes, receive):
 async def _send_error(send, err, close: bool = False) -> None:
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

@@ -21,7 +21,8 @@ MAX_CACHE_SALT_CHARS = 1024
 # Fields of OpenAI or vLLM requests that change what the answer means and that kvserve does not
 # implement (yet): a 400 naming the field, never a silently different answer.
 UNSUPPORTED_FIELDS = ("logit_bias", "functions", "function_call", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar", "structured_outputs", "prompt_logprobs")
+                      "guided_choice", "guided_grammar", "structured_outputs",
+                      "prompt_logprobs")   # a field of /v1/completions; chat has none
 
 
 def _valid_unicode(v: str) -> str:
@@ -85,7 +86,8 @@ class _SamplingRequest(_Model):
             raise BadRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                              "characters", "cache_salt")
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str]) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str],
+                prompt_logprobs: int | None = None) -> SamplingParams:
         given = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                  "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
                  "stop_token_ids": self.stop_token_ids, "presence_penalty": self.presence_penalty,
@@ -93,7 +95,7 @@ class _SamplingRequest(_Model):
                  "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                  "skip_special_tokens": self.skip_special_tokens,
                  "include_stop_str_in_output": self.include_stop_str_in_output,
-                 "max_tokens": max_tokens, "logprobs": logprobs}
+                 "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
         kwargs = {k: v for k, v in given.items() if v is not None or k == "max_tokens"}
         try:
             return SamplingParams(**kwargs)
@@ -125,6 +127,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None     # vLLM's extension: top-N logprobs of every prompt token
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -137,8 +140,9 @@ class CompletionRequest(_SamplingRequest):
             raise BadRequest("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequest("best_of is not supported (other than best_of == n)", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise BadRequest("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise BadRequest("max_tokens must be >= 1 (0 is for scoring a prompt: with echo or "
+                             "prompt_logprobs)", "max_tokens")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (each a string or token ids)."""
@@ -147,8 +151,17 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         return list(p)
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Top-N of the prompt's logprobs: asked for directly, or by echo with logprobs (the
+        legacy API's prompt scoring, as lm-evaluation-harness sends it)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.echo and self.max_tokens == 0 else None
+
     def to_sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs, {})
+        return self._params(self.max_tokens, self.logprobs, {}, prompt_logprobs=self.prompt_logprobs_wanted())
 
 
 # ---- /v1/chat/completions ----

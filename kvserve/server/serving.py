@@ -61,6 +61,19 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
                          param=param, code="context_length_exceeded")
 
 
+def admission_error(state: ServerState) -> APIError | None:
+    """The error any generation request gets right now, whatever it holds (503 draining or engine
+    dead, 429 queue full), or None. The guard asks it before parsing a body."""
+    if not state.engine.accepting:
+        return Unavailable("the server is shutting down and admits no new request")
+    try:
+        state.engine.check_health()
+        state.engine.check_queue(1)
+    except (QueueFullError, EngineDeadError) as e:
+        return api_error(e)
+    return None
+
+
 def check_capacity(state: ServerState, num_sequences: int, param: str) -> None:
     """Before any tokenization: 400 when the request's sequences (prompts x n) can never fit
     the waiting queue, 429 at once when the queue is full now."""
@@ -216,6 +229,37 @@ def completion_logprobs(lps: list[Logprob], num_top: int, text_offset: int) -> t
         out["text_offset"].append(text_offset)
         text_offset += len(lp.token)
     return out, text_offset
+
+
+def echo_logprobs(prompt_lps: list[Logprob | None], first_token: str, num_top: int) -> tuple[dict, int]:
+    """The prompt's part of the legacy logprobs when echo is on: the first token has no logprob
+    (null, as OpenAI answers), then each prompt token with its top-N. Returns it and the text
+    offset after the prompt."""
+    out: dict[str, list] = {"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None],
+                            "text_offset": [0]}
+    rest, offset = completion_logprobs([lp for lp in prompt_lps[1:] if lp is not None], num_top, len(first_token))
+    for key in out:
+        out[key].extend(rest[key])
+    return out, offset
+
+
+def join_logprobs(head: dict, tail: dict) -> dict:
+    return {key: head[key] + tail[key] for key in head}
+
+
+def prompt_logprobs_json(prompt_lps: list[Logprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: per prompt position, {token id: {logprob, rank,
+    decoded_token}} for the prompt token and its top-N (None for the first position)."""
+    out: list[dict | None] = []
+    for lp in prompt_lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(tid): {"logprob": _lp(v), "rank": rank, "decoded_token": text}
+                 for rank, (tid, text, v) in enumerate(lp.top, 1)}
+        entry[str(lp.token_id)] = {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.token}
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(lps: list[Logprob], num_top: int) -> dict:

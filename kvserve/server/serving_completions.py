@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvserve.server.errors import BadRequest
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, check_capacity, check_context,
-                                    check_output, check_request, completion_logprobs, merge, off_loop,
-                                    open_streams, sse_stream, usage)
+                                    check_output, check_request, completion_logprobs, echo_logprobs,
+                                    join_logprobs, merge, off_loop, open_streams, prompt_logprobs_json,
+                                    sse_stream, usage)
 
 
 async def create_completion(req: CompletionRequest, state: ServerState):
@@ -42,6 +43,22 @@ async def create_completion(req: CompletionRequest, state: ServerState):
     n = params.n
     choices = [Choice(i) for i in range(len(prompt_ids) * n)]
     cached = [0] * len(prompt_ids)
+    prompt_lps: list = [None] * len(prompt_ids)     # per prompt, once the engine has computed them
+    echo_lps = req.echo and req.logprobs is not None
+
+    def record(i: int, out) -> None:
+        cached[i] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            prompt_lps[i] = out.prompt_logprobs
+
+    def prompt_part(i: int) -> tuple[dict, int]:
+        """The echoed prompt's logprobs (legacy shape) and the text offset after it."""
+        first = tok.decode(prompt_ids[i][:1], skip_special_tokens=False)
+        return echo_logprobs(prompt_lps[i] or [], first, req.logprobs)
+
+    def extra_fields(i: int) -> dict:
+        return {"prompt_logprobs": prompt_logprobs_json(prompt_lps[i])} \
+            if req.prompt_logprobs is not None and prompt_lps[i] is not None else {}
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
 
     def total_usage() -> dict:
@@ -50,15 +67,21 @@ async def create_completion(req: CompletionRequest, state: ServerState):
     if not req.stream:
         async for i, out in merge(streams):
             check_output(out)
-            cached[i] = out.num_cached_tokens
+            record(i, out)
             for o in out.outputs:
                 choices[i * n + o.index].add(o)
         body = []
         for c in choices:
-            echo = echo_texts[c.index // n]
-            lp = completion_logprobs(c.logprobs, req.logprobs, len(echo))[0] if req.logprobs is not None else None
+            i = c.index // n
+            echo = echo_texts[i]
+            lp = None
+            if echo_lps:
+                head, offset = prompt_part(i)
+                lp = join_logprobs(head, completion_logprobs(c.logprobs, req.logprobs, offset)[0])
+            elif req.logprobs is not None:
+                lp = completion_logprobs(c.logprobs, req.logprobs, len(echo))[0]
             body.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **extra_fields(i)})
         return JSONResponse({**head, "choices": body, "usage": total_usage()})
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -67,22 +90,27 @@ async def create_completion(req: CompletionRequest, state: ServerState):
     async def chunks() -> AsyncIterator[dict]:
         async for i, out in merge(streams):
             check_output(out)
-            cached[i] = out.num_cached_tokens
+            record(i, out)
             for o in out.outputs:
                 c = choices[i * n + o.index]
                 c.add(o)
                 text = o.delta_text
-                if not c.started:
+                first = not c.started
+                if first:
                     c.started = True
                     text = echo_texts[i] + text
                     c.text_offset = len(echo_texts[i])
                 if not text and not o.finish_reason and not o.delta_logprobs:
                     continue
-                lp = None
+                lp, head_lp = None, None
+                if first and echo_lps:
+                    head_lp, c.text_offset = prompt_part(i)
                 if req.logprobs is not None:
                     lp, c.text_offset = completion_logprobs(o.delta_logprobs or [], req.logprobs, c.text_offset)
+                    lp = join_logprobs(head_lp, lp) if head_lp is not None else lp
                 yield {**head, "choices": [{"index": c.index, "text": text, "logprobs": lp,
-                                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}],
+                                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                                            **(extra_fields(i) if first else {})}],
                        **extra}
         if include_usage:
             yield {**head, "choices": [], "usage": total_usage()}

@@ -1,4 +1,6 @@
 """The OpenAI API of a real `kvserve serve`, through the official `openai` client."""
+import json
+
 import httpx
 import pytest
 
@@ -176,3 +178,29 @@ def test_greedy_matches_offline(client, model_name):
     served_chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=24, temperature=0)
     assert served.choices[0].text == offline
     assert served_chat.choices[0].message.content == offline_chat
+
+
+def test_prompt_scoring_as_lm_evaluation_harness_sends_it(client, model_name, server, auth):
+    """echo + logprobs + max_tokens 0: the legacy logprobs of every prompt token (the first one
+    null). The logprob of a prompt's last token equals the logprob the same model gave it when it
+    generated that token greedily (the C kernels compute a row the same way in a prompt or a decode)."""
+    context = "The capital of France is"
+    gen = client.completions.create(model=model_name, prompt=context, max_tokens=1, temperature=0, logprobs=1)
+    generated = gen.choices[0].logprobs.token_logprobs[0]
+    full = context + gen.choices[0].text
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": full}, headers=auth).json()["tokens"]
+    r = client.completions.create(model=model_name, prompt=[ids], echo=True, logprobs=1, max_tokens=0, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[-1] == pytest.approx(generated, abs=1e-5)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    # lm-eval's is_greedy: the token's logprob is the max of its top-1 alternatives
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-6)
+    # vLLM's prompt_logprobs field, streamed too
+    body = {"model": model_name, "prompt": [ids], "max_tokens": 1, "prompt_logprobs": 2, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=auth, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    plp = chunks[0]["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert plp[-1][str(ids[-1])]["logprob"] == pytest.approx(generated, abs=1e-5)

@@ -81,7 +81,7 @@ def test_nan_and_infinity_are_400(field, value):
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"cache_salt": "s" * 1025}, "cache_salt"),
 ])
 def test_out_of_range_values_are_400_naming_the_field(body, param):
@@ -96,6 +96,8 @@ def test_chat_names_its_own_fields():
     assert err.param == "top_logprobs"
     err = refusal(ChatCompletionRequest, {"messages": USER, "function_call": "auto"})
     assert err.param == "function_call"
+    err = refusal(ChatCompletionRequest, {"messages": USER, "prompt_logprobs": 1})   # completions only
+    assert err.param == "prompt_logprobs"
 
 
 def test_too_many_prompts_is_400_before_anything_else():
@@ -112,6 +114,20 @@ def test_too_many_prompts_is_400_before_anything_else():
 ])
 def test_edge_values_that_are_fine_still_pass(body):
     assert refusal(CompletionRequest, {"prompt": "é\U0001F600 x", **body}) is None
+
+
+def test_prompt_scoring_requests_map_to_prompt_logprobs():
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0 (or 1)."""
+    req = CompletionRequest.model_validate({"prompt": [1, 2, 3], "echo": True, "logprobs": 1, "max_tokens": 0})
+    req.check()
+    params = req.to_sampling_params()
+    assert params.prompt_logprobs == 1 and params.max_tokens == 0 and params.logprobs == 1
+    req = CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0})
+    req.check()
+    assert req.to_sampling_params().prompt_logprobs == 0
+    req = CompletionRequest.model_validate({"prompt": "x", "prompt_logprobs": 3, "max_tokens": 2})
+    assert req.to_sampling_params().prompt_logprobs == 3
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).to_sampling_params().prompt_logprobs is None
 
 
 def test_sampling_params_offline_errors_name_the_field():

@@ -129,7 +129,7 @@ def test_chat_unsupported_values(body, param):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_completion_unsupported_values(body, param):

@@ -146,3 +146,15 @@ def test_live_against_transformers(tok):
                                                           skip_special_tokens=True), name
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_long_inputs_take_the_gil_free_path_and_give_the_same_ids(tok):
+    """Texts past GIL_FREE_CHARS go through the backend's batch encoder (which releases the GIL);
+    the ids and the decoded text must be what the plain path gives."""
+    from kvserve.model import tokenizer as tk
+    text = ("Paged attention, é\U0001F600 and 한국어 " * 400)[:tk.GIL_FREE_CHARS + 77]
+    ids = tok.encode(text)
+    assert ids == tok.backend.encode(text).ids
+    assert len(ids) >= 1
+    long_ids = (ids * (tk.GIL_FREE_TOKENS // len(ids) + 1))[:tk.GIL_FREE_TOKENS + 3]
+    assert tok.decode(long_ids) == tok.backend.decode(long_ids)
