@@ -46,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token after the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: "StructuredOutputs | None" = None   # constrain the output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +123,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                bad("structured_outputs", "must be a StructuredOutputs")
+            self.structured_outputs.check()
 
     @property
     def greedy(self) -> bool:

@@ -120,6 +120,12 @@ class AsyncEngine:
             if not done:
                 self._send(("abort", request_id))
 
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the params' output constraint now (cached for admission); ParamError with the
+        grammar engine's message when it does not compile. Thread-safe (the compiler has its own
+        lock): the server runs it in a worker thread, so a slow schema never stalls the steps."""
+        self.core.grammar.check(params)
+
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 

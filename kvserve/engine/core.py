@@ -26,6 +26,7 @@ from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, EngineConfig, KVShape
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.grammar import GrammarManager
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
@@ -93,6 +94,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
         self.runner = ModelRunner(loaded, config, self.num_blocks)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or arch.eos_token_ids)
+        self.grammar = GrammarManager(self.tokenizer, arch.vocab_size)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, _Sample]] = {}
         self._pending: list[RequestOutput] = []   # outputs produced outside step() (aborts)
@@ -132,6 +134,7 @@ class EngineCore:
         if room < 1:
             raise ParamError("prompt", f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
                                        f"{self.max_model_len} tokens, which leaves no room to generate")
+        self.grammar.check(params)     # ParamError with the matcher's message when it does not compile
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if params.min_tokens > max_tokens:
             raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) is more than the "
@@ -164,6 +167,8 @@ class EngineCore:
                              CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None))
             group.samples.append(sample)
             self._seq_to_group[r.request_id] = (group, sample)
+            if params.structured_outputs is not None:
+                self.grammar.add(r.request_id, params.structured_outputs)
         self._groups[request_id] = group
         self.prompt_tokens_total += len(prompt_token_ids)
 
@@ -218,6 +223,7 @@ class EngineCore:
         The model and the KV tensors stay; nothing is reloaded."""
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_blocks, self.max_model_len)
         self.runner.forget_requests()
+        self.grammar.clear()
         self._groups.clear()
         self._seq_to_group.clear()
         self._pending.clear()
@@ -237,7 +243,8 @@ class EngineCore:
             group, _ = self._seq_to_group[c.request.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        step = self._execute(sched)
+        grammar = self.grammar.start_bitmask([c.request.request_id for c in sched.chunks if c.sample])
+        step = self._execute(sched, grammar)
         sampled = step.sampled
         for seq_id, plp in step.prompt_logprobs.items():
             entry = self._seq_to_group.get(seq_id)
@@ -255,6 +262,8 @@ class EngineCore:
             group, sample = entry
             self._append_token(group, sample, tok, now)
             touched[group.request_id] = group
+            if self.grammar.constrained(seq_id):
+                self._advance_grammar(group, sample, tok.token_id)
         for req in finished:
             entry = self._seq_to_group.get(req.request_id)
             if entry is None:
@@ -271,16 +280,28 @@ class EngineCore:
         return outputs
 
     # ---- fault isolation ----
-    def _execute(self, sched: SchedulerOutput) -> StepOutput:
+    def _advance_grammar(self, group: _Group, sample: _Sample, token_id: int) -> None:
+        """Advance the sample's matcher; a complete grammar stops the sample (even with
+        ignore_eos), a token the grammar refuses fails the request."""
+        terminated, error = self.grammar.accept(sample.seq_id, token_id)
+        if error is not None:
+            log.error("request %s: %s", group.request_id, error)
+            self._fail_sequence(sample.seq_id, f"structured output: {error}")
+        elif terminated and not sample.out.finished:
+            self.scheduler.finish_request(sample.seq_id, RequestStatus.FINISHED_STOPPED)
+            self._finish_sample(sample, sample.request)
+            sample.out.finish_reason = "stop"
+
+    def _execute(self, sched: SchedulerOutput, grammar=None) -> StepOutput:
         """The runner's step; if it raises, the chunks responsible fail alone (see the module doc)."""
         try:
-            return self.runner.execute(sched)
+            return self.runner.execute(sched, grammar)
         except Exception as e:
             log.error("model step of %d chunks failed; isolating the request(s) responsible:\n%s",
                       len(sched.chunks), traceback.format_exc())
-            return self._isolate(sched.chunks, sched.copy_blocks, e)
+            return self._isolate(sched.chunks, sched.copy_blocks, e, grammar)
 
-    def _isolate(self, chunks, copy_blocks, err: Exception) -> StepOutput:
+    def _isolate(self, chunks, copy_blocks, err: Exception, grammar=None) -> StepOutput:
         """Bisect: run each half of `chunks` on its own; a single chunk that raises fails its request."""
         if len(chunks) == 1:
             self._fail_sequence(chunks[0].request.request_id, f"{type(err).__name__}: {err}")
@@ -290,9 +311,9 @@ class EngineCore:
         for half in (chunks[:mid], chunks[mid:]):
             part = SchedulerOutput(half, copy_blocks, [], sum(len(c.token_ids) for c in half))
             try:
-                sampled.update(self.runner.execute(part))   # copy-on-write copies are idempotent
+                sampled.update(self.runner.execute(part, grammar))   # copy-on-write copies are idempotent
             except Exception as e:
-                sampled.update(self._isolate(half, copy_blocks, e))
+                sampled.update(self._isolate(half, copy_blocks, e, grammar))
         return sampled
 
     def _fail_scheduler_rejects(self) -> None:
@@ -375,6 +396,7 @@ class EngineCore:
             for s in group.samples:
                 self._seq_to_group.pop(s.seq_id, None)
                 self.runner.free_request(s.seq_id)
+                self.grammar.remove(s.seq_id)
         complete = group.prompt_logprobs is not None and group.prompt_logprobs_missing == 0
         return RequestOutput(request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
                              outputs=changed, finished=finished, num_cached_tokens=group.num_cached_tokens,

@@ -21,7 +21,7 @@ from kvserve.model.loader import TORCH_DTYPES as _TORCH_DTYPES   # canonical dty
 from kvserve.ops import kv_int8
 from kvserve.ops.attention import AttentionMetadata
 from kvserve.runner.layer_stack import CLayerStack
-from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
+from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs, apply_token_bitmask, token_logprobs
 
 log = logging.getLogger("kvserve")
 
@@ -143,9 +143,11 @@ class ModelRunner:
                 meta, sample_idx)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepOutput:
+    def execute(self, out: SchedulerOutput, grammar=None) -> StepOutput:
         """Run one step: the sampled token of every chunk with sample=True, and the prompt
-        logprobs of the chunks whose request asked for them."""
+        logprobs of the chunks whose request asked for them. `grammar`: a callable returning the
+        step's grammar bitmask (`rows` by request id, `bitmask`), called once the logits are
+        ready (the engine fills it while the forward pass runs)."""
         if out.copy_blocks:
             self._copy_blocks(out.copy_blocks)
         if not out.chunks:
@@ -165,14 +167,22 @@ class ModelRunner:
         sampling = [c for c in out.chunks if c.sample]
         if not sampling:
             return step
+        masks = grammar() if grammar is not None else None
+        constrained = [masks is not None and c.request.request_id in masks.rows for c in sampling]
+        sample_logits = logits[:len(sample_idx)]
+        if any(constrained):
+            apply_token_bitmask(sample_logits, [j for j, on in enumerate(constrained) if on],
+                                masks.bitmask[[masks.rows[c.request.request_id] for c, on in zip(sampling, constrained)
+                                               if on]])
         rows = [SamplingRow(params=c.request.sampling_params,
                             prompt_token_ids=c.request.prompt_token_ids,
                             output_token_ids=c.request.output_token_ids,
                             generator=self._generator(c.request),
-                            eos_token_ids=c.request.eos_token_ids) for c in sampling]
+                            eos_token_ids=c.request.eos_token_ids, constrained=on)
+                for c, on in zip(sampling, constrained)]
         saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
         try:
-            sampled = self.sampler(logits[:len(sample_idx)], rows)
+            sampled = self.sampler(sample_logits, rows)
         except Exception:  # a failed step draws nothing: the engine may run it again
             for g, state in saved:
                 g.set_state(state)

@@ -41,6 +41,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded per request by the runner when params.seed is set
     eos_token_ids: set[int]
+    constrained: bool = False          # a grammar masks this row: it decides when EOS may come
 
 
 @dataclass
@@ -108,7 +109,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if len(r.output_token_ids) >= r.params.min_tokens:
             continue
         banned = set(r.params.stop_token_ids)
-        if not r.params.ignore_eos:
+        if not r.params.ignore_eos and not r.constrained:
             banned |= r.eos_token_ids
         banned = [t for t in banned if 0 <= t < vocab]
         row_idx += [i] * len(banned)
@@ -237,6 +238,18 @@ def _greedy_and_sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: li
     q = _exponential_noise(s_rows, logits.shape[1], dev)
     tokens[si] = probs.div_(q).argmax(dim=-1)
     return tokens
+
+
+_BIT = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
+    """Structured output: set to -inf, in logits[rows[k]], every token whose bit is clear in row k
+    of `bitmask` (int32 words; bit j of word j // 32 set: token j allowed). In place."""
+    words = torch.from_numpy(bitmask).to(torch.int64) & 0xFFFFFFFF
+    allowed = (words.unsqueeze(-1) & _BIT).ne(0).flatten(1)[:, :logits.shape[1]]
+    idx = torch.tensor(rows, dtype=torch.long)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[TokenLogprobs]:

@@ -12,17 +12,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from kvserve.sampling_params import ParamError, SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from kvserve.server.errors import BadRequest
+from kvserve.structured.tools import messages_for_template, tool_choice_constraint
 
 MAX_PROMPTS = 256             # prompts in one /v1/completions request
 MAX_CACHE_SALT_CHARS = 1024
 
 # Fields of OpenAI or vLLM requests that change what the answer means and that kvserve does not
 # implement (yet): a 400 naming the field, never a silently different answer.
-UNSUPPORTED_FIELDS = ("logit_bias", "functions", "function_call", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar", "structured_outputs",
+UNSUPPORTED_FIELDS = ("logit_bias", "functions", "function_call",
                       "prompt_logprobs")   # a field of /v1/completions; chat has none
+# vLLM's older names for the kinds of `structured_outputs`
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 def _valid_unicode(v: str) -> str:
@@ -40,6 +43,28 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class JsonSchemaFormat(_Model):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputs | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise BadRequest("response_format of type json_schema needs json_schema.schema", "response_format")
+        return StructuredOutputs(json=self.json_schema.schema_)
 
 
 class StreamOptions(_Model):
@@ -73,6 +98,8 @@ class _SamplingRequest(_Model):
     stream_options: StreamOptions | None = None
     cache_salt: Text | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None   # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
 
     def check(self) -> None:
         """Rules across fields and values kvserve does not support: BadRequest naming the field."""
@@ -85,6 +112,35 @@ class _SamplingRequest(_Model):
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise BadRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                              "characters", "cache_salt")
+        self.constraint()
+
+    def constraint(self) -> tuple[StructuredOutputs | None, str]:
+        """The output constraint and the field it came from: response_format, structured_outputs
+        or one of vLLM's guided_* fields (at most one of them)."""
+        extra = self.model_extra or {}
+        given = [(name, extra[name]) for name in GUIDED_FIELDS if extra.get(name) is not None]
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs))
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(("response_format", self.response_format))
+        if not given:
+            return None, "structured_outputs"
+        if len(given) > 1:
+            raise BadRequest(f"give one output constraint, not {', '.join(n for n, _ in given)}", given[1][0])
+        name, value = given[0]
+        try:
+            if name == "response_format":
+                return value.constraint(), name
+            if name == "structured_outputs":
+                known = set(StructuredOutputs.__dataclass_fields__)
+                unknown = sorted(set(value) - known)
+                if unknown:
+                    raise BadRequest(f"structured_outputs: unknown key {unknown[0]!r} (known: "
+                                     f"{', '.join(sorted(known))})", name)
+                return StructuredOutputs(**value), name
+            return StructuredOutputs(**{GUIDED_FIELDS[name]: value}), name
+        except ParamError as e:
+            raise BadRequest(str(e), name) from None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str],
                 prompt_logprobs: int | None = None) -> SamplingParams:
@@ -95,7 +151,8 @@ class _SamplingRequest(_Model):
                  "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                  "skip_special_tokens": self.skip_special_tokens,
                  "include_stop_str_in_output": self.include_stop_str_in_output,
-                 "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+                 "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                 "structured_outputs": self.constraint()[0]}
         kwargs = {k: v for k, v in given.items() if v is not None or k == "max_tokens"}
         try:
             return SamplingParams(**kwargs)
@@ -184,9 +241,11 @@ def _check_content(v: Any) -> Any:
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict] | None = None      # an assistant's earlier calls
+    tool_call_id: Text | None = None          # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -201,13 +260,15 @@ class ChatMessage(_Model):
         return "\n".join(p.text for p in self.content)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template takes them (string content; developer -> system)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-
-
-class ResponseFormat(_Model):
-    type: Text
+def chat_messages(messages: list[ChatMessage], tools: list[dict] | None = None) -> list[dict]:
+    """Messages as the chat template takes them (string content; developer -> system). With
+    tools, or tool calls and results in the history, in the model's tool-call format
+    (kvserve.structured.tools: the default model's template has no tools section)."""
+    out = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+            **({"tool_calls": m.tool_calls} if m.tool_calls else {})} for m in messages]
+    if tools or any(m.role == "tool" or m.tool_calls for m in messages):
+        out = messages_for_template(out, tools)
+    return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -218,22 +279,34 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Text | dict | None = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise BadRequest("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise BadRequest("tool_choice is not supported", "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadRequest(f"response_format type {self.response_format.type!r} is not supported "
-                             "(only 'text')", "response_format")
+
+    @property
+    def uses_tools(self) -> bool:
+        """The model may call tools: its answer is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def constraint(self) -> tuple[StructuredOutputs | None, str]:
+        """response_format / structured_outputs, or the grammar `tool_choice` imposes
+        (`required`, a named function); not both."""
+        so, name = super().constraint()
+        try:
+            tool_so = tool_choice_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ParamError as e:
+            raise BadRequest(str(e), e.param) from None
+        if tool_so is None:
+            return so, name
+        if so is not None:
+            raise BadRequest(f"tool_choice {self.tool_choice!r} cannot be combined with {name}", "tool_choice")
+        return tool_so, "tool_choice"
 
     def chat_messages(self) -> list[dict]:
-        return chat_messages(self.messages)
+        return chat_messages(self.messages, self.tools if self.uses_tools else None)
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

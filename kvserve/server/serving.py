@@ -85,6 +85,17 @@ def check_capacity(state: ServerState, num_sequences: int, param: str) -> None:
         raise api_error(e) from None
 
 
+async def compile_constraint(state: ServerState, req, params: SamplingParams) -> None:
+    """Compile the request's output constraint in a worker thread (cached for the engine); a
+    400 naming the field it came from when it does not compile."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await off_loop(state.engine.compile_constraint, params)
+    except ValueError as e:
+        raise BadRequest(str(e), req.constraint()[1]) from None
+
+
 def api_error(err: BaseException, names: dict[str, str] | None = None) -> APIError:
     """What an engine-side exception means to the client. `names` renames the engine's
     parameter names to the endpoint's (chat: prompt -> messages)."""

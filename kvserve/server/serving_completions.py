@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvserve.server.errors import BadRequest
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, check_capacity, check_context,
-                                    check_output, check_request, completion_logprobs, echo_logprobs,
-                                    join_logprobs, merge, off_loop, open_streams, prompt_logprobs_json,
-                                    sse_stream, usage)
+                                    check_output, check_request, compile_constraint,
+                                    completion_logprobs, echo_logprobs, join_logprobs, merge, off_loop,
+                                    open_streams, prompt_logprobs_json, sse_stream, usage)
 
 
 async def create_completion(req: CompletionRequest, state: ServerState):
@@ -23,6 +23,7 @@ async def create_completion(req: CompletionRequest, state: ServerState):
     tok = engine.tokenizer
     prompts = req.prompts()
     check_capacity(state, len(prompts) * params.n, "n" if len(prompts) == 1 else "prompt")
+    await compile_constraint(state, req, params)
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await off_loop(lambda: [tok.encode(t, add_special_tokens=True) for t in texts]))
     prompt_ids: list[list[int]] = []

@@ -78,7 +78,9 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     (CMPL, {"prompt": "hi", "seed": 2**64 - 1, "n": 2, "max_tokens": 2}, "seed"),
     (CMPL, {"prompt": [1, 2, 10**9], "max_tokens": 2}, "prompt"),
     (CHAT, {"messages": USER, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    (CHAT, {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),
+    (CHAT, {"messages": USER, "guided_json": "{not json"}, "guided_json"),
+    (CHAT, {"messages": USER, "structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)a"}}}}}}, "response_format"),
     (CMPL, {"prompt": "hi", "stop_token_ids": list(range(10_000)), "max_tokens": 2}, "stop_token_ids"),
     (CMPL, {"prompt": [[1]] * 100_000, "max_tokens": 2}, "prompt"),
 ])

@@ -31,8 +31,9 @@ RULES: dict[str, set[str]] = {
     "structured": {"model.tokenizer", "config", "sampling_params"},
     "engine": {"core", "runner", "model", "ops", "spec", "structured", "config", "sampling_params", "outputs"},
     # The HTTP server sees the engine only (errors it handles: kvserve.engine.errors), plus the
-    # package itself for __version__.
-    "server": {"engine", "config", "sampling_params", "outputs", "kvserve"},
+    # package itself for __version__, and the tool-call format of structured.tools.
+    "server": {"engine", "config", "sampling_params", "outputs", "kvserve",
+               "structured.tools"},   # tool-call prompts, grammars and parsing: protocol, not engine
     # The benchmarks drive kvserve as a user does: the HTTP server as a client, `kvserve.LLM` (the
     # package) offline, the engine flags of config. bench.tokenize counts tokens on the client side
     # with the served model's tokenizer (model.tokenizer only: no torch, no weights).

@@ -114,8 +114,8 @@ def test_chat_rejected(body, param):
 @pytest.mark.parametrize("body, param", [
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
     ({"messages": USER, "logit_bias": {"1": 5.0}}, "logit_bias"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
 ])
