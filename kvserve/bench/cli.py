@@ -1,9 +1,9 @@
-"""`kvserve bench throughput | serve | latency | roofline | soak | report`."""
+"""`kvserve bench throughput | serve | latency | roofline | soak | structured | report`."""
 from __future__ import annotations
 
 import argparse
 
-from kvserve.bench import latency, report, roofline, serve, soak, throughput
+from kvserve.bench import latency, report, roofline, serve, soak, structured, throughput
 
 COMMANDS = {
     "throughput": (throughput, "offline throughput through kvserve.LLM, every request at once"),
@@ -11,6 +11,8 @@ COMMANDS = {
     "latency": (latency, "one request at a time: prefill time, TTFT, decode tokens/s, N repeats"),
     "roofline": (roofline, "this machine's peak FLOP/s and memory bandwidth; a model's MBU and MFU"),
     "soak": (soak, "many requests, some dropped, some hostile: the server must stay whole (no 5xx, no leak)"),
+    "structured": (structured, "structured output: JSON schemas end to end (compile, validity, truncation), "
+                               "and the cost of a constraint in TPOT"),
     "report": (report, "regenerate docs/benchmarks.md from docs/bench-results/*.json"),
 }
 

@@ -413,6 +413,8 @@ class EngineCore:
                 "prefix_cache_hits": s.stats.prefix_cache_hits,
                 "num_preemptions": s.stats.num_preemptions,
                 "prompt_tokens_total": self.prompt_tokens_total,
+                "structured_mask_seconds": self.grammar.mask_seconds,
+                "structured_masks": self.grammar.masks_filled,
                 "generation_tokens_total": self.generation_tokens_total}
 
 

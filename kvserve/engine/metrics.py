@@ -24,7 +24,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 # core.stats() counter key -> our counter attribute (the core counts; we publish the increase)
 _COUNTER_STATS = {"prompt_tokens_total": "prompt_tokens", "generation_tokens_total": "generation_tokens",
                   "num_preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
-                  "prefix_cache_hits": "prefix_cache_hits"}
+                  "prefix_cache_hits": "prefix_cache_hits", "structured_mask_seconds": "structured_mask_seconds",
+                  "structured_masks": "structured_masks"}
 
 
 class EngineMetrics:
@@ -60,6 +61,9 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        self.structured_mask_seconds = counter("structured_mask_seconds",
+                                               "Time spent filling grammar token masks (on a worker thread).")
+        self.structured_masks = counter("structured_masks", "Grammar token masks filled (one per constrained token).")
         success = Counter("kvserve:request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}

@@ -1,7 +1,11 @@
 """A StructuredOutputs constraint as llguidance grammar text (not yet checked against a tokenizer).
 
 json: the schema through llguidance's JSON-schema compiler, whitespace between JSON tokens free
-unless `disable_any_whitespace` (vLLM's meaning; the schema's own "x-guidance" options override);
+unless `disable_any_whitespace` (vLLM's meaning; the schema's own "x-guidance" options override),
+and objects closed: an object schema that lists `properties` and says nothing of
+`additionalProperties` gets no other keys (as OpenAI's strict mode and xgrammar's default
+do; without it a small model keeps inventing keys until max_tokens). The output still validates
+against the schema as given;
 json_object: the schema {"type": "object"}; regex: Rust `regex` syntax; choice: a Lark rule with
 one literal per choice; grammar: Lark (llguidance's dialect, `%json {...}` included), or GBNF
 converted to Lark.
@@ -22,6 +26,22 @@ def choice_lark(choices: list[str]) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def closed_objects(schema):
+    """A copy of a JSON schema where every object schema with `properties` and no
+    `additionalProperties` has `additionalProperties: false` (not inside allOf, where each branch
+    lists only part of the keys)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("allOf", "const", "enum", "default", "examples") else closed_objects(v))
+           for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> str:
     """The llguidance grammar for `so`. ParamError(param) when it cannot be translated (a GBNF
     grammar that does not parse); most errors only show when the grammar is compiled."""
@@ -29,7 +49,8 @@ def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> st
     json_options = {"whitespace_flexible": not so.disable_any_whitespace}
     try:
         if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(so.key()[1], defaults=json_options)
+            schema = closed_objects(json.loads(so.key()[1]))
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=json_options)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=json_options)
         if kind == "regex":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 
 from kvserve.sampling_params import ParamError, StructuredOutputs
+from kvserve.structured.constraints import closed_objects
 from kvserve.structured.tool_parser import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallStreamParser,
                                             parse_tool_calls)
 
@@ -103,7 +104,7 @@ def tool_calls_lark(functions: list[dict], max_calls: int | None, disable_any_wh
     definitions = {}
     call_schemas = []
     for i, fn in enumerate(functions):
-        parameters = fn.get("parameters") or NO_PARAMETERS
+        parameters = closed_objects(fn.get("parameters") or NO_PARAMETERS)
         if _has_ref(parameters):
             # Its refs ("#/$defs/X") point into the parameters schema: move it under the root's
             # $defs and point them there.

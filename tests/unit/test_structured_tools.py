@@ -31,7 +31,8 @@ def test_required_and_named_choices_are_grammars():
     schema = json.loads(required.grammar.split("%json", 1)[1])
     assert schema["minItems"] == 1 and "maxItems" not in schema
     assert [s["properties"]["name"]["const"] for s in schema["items"]["anyOf"]] == ["get_weather", "now"]
-    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == {**WEATHER["function"]["parameters"],
+                                                                      "additionalProperties": False}
     named = tool_choice_constraint([WEATHER, NOW], {"type": "function", "function": {"name": "now"}})
     schema = json.loads(named.grammar.split("%json", 1)[1])
     assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"const": "now"}
