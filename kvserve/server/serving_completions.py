@@ -77,8 +77,8 @@ async def create_completion(req: CompletionRequest, state: ServerState):
             echo = echo_texts[i]
             lp = None
             if echo_lps:
-                head, offset = prompt_part(i)
-                lp = join_logprobs(head, completion_logprobs(c.logprobs, req.logprobs, offset)[0])
+                prompt_lp, offset = prompt_part(i)
+                lp = join_logprobs(prompt_lp, completion_logprobs(c.logprobs, req.logprobs, offset)[0])
             elif req.logprobs is not None:
                 lp = completion_logprobs(c.logprobs, req.logprobs, len(echo))[0]
             body.append({"index": c.index, "text": echo + c.text, "logprobs": lp,

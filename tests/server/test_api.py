@@ -195,6 +195,7 @@ def test_prompt_scoring_as_lm_evaluation_harness_sends_it(client, model_name, se
     assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
     assert lp.token_logprobs[-1] == pytest.approx(generated, abs=1e-5)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    assert r.id and r.model == model_name and r.object == "text_completion"
     # lm-eval's is_greedy: the token's logprob is the max of its top-1 alternatives
     assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-6)
     # vLLM's prompt_logprobs field, streamed too
