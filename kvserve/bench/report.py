@@ -181,8 +181,31 @@ def section_soak(res: dict) -> list[str]:
     return [line for run in res["runs"] for line in soak_run_lines(run, res["workload"])]
 
 
+def section_structured(res: dict) -> list[str]:
+    out = []
+    sch = res.get("schemas")
+    if sch:
+        mask = sch.get("mask_ms_per_token")
+        out += [md_table(["schemas", "compiled", "finished (stop)", "valid of finished", "truncated (length)",
+                          "mask ms / constrained token"],
+                         [[sch["schemas"], f"{sch['compiled']} ({pct(sch['compile_rate'])})", sch["finished"],
+                           f"{sch['valid']} ({pct(sch['validity_rate'])})",
+                           f"{sch['truncated']} ({pct(sch['truncation_rate'])})", secs(mask)]]), ""]
+        fails = [f"{r['schema']}: {r.get('error') or r.get('valid')}" for r in sch.get("failures", [])]
+        if fails:
+            out += ["Not compiled or not valid:", ""] + [f"- {f.splitlines()[0]}" for f in fails] + [""]
+    cost = res.get("cost")
+    if cost:
+        from kvserve.bench.structured import cost_table
+        rows, _ = cost_table(cost["runs"])
+        out += ["Cost of a constraint (offline, the same chat prompts, greedy; runs interleaved):", "",
+                md_table(["batch", "TPOT ms, unconstrained", "TPOT ms, JSON schema", "cost"], rows)]
+    return out
+
+
 SECTIONS = {"roofline": "Hardware limits (roofline)", "latency": "Latency", "throughput": "Offline throughput",
-            "serve": "Serving load", "soak": "Soak: fault isolation under load"}
+            "serve": "Serving load", "soak": "Soak: fault isolation under load",
+            "structured": "Structured output"}
 
 
 def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
@@ -219,6 +242,8 @@ def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
                 lines += section_serve(r, page_dir)
             elif kind == "soak":
                 lines += section_soak(r)
+            elif kind == "structured":
+                lines += section_structured(r)
             else:
                 lines += section_roofline(r)
     return "\n".join(lines) + "\n"

@@ -67,8 +67,11 @@ async def run_schemas(base_url: str, api_key: str | None, schemas: list[tuple[st
             row["error"] = r.json().get("error", {}).get("message", "")[:300]
             return row
         choice = r.json()["choices"][0]
+        text = choice["message"]["content"]
         row.update(finish_reason=choice["finish_reason"], tokens=r.json()["usage"]["completion_tokens"],
-                   valid=validate(choice["message"]["content"], schema) if choice["finish_reason"] == "stop" else None)
+                   valid=validate(text, schema) if choice["finish_reason"] == "stop" else None)
+        if choice["finish_reason"] == "length":
+            row["tail"] = text[-160:]     # what the model was doing when max_tokens cut it
         return row
 
     import httpx

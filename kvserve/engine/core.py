@@ -14,13 +14,14 @@ finish with `error` set; everyone else's step goes on.
 from __future__ import annotations
 
 import logging
+import operator
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
 
 import torch
 
-import operator
 
 from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, EngineConfig, KVShape
 from kvserve.core.request import Request, RequestStatus
@@ -94,7 +95,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
         self.runner = ModelRunner(loaded, config, self.num_blocks)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or arch.eos_token_ids)
-        self.grammar = GrammarManager(self.tokenizer, arch.vocab_size)
+        self.grammar = GrammarManager(self.tokenizer, arch.vocab_size,
+                                      overlap=config.num_threads < len(os.sched_getaffinity(0)))
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, _Sample]] = {}
         self._pending: list[RequestOutput] = []   # outputs produced outside step() (aborts)

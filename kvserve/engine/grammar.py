@@ -3,7 +3,11 @@ batch's token bitmask each step, and advancing the matchers with the sampled tok
 
 The bitmask of a step is filled on a worker thread while the model runs the forward pass (the C
 layer stack and llguidance both release the GIL), so the mask costs the step only what is left
-of it when the logits are ready. The runner applies it just before sampling.
+of it when the logits are ready, when the forward pass leaves a core free (`overlap`: the server
+runs the model on one core less than it has). When the model's threads take every core, a
+worker would fight them for it (OpenMP teams slow down badly when a core is taken from them), so
+the mask is filled on the engine thread once the logits are ready. The runner applies it just
+before sampling.
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ class GrammarBitmask:
 
 
 class GrammarManager:
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, overlap: bool = True):
         self.tokenizer = tokenizer
+        self.overlap = overlap
         self.vocab_size = vocab_size
         self._compiler = None
         self._compiler_lock = threading.Lock()
@@ -80,12 +85,16 @@ class GrammarManager:
         def fill() -> GrammarBitmask:
             import time
             t0 = time.perf_counter()
-            self._filler.fill(pairs, bitmask)
+            if self.overlap:
+                self._filler.fill(pairs, bitmask)
+            else:
+                for matcher, row in pairs:
+                    matcher.fill_bitmask(bitmask, row)
             self.mask_seconds += time.perf_counter() - t0
             self.masks_filled += len(pairs)
             return GrammarBitmask(rows, bitmask)
 
-        return self._worker.submit(fill).result
+        return self._worker.submit(fill).result if self.overlap else fill
 
     def accept(self, seq_id: str, token_id: int) -> tuple[bool, str | None]:
         """Advance a sequence's matcher by its sampled token: (terminated, error). `terminated`:

@@ -240,16 +240,17 @@ def _greedy_and_sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: li
     return tokens
 
 
-_BIT = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
-
-
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
     """Structured output: set to -inf, in logits[rows[k]], every token whose bit is clear in row k
     of `bitmask` (int32 words; bit j of word j // 32 set: token j allowed). In place."""
-    words = torch.from_numpy(bitmask).to(torch.int64) & 0xFFFFFFFF
-    allowed = (words.unsqueeze(-1) & _BIT).ne(0).flatten(1)[:, :logits.shape[1]]
+    import numpy as np
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
+    blocked = torch.from_numpy(bits[:, :logits.shape[1]] == 0)
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(blocked, float("-inf"))         # every row constrained: no gather/scatter
+        return
     idx = torch.tensor(rows, dtype=torch.long)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    logits[idx] = logits[idx].masked_fill(blocked, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[TokenLogprobs]:

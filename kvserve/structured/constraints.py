@@ -28,16 +28,18 @@ def choice_lark(choices: list[str]) -> str:
 
 def closed_objects(schema):
     """A copy of a JSON schema where every object schema with `properties` and no
-    `additionalProperties` has `additionalProperties: false` (not inside allOf, where each branch
-    lists only part of the keys)."""
+    `additionalProperties` has `additionalProperties: false`; not inside allOf (each branch lists
+    only part of the keys), nor where `required` names a key `properties` does not list."""
     if isinstance(schema, list):
         return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {k: (v if k in ("allOf", "const", "enum", "default", "examples") else closed_objects(v))
            for k, v in schema.items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
-            and "patternProperties" not in out and "unevaluatedProperties" not in out:
+    props, required = out.get("properties"), out.get("required", [])
+    if isinstance(props, dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out and "unevaluatedProperties" not in out \
+            and isinstance(required, list) and all(name in props for name in required):
         out["additionalProperties"] = False
     return out
 

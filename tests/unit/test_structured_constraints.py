@@ -14,3 +14,5 @@ def test_objects_are_closed_unless_the_schema_says_otherwise():
     assert "additionalProperties" not in closed["allOf"][0]                    # a branch lists only part
     assert closed["$defs"]["x"]["additionalProperties"] is False
     assert "additionalProperties" not in schema                                # the input is not changed
+    open_required = closed_objects({"type": "object", "required": ["x"], "properties": {"y": {}}})
+    assert "additionalProperties" not in open_required                          # x must stay possible
