@@ -39,10 +39,8 @@ def run_all(core, requests: dict[str, tuple[list[int], SamplingParams]]):
         for out in core.step():
             if out.finished:
                 final[out.request_id] = out
-    tokens = {rid: [] for rid in requests}
-    # outputs carry the whole token list of each sample at every emission
-    for rid, out in final.items():
-        tokens[rid] = out.outputs[0].token_ids if out.outputs else []
+    # the final output of each request carries every token of its samples
+    tokens = {rid: (out.outputs[0].token_ids if out.outputs else []) for rid, out in final.items()}
     return final, tokens
 
 
@@ -51,11 +49,11 @@ def test_a_model_step_that_raises_for_one_request_fails_only_that_one(llm, clean
     execute = core.runner.execute
     calls = []
 
-    def poisoned(sched):
+    def poisoned(sched, grammar=None):
         calls.append(len(sched.chunks))
         if any(c.request.request_id.startswith("poison") for c in sched.chunks):
             raise RuntimeError("injected fault")
-        return execute(sched)
+        return execute(sched, grammar)
 
     monkeypatch.setattr(core.runner, "execute", poisoned)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
