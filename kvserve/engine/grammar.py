@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +23,10 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputs
 
 @dataclass
 class GrammarBitmask:
-    """rows[seq_id] is the seq's row of `bitmask` (int32 words, bit j of word j // 32 set:
-    token j allowed)."""
+    """A step's grammar mask: rows[seq_id] is the seq's row (known at once); `wait()` returns the
+    bitmask (int32 words, bit j of word j // 32 set: token j allowed) once it is filled."""
     rows: dict[str, int]
-    bitmask: np.ndarray
+    wait: Callable[[], np.ndarray]
 
 
 class GrammarManager:
@@ -71,10 +72,9 @@ class GrammarManager:
     def constrained(self, seq_id: str) -> bool:
         return seq_id in self._matchers
 
-    def start_bitmask(self, seq_ids: list[str]):
-        """Begin filling the bitmask rows of these sequences (those with a matcher) on the worker
-        thread; returns a callable that waits for the GrammarBitmask, or None when none is
-        constrained."""
+    def start_bitmask(self, seq_ids: list[str]) -> GrammarBitmask | None:
+        """Begin filling the bitmask rows of these sequences (those with a matcher): on the worker
+        thread when overlapping, else when waited for. None when none is constrained."""
         rows = {sid: i for i, sid in enumerate(s for s in seq_ids if s in self._matchers)}
         if not rows:
             return None
@@ -82,7 +82,7 @@ class GrammarManager:
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
         pairs = [(self._matchers[sid], row) for sid, row in rows.items()]
 
-        def fill() -> GrammarBitmask:
+        def fill() -> np.ndarray:
             import time
             t0 = time.perf_counter()
             if self.overlap:
@@ -92,9 +92,9 @@ class GrammarManager:
                     matcher.fill_bitmask(bitmask, row)
             self.mask_seconds += time.perf_counter() - t0
             self.masks_filled += len(pairs)
-            return GrammarBitmask(rows, bitmask)
+            return bitmask
 
-        return self._worker.submit(fill).result if self.overlap else fill
+        return GrammarBitmask(rows, self._worker.submit(fill).result if self.overlap else fill)
 
     def accept(self, seq_id: str, token_id: int) -> tuple[bool, str | None]:
         """Advance a sequence's matcher by its sampled token: (terminated, error). `terminated`:

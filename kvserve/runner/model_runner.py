@@ -145,9 +145,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar=None) -> StepOutput:
         """Run one step: the sampled token of every chunk with sample=True, and the prompt
-        logprobs of the chunks whose request asked for them. `grammar`: a callable returning the
-        step's grammar bitmask (`rows` by request id, `bitmask`), called once the logits are
-        ready (the engine fills it while the forward pass runs)."""
+        logprobs of the chunks whose request asked for them. `grammar`: the step's grammar mask
+        (`rows` by request id; `wait()` for the bitmask, which the engine may be filling while
+        the forward pass runs), applied to the constrained rows before sampling."""
         if out.copy_blocks:
             self._copy_blocks(out.copy_blocks)
         if not out.chunks:
@@ -167,13 +167,13 @@ class ModelRunner:
         sampling = [c for c in out.chunks if c.sample]
         if not sampling:
             return step
-        masks = grammar() if grammar is not None else None
-        constrained = [masks is not None and c.request.request_id in masks.rows for c in sampling]
+        constrained = [grammar is not None and c.request.request_id in grammar.rows for c in sampling]
         sample_logits = logits[:len(sample_idx)]
-        if any(constrained):
+        if any(constrained):      # waits for the mask only when this batch has a constrained row
+            bitmask = grammar.wait()
             apply_token_bitmask(sample_logits, [j for j, on in enumerate(constrained) if on],
-                                masks.bitmask[[masks.rows[c.request.request_id] for c, on in zip(sampling, constrained)
-                                               if on]])
+                                bitmask[[grammar.rows[c.request.request_id] for c, on in zip(sampling, constrained)
+                                         if on]])
         rows = [SamplingRow(params=c.request.sampling_params,
                             prompt_token_ids=c.request.prompt_token_ids,
                             output_token_ids=c.request.output_token_ids,
