@@ -24,6 +24,7 @@ Why a thread and not a separate process: see docs/server.md ("Engine thread or p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -48,6 +49,13 @@ class EngineClosedError(RuntimeError):
     """The engine is draining for shutdown and admits no new request."""
 
 
+class QueueReservation:
+    """Places of the waiting queue held for a request being prepared (AsyncEngine.reserve)."""
+
+    def __init__(self, num_sequences: int):
+        self.left = num_sequences
+
+
 class AsyncEngine:
     def __init__(self, core, metrics: EngineMetrics | None = None):
         self.core = core                               # touched only by the engine thread from now on
@@ -63,6 +71,7 @@ class AsyncEngine:
         self._commands: list[tuple] = []               # guarded by _cv
         self._closing = False                          # guarded by _cv
         self._queued_sequences = 0                     # guarded by _cv: sequences in "add" commands
+        self._reserved_sequences = 0                   # guarded by _cv: held by requests being prepared
         self._core_waiting = 0                         # written by the engine thread after each step
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,7 +93,8 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       reservation: QueueReservation | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until the one with finished=True.
 
         The first `__anext__` raises what admission raised (ValueError: can never fit;
@@ -97,11 +107,16 @@ class AsyncEngine:
             raise EngineClosedError("server is shutting down")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_queue(params.n)
+        if reservation is None:
+            self.check_queue(params.n)
         self._loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         with self._cv:
+            if reservation is not None:            # its places become queued ones
+                taken = min(params.n, reservation.left)
+                reservation.left -= taken
+                self._reserved_sequences -= taken
             self._queued_sequences += params.n
             self._commands.append(("add", request_id, list(prompt_token_ids), params, priority, cache_salt,
                                    time.monotonic()))
@@ -132,14 +147,34 @@ class AsyncEngine:
     def check_queue(self, num_sequences: int) -> None:
         """QueueFullError now when `num_sequences` more would overflow the waiting queue as last
         seen (the core's own check stays the authority); ValueError if they never could."""
+        with self._cv:
+            self.check_queue_locked(num_sequences)
+
+    def check_queue_locked(self, num_sequences: int) -> None:
+        """check_queue with _cv held."""
         if num_sequences > self.max_waiting:
             raise ValueError(f"{num_sequences} sequences can never fit the waiting queue "
                              f"(max_waiting={self.max_waiting}, --max-waiting)")
-        with self._cv:
-            waiting = self._core_waiting + self._queued_sequences
+        waiting = self._core_waiting + self._queued_sequences + self._reserved_sequences
         if waiting + num_sequences > self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting (max_waiting={self.max_waiting}): "
                                  "retry later")
+
+    @contextlib.contextmanager
+    def reserve(self, num_sequences: int):
+        """check_queue, then hold `num_sequences` places of the waiting queue until the block ends
+        (the server tokenizes the request inside it, then passes the QueueReservation to
+        `generate`, which takes its places without counting them twice)."""
+        with self._cv:
+            self.check_queue_locked(num_sequences)
+            self._reserved_sequences += num_sequences
+        reservation = QueueReservation(num_sequences)
+        try:
+            yield reservation
+        finally:
+            with self._cv:
+                self._reserved_sequences -= reservation.left
+                reservation.left = 0
 
     def check_health(self) -> None:
         """Raise EngineDeadError when the engine thread is not running."""

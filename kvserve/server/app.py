@@ -13,7 +13,7 @@ from kvserve import __version__
 from kvserve.config import parse_size
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_error_handlers
-from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, early_rejection
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, chat_messages)
 from kvserve.server.serving import ServerState, admission_error, check_request, off_loop, with_cancellation
@@ -37,6 +37,8 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
                        metrics_public=getattr(args, "metrics_public", False),
                        body_timeout=getattr(args, "body_timeout", None),
                        overloaded=lambda: admission_error(state))
+    # the same answer, given by the HTTP protocol before any ASGI work (connections.py)
+    app.state.early_rejection = early_rejection(api_key, lambda: admission_error(state))
 
     @app.post("/v1/completions")
     @with_cancellation

@@ -24,6 +24,7 @@ import os
 import resource
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -51,6 +52,9 @@ OUT_OF_RESOURCES = OUT_OF_FDS + (errno.ENOBUFS, errno.ENOMEM)
 class ConnectionLimits:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     max_connections: int = MAX_CONNECTIONS_CEILING
+    # headers of a generation request -> the raw response it gets anyway (429 queue full, 503
+    # draining), or None; answered by the httptools protocol before any ASGI work
+    early_reject: Callable[[list[tuple[bytes, bytes]]], bytes | None] | None = None
 
 
 class RateLimitedLog:
@@ -179,12 +183,59 @@ class ConnectionLimitsMixin:
             self.transport.close()
 
 
+GENERATION_PATHS = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+
+
+class EarlyRejectMixin:
+    """For uvicorn's httptools protocol: a generation request that `limits.early_reject` says
+    can only get a 429 or 503 now is answered from the parser's headers callback, before any
+    ASGI work (no request cycle, no task, no middleware): a burst of them costs the event loop
+    little. Only when no other request is in flight on the connection (pipelined responses must
+    keep their order) and the client does not wait for `100 Continue`; its body is read and
+    dropped, and the connection stays open unless the client asked to close it."""
+
+    def on_message_begin(self) -> None:
+        self.rejecting = False
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        response = self.early_response()
+        if response is None:
+            return super().on_headers_complete()
+        self.rejecting = True
+        self.transport.write(response)
+
+    def early_response(self) -> bytes | None:
+        reject = self.limits.early_reject
+        if (reject is None or self.parser.get_method() != b"POST" or self.expect_100_continue
+                or self.url.split(b"?", 1)[0] not in GENERATION_PATHS or self.pipeline
+                or (self.cycle is not None and not self.cycle.response_complete)):
+            return None
+        return reject(self.headers)
+
+    def on_body(self, body: bytes) -> None:
+        if not getattr(self, "rejecting", False):
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not getattr(self, "rejecting", False):
+            return super().on_message_complete()
+        self.rejecting = False
+        if not self.parser.should_keep_alive():
+            self.transport.close()
+            return
+        self.on_response_complete()
+
+
 def protocol_class(limits: ConnectionLimits, use_httptools: bool = True) -> type:
     """uvicorn's HTTP protocol (httptools when installed and `use_httptools`, else h11) with
-    ConnectionLimitsMixin bound to `limits`, for `uvicorn.Config(http=...)`."""
-    base = HttpToolsProtocol if use_httptools and HttpToolsProtocol is not None else H11Protocol
-    return type(f"Limited{base.__name__}", (ConnectionLimitsMixin, base),
-                {"limits": limits, "warnings": RateLimitedLog()})
+    ConnectionLimitsMixin (and, on httptools, EarlyRejectMixin) bound to `limits`, for
+    `uvicorn.Config(http=...)`."""
+    if use_httptools and HttpToolsProtocol is not None:
+        bases = (ConnectionLimitsMixin, EarlyRejectMixin, HttpToolsProtocol)
+    else:
+        bases = (ConnectionLimitsMixin, H11Protocol)
+    return type(f"Limited{bases[-1].__name__}", bases, {"limits": limits, "warnings": RateLimitedLog()})
 
 
 class AcceptErrorHandler:

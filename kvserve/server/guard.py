@@ -120,3 +120,29 @@ async def _send_error(send, err, close: bool = False) -> None:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def raw_error_response(err: APIError) -> bytes:
+    """The whole HTTP/1.1 response for `err`, as bytes (for answering below ASGI)."""
+    body = json.dumps(err.body()).encode()
+    reason = {429: "Too Many Requests", 503: "Service Unavailable"}.get(err.status, "Error")
+    head = [f"HTTP/1.1 {err.status} {reason}", "content-type: application/json", f"content-length: {len(body)}"]
+    head += [f"{k.lower()}: {v}" for k, v in (err.headers or {}).items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def early_rejection(api_key: str | None, overloaded: Callable[[], APIError | None]):
+    """For the HTTP protocol (connections.py): given a generation request's headers, the raw 429
+    or 503 it gets whatever its body holds, or None to let it through the app as usual (a wrong
+    or missing API key goes on to get its 401 there)."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def reject(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        if expected is not None:
+            auth = next((v for k, v in headers if k == b"authorization"), b"")
+            if not secrets.compare_digest(auth, expected):
+                return None
+        error = overloaded()
+        return None if error is None else raw_error_response(error)
+
+    return reject

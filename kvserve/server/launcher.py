@@ -176,7 +176,8 @@ def main(argv: list[str]) -> int:
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=not args.no_access_log,
                                timeout_graceful_shutdown=max(5, int(args.shutdown_timeout) + 5),
-                               http=protocol_class(ConnectionLimits(args.header_timeout, args.max_connections)),
+                               http=protocol_class(ConnectionLimits(args.header_timeout, args.max_connections,
+                                                                    app.state.early_rejection)),
                                timeout_keep_alive=args.keep_alive_timeout)
     server = Server(uv_config, engine, args.shutdown_timeout,
                     banner(core, args.host, args.port, name, args.api_key))

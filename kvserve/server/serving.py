@@ -3,6 +3,7 @@ merging the streams of a multi-prompt request, per-choice accumulation, usage, l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -74,15 +75,23 @@ def admission_error(state: ServerState) -> APIError | None:
     return None
 
 
-def check_capacity(state: ServerState, num_sequences: int, param: str) -> None:
-    """Before any tokenization: 400 when the request's sequences (prompts x n) can never fit
-    the waiting queue, 429 at once when the queue is full now."""
+@contextlib.contextmanager
+def reserve_capacity(state: ServerState, num_sequences: int, param: str):
+    """Before any tokenization: 400 when the request's sequences (prompts x n) can never fit the
+    waiting queue, 429 at once when the queue is full now; else hold their places in the queue
+    while the request is tokenized and submitted, so that a burst is refused from its first
+    request past the limit (not after all of them have been tokenized)."""
+    reservation = state.engine.reserve(num_sequences)
     try:
-        state.engine.check_queue(num_sequences)
+        held = reservation.__enter__()
     except ValueError as e:
         raise BadRequest(f"{e}: send fewer prompts or a smaller n", param) from None
     except QueueFullError as e:
         raise api_error(e) from None
+    try:
+        yield held
+    finally:
+        reservation.__exit__(None, None, None)
 
 
 async def compile_constraint(state: ServerState, req, params: SamplingParams) -> None:
@@ -127,11 +136,12 @@ Stream = tuple[RequestOutput, AsyncIterator[RequestOutput]]
 
 async def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
                        request_id: str, priority: int, cache_salt: str | None,
-                       names: dict[str, str] | None = None) -> list[Stream]:
+                       names: dict[str, str] | None = None, reservation=None) -> list[Stream]:
     """Submit every prompt and wait for each one's first output, so that admission errors
     (400 can-never-fit, 429 queue full, 503 shutting down) come back as the HTTP status."""
     gens = [engine.generate(ids, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                            priority=priority, cache_salt=cache_salt) for i, ids in enumerate(prompts)]
+                            priority=priority, cache_salt=cache_salt, reservation=reservation)
+            for i, ids in enumerate(prompts)]
     try:
         firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
     except BaseException:

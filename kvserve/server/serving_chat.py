@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvserve.server.errors import BadRequest
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.structured.tools import ToolCallStreamParser, parse_tool_calls
-from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, chat_logprobs, check_capacity,
-                                    check_context, check_output, check_request, compile_constraint,
-                                    merge, off_loop, open_streams, sse_stream, usage)
+from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, chat_logprobs, check_context,
+                                    check_output, check_request, compile_constraint, merge, off_loop,
+                                    open_streams, reserve_capacity, sse_stream, usage)
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -29,14 +29,14 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
     req.check()
     params = req.to_sampling_params()
     engine = state.engine
-    check_capacity(state, params.n, "n")
-    await compile_constraint(state, req, params)
-    prompt_ids = await off_loop(render_chat, engine.tokenizer, req.chat_messages())
-    check_context(len(prompt_ids), params.max_tokens, engine.max_model_len, "messages")
+    with reserve_capacity(state, params.n, "n") as held:
+        await compile_constraint(state, req, params)
+        prompt_ids = await off_loop(render_chat, engine.tokenizer, req.chat_messages())
+        check_context(len(prompt_ids), params.max_tokens, engine.max_model_len, "messages")
 
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await open_streams(engine, [prompt_ids], params, request_id, req.priority, req.cache_salt,
-                                 names={"prompt": "messages"})
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await open_streams(engine, [prompt_ids], params, request_id, req.priority, req.cache_salt,
+                                     names={"prompt": "messages"}, reservation=held)
     choices = [Choice(i) for i in range(params.n)]
     cached = [0]
     num_top = req.top_logprobs or 0

@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.server.errors import BadRequest
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, check_capacity, check_context,
-                                    check_output, check_request, compile_constraint,
-                                    completion_logprobs, echo_logprobs, join_logprobs, merge, off_loop,
-                                    open_streams, prompt_logprobs_json, sse_stream, usage)
+from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, check_context, check_output,
+                                    check_request, compile_constraint, completion_logprobs,
+                                    echo_logprobs, join_logprobs, merge, off_loop, open_streams,
+                                    prompt_logprobs_json, reserve_capacity, sse_stream, usage)
 
 
 async def create_completion(req: CompletionRequest, state: ServerState):
@@ -22,25 +22,26 @@ async def create_completion(req: CompletionRequest, state: ServerState):
     engine = state.engine
     tok = engine.tokenizer
     prompts = req.prompts()
-    check_capacity(state, len(prompts) * params.n, "n" if len(prompts) == 1 else "prompt")
-    await compile_constraint(state, req, params)
-    texts = [p for p in prompts if isinstance(p, str)]
-    encoded = iter(await off_loop(lambda: [tok.encode(t, add_special_tokens=True) for t in texts]))
-    prompt_ids: list[list[int]] = []
-    echo_texts: list[str] = []
-    for p in prompts:
-        ids = next(encoded) if isinstance(p, str) else list(p)
-        if not ids:
-            raise BadRequest("the prompt is empty after tokenization", "prompt")
-        check_context(len(ids), params.max_tokens, engine.max_model_len, "prompt")
-        prompt_ids.append(ids)
-        if req.echo:
-            echo_texts.append(p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False))
-        else:
-            echo_texts.append("")
+    with reserve_capacity(state, len(prompts) * params.n, "n" if len(prompts) == 1 else "prompt") as held:
+        await compile_constraint(state, req, params)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await off_loop(lambda: [tok.encode(t, add_special_tokens=True) for t in texts]))
+        prompt_ids: list[list[int]] = []
+        echo_texts: list[str] = []
+        for p in prompts:
+            ids = next(encoded) if isinstance(p, str) else list(p)
+            if not ids:
+                raise BadRequest("the prompt is empty after tokenization", "prompt")
+            check_context(len(ids), params.max_tokens, engine.max_model_len, "prompt")
+            prompt_ids.append(ids)
+            if req.echo:
+                echo_texts.append(p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False))
+            else:
+                echo_texts.append("")
 
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await open_streams(engine, prompt_ids, params, request_id, req.priority, req.cache_salt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await open_streams(engine, prompt_ids, params, request_id, req.priority, req.cache_salt,
+                                     reservation=held)
     n = params.n
     choices = [Choice(i) for i in range(len(prompt_ids) * n)]
     cached = [0] * len(prompt_ids)

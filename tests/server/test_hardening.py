@@ -274,3 +274,23 @@ def test_after_fuzzing_the_server_is_healthy_and_idle(srv, http, bystander):
     assert len(bystander.answers) >= 3
     # the fuzz reached the engine, not only the validators
     assert FUZZ_STATUSES[200] >= 100 and FUZZ_STATUSES[400] >= 100, dict(FUZZ_STATUSES)
+
+
+def test_a_burst_past_the_queue_gets_200s_and_429s_and_gives_every_place_back(srv):
+    """40 requests at once against 8 running + 16 waiting places: each answered 200 or 429 (with
+    Retry-After), never a 5xx; afterwards the whole queue is free again (no place stays reserved)."""
+    import asyncio
+
+    async def burst():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=srv, headers=AUTH, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(c.post(CMPL, json={"prompt": f"Story {i}:", "max_tokens": 8})
+                                          for i in range(40)))
+
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= 8, statuses
+    assert all(r.headers.get("retry-after") for r in responses if r.status_code == 429)
+    with httpx.Client(base_url=srv, headers=AUTH, timeout=120) as c:
+        r = c.post(CMPL, json={"prompt": ["x"] * MAX_WAITING, "max_tokens": 1})   # needs every place
+    assert r.status_code == 200, r.text
