@@ -64,6 +64,7 @@ class AsyncEngine:
         self.max_model_len: int = core.max_model_len
         self.metrics = metrics or EngineMetrics(core.model_name)
         self.metrics.record_stats(core.stats())
+        core.grammar.warm_up()
         self.max_waiting: int = core.config.scheduler.max_waiting
         self.accepting = True
         self.restarts = 0

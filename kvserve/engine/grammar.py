@@ -41,12 +41,17 @@ class GrammarManager:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
         self.mask_seconds = 0.0                   # time spent filling masks (for kvserve bench)
         self.masks_filled = 0
-        self._worker.submit(lambda: self.compiler)   # the tokenizer bridge, built in the background
+
+    def warm_up(self) -> None:
+        """Build the compiler (the tokenizer bridge) in the background now, so the first
+        constrained request does not wait for it (the server does this at start; the offline
+        API builds it on first use)."""
+        self._worker.submit(lambda: self.compiler)
 
     @property
     def compiler(self):
-        """Built once, in the background from construction (the tokenizer bridge reads the whole
-        vocabulary: most of a second), so the first constrained request rarely waits for it."""
+        """Built once, on first use or by warm_up() (the tokenizer bridge reads the whole
+        vocabulary: most of a second, and about 60 MB)."""
         with self._compiler_lock:
             if self._compiler is None:
                 from kvserve.structured import BatchMaskFiller, GrammarCompiler
