@@ -31,9 +31,13 @@ def model_path(arg: str | None) -> str:
     return arg if arg else default_model_path()
 
 
+STANDARD_WORKLOADS = Path(__file__).parent / "data" / "w1-w2.json"   # token ids of the default model
+
+
 def workloads_path(arg: str | None = None) -> Path:
-    """The standard W1/W2 workloads: --dataset-path, else <repo>/../shared/bench/w1-w2.json."""
-    p = Path(arg) if arg else REPO_ROOT.parent / "shared" / "bench" / "w1-w2.json"
+    """The standard W1/W2 workloads: --dataset-path, else the copy shipped in the package
+    (kvserve/bench/data/w1-w2.json)."""
+    p = Path(arg) if arg else STANDARD_WORKLOADS
     if not p.is_file():
         raise SystemExit(f"standard workloads not found at {p}: pass --dataset-path PATH/w1-w2.json")
     return p

@@ -1,7 +1,7 @@
 """Benchmark workloads as token ids, so that kvserve and every peer get identical input.
 
 random   uniform prompt / output lengths over random token ids (seeded)
-w1, w2   the project's standard workloads (../shared/bench/w1-w2.json)
+w1, w2   the project's standard workloads (kvserve/bench/data/w1-w2.json)
 sharegpt conversations from a ShareGPT JSON file (first human turn -> first reply's length)
 prefix   groups of requests sharing a long system prompt, each with its own question
 multiturn conversations of several turns, each with its own system prompt; round t sends
@@ -160,7 +160,7 @@ def add_dataset_args(p, default_num: int = 64, multiturn: bool = False) -> None:
     g.add_argument("--dataset", default="w2", choices=DATASETS + ((MULTITURN,) if multiturn else ()),
                    help="workload (default: %(default)s)")
     g.add_argument("--dataset-path", default=None,
-                   help="w1-w2.json for w1/w2/prefix (default: <repo>/../shared/bench/w1-w2.json); "
+                   help="w1-w2.json for w1/w2/prefix (default: the copy in the package, kvserve/bench/data/w1-w2.json); "
                         "the ShareGPT JSON file for sharegpt")
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests (default: all of w2, 32 for prefix, {default_num} otherwise)"

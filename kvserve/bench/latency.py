@@ -30,7 +30,7 @@ def add_args(p) -> None:
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens P (default: %(default)s)")
     g.add_argument("--output-len", type=int, default=128, help="output tokens O (default: %(default)s)")
     g.add_argument("--workload", choices=["w1"], default=None, help="the standard W1 request instead of P/O")
-    g.add_argument("--dataset-path", default=None, help="w1-w2.json (default: <repo>/../shared/bench/w1-w2.json)")
+    g.add_argument("--dataset-path", default=None, help="w1-w2.json (default: the copy in the package, kvserve/bench/data/w1-w2.json)")
     g.add_argument("--repeat", type=int, default=3, help="timed repeats (default: %(default)s)")
     g.add_argument("--base-url", default=None, help="measure kvserve through this running server instead")
     g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),

@@ -716,7 +716,7 @@ def body_limit(args) -> int:
 
 
 def soak_context(args, base_url: str) -> SoakContext:
-    """Prompts: windows of the W2 text (when ../shared/bench is there) and random token ids, 16-48 tokens."""
+    """Prompts: windows of the W2 text (the standard workloads) and random token ids, 16-48 tokens."""
     from kvserve.bench.datasets import gguf_vocab_size, random_requests, text_stream
     from kvserve.bench.loadgen import served_model
     from kvserve.bench.tokenize import decoder
@@ -728,7 +728,7 @@ def soak_context(args, base_url: str) -> SoakContext:
         stream = text_stream()
         starts = [(rng.randrange(len(stream) - 48), rng.randint(16, 48)) for _ in range(64)]
         prompt_ids = [stream[s:s + n] for s, n in starts]
-    except SystemExit:   # no standard workloads beside the repository
+    except SystemExit:   # the standard workloads file is missing (a broken install)
         prompt_ids = random_ids
     decode = decoder(gguf)
     return SoakContext(args.model_name or served_model(base_url, args.api_key), vocab, prompt_ids,

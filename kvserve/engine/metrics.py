@@ -6,8 +6,10 @@ several engines in one process do not collide). The engine thread records; /metr
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+disable_created_metrics()   # no `*_created` series: dashboards do not read them (as vLLM)
 
 from kvserve.outputs import RequestMetrics
 

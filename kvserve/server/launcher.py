@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
@@ -150,6 +151,19 @@ def serving_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def bind_error(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on (in use, no such address), or None: checked before
+    the model loads, so a taken port fails in a second, not after the load."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+            s.bind(addr)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -162,6 +176,11 @@ def main(argv: list[str]) -> int:
         config = engine_config_from_args(args)
     except ValueError as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
+        return 2
+    problem = bind_error(args.host, args.port)
+    if problem is not None:
+        print(f"kvserve serve: cannot listen on {args.host}:{args.port}: {problem} "
+              "(choose another --port, or stop what is using it)", file=sys.stderr)
         return 2
 
     from kvserve.engine.async_engine import AsyncEngine

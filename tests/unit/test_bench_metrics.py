@@ -110,10 +110,7 @@ def test_parse_range_and_random_workload_is_seeded():
 
 
 def test_prefix_workload_shares_one_prompt_per_group():
-    from kvserve.bench import common
     from kvserve.bench.datasets import prefix_requests
-    if not (common.REPO_ROOT.parent / "shared" / "bench" / "w1-w2.json").is_file():
-        pytest.skip("standard workloads (../shared/bench/w1-w2.json) not present")
     reqs = prefix_requests(8, groups=2, prefix_len=100, question_len=10, output_len=5, seed=0)
     assert [len(r.prompt_ids) for r in reqs] == [110] * 8 and {r.max_tokens for r in reqs} == {5}
     assert reqs[0].prompt_ids[:100] == reqs[2].prompt_ids[:100] != reqs[1].prompt_ids[:100]
@@ -131,3 +128,15 @@ def test_report_page_shows_ratios(tmp_path):
     page = build_page([(tmp_path / "throughput-w2.json", res)], tmp_path)
     assert "`kvserve bench throughput --peer hf`" in page and "test cpu, 2 cores" in page
     assert "| hf transformers, fp32 | 20.0 |" in page and "2.00x" in page
+
+
+def test_the_standard_workloads_ship_in_the_package():
+    """A fresh clone (or a wheel) runs `kvserve bench` on W1/W2 without ../shared."""
+    import json
+
+    from kvserve.bench import common
+    path = common.workloads_path()
+    assert common.REPO_ROOT / "kvserve" in path.parents or "site-packages" in str(path)
+    data = json.loads(path.read_text())
+    assert {"w1", "w2"} <= set(data)
+

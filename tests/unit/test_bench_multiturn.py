@@ -44,10 +44,7 @@ def test_system_prompts_are_distinct_even_on_a_repetitive_stream():
 
 
 def test_conversations_from_the_real_text():
-    from kvserve.bench import common
     from kvserve.bench.datasets import text_stream
-    if not (common.REPO_ROOT.parent / "shared" / "bench" / "w1-w2.json").is_file():
-        pytest.skip("standard workloads (../shared/bench/w1-w2.json) not present")
     convs = multiturn_conversations(16, turns=4, system_len=1000, question_len=50, seed=0)
     stream = set(text_stream())
     assert len({tuple(c.system_ids) for c in convs}) == 16
