@@ -75,10 +75,14 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+QUIT_COMMANDS = ("/exit", "/quit")
+
+
 def cmd_chat(argv: list[str]) -> int:
     from kvserve.config import add_engine_args
     p = argparse.ArgumentParser(prog="kvserve chat", description="Chat with the model in the terminal "
-                                "(empty line or Ctrl-D quits, /reset clears the history).")
+                                "(an empty line, /exit, /quit or Ctrl-D quits; /reset clears the history; "
+                                "Ctrl-C stops a reply).")
     p.add_argument("--system", default=None, help="system prompt (default: none)")
     _sampling_args(p, max_tokens=256)
     add_engine_args(p)
@@ -92,25 +96,41 @@ def cmd_chat(argv: list[str]) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
-        if not line:
+        if not line or line in QUIT_COMMANDS:
             return 0
         if line == "/reset":
             history = history[:1] if args.system else []
             continue
         history.append({"role": "user", "content": line})
         sys.stdout.write("bot> ")
-        reply = []
         try:
-            for delta in llm.stream({"prompt_token_ids": llm.chat_prompt(history)}, params):
-                reply.append(delta)
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+            reply, note = _stream_reply(llm, history, params)
         except ValueError as e:
             print(f"\n[error: {e}]")
             history.pop()
             continue
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        print(f" [{note}]" if note else "")
+        history.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(llm, history: list[dict], params) -> tuple[str, str | None]:
+    """Print the reply as it comes; (its text, a note for the user: stopped by Ctrl-C, or cut at
+    --max-tokens). Ctrl-C aborts the request and keeps what was shown."""
+    chunks: list[str] = []
+    deltas = llm.stream({"prompt_token_ids": llm.chat_prompt(history)}, params)
+    try:
+        while True:
+            try:
+                delta = next(deltas)
+            except StopIteration as done:
+                note = f"cut at --max-tokens {params.max_tokens}" if done.value == "length" else None
+                return "".join(chunks), note
+            chunks.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        deltas.close()          # aborts the request in the engine
+        return "".join(chunks), "stopped"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,11 +84,12 @@ class LLM:
                              sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: PromptLike, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one request as they are generated (n must be 1)."""
+        """Yield text deltas of one request as they are generated (n must be 1); the generator's
+        return value (StopIteration.value) is the finish reason. Closing it early aborts the request."""
         ids, _ = self._token_ids(prompt)
         rid = str(next(self._ids))
         self.engine.add_request(rid, ids, sampling_params or SamplingParams())
-        done = False
+        done, reason = False, None
         try:
             while not done:
                 for out in self.engine.step():
@@ -97,7 +98,9 @@ class LLM:
                     for o in out.outputs:
                         if o.delta_text:
                             yield o.delta_text
+                        reason = o.finish_reason or reason
                     done = out.finished
+            return reason
         finally:
             if not done:
                 self.engine.abort_request(rid)
