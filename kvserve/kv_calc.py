@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from kvserve.config import DTYPE_BYTES, KVShape, parse_size
+from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, KVShape, canonical_dtype, parse_size
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -44,7 +44,8 @@ class KVArch:
     weight_bytes: int | None = None           # as stored (GGUF: the packed tensors)
 
     def kv_shape(self, dtype: str) -> KVShape:
-        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes(dtype))
+        """As the engine sizes its cache: int8 rows carry a float32 scale each."""
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes(dtype), scale_bytes(dtype))
 
     def is_sliding(self, layer: int) -> bool:
         if not self.sliding_window:
@@ -64,6 +65,17 @@ PRESETS = {
 }
 
 
+def scale_bytes(dtype: str) -> int:
+    """Bytes of scale per (token, KV head) row of this KV dtype (int8: a float32 scale)."""
+    dtype_bytes(dtype)   # the unknown-dtype error
+    return KV_SCALE_BYTES.get(canonical_dtype(dtype, tuple(KV_SCALE_BYTES) + ("float32", "bfloat16", "float16")), 0)
+
+
+def layer_token_bytes(arch: KVArch, dtype: str) -> int:
+    """K and V of one token in one layer, scales included."""
+    return 2 * arch.num_kv_heads * (arch.head_dim * dtype_bytes(dtype) + scale_bytes(dtype))
+
+
 def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype.lower()]
@@ -78,7 +90,7 @@ def kv_bytes_per_token(arch: KVArch, dtype: str) -> int:
 
 def kv_bytes_per_sequence(arch: KVArch, dtype: str, seq_len: int) -> int:
     """KV of one sequence of seq_len tokens; sliding-window layers keep only the window."""
-    per_layer_token = 2 * arch.num_kv_heads * arch.head_dim * dtype_bytes(dtype)
+    per_layer_token = layer_token_bytes(arch, dtype)
     tokens = sum(min(seq_len, arch.sliding_window) if arch.is_sliding(i) else seq_len
                  for i in range(arch.num_layers))
     return per_layer_token * tokens
@@ -123,7 +135,7 @@ def length_distribution(mean: int, kind: str = "fixed", cap: int | None = None) 
 
 def paged_bytes_per_sequence(arch: KVArch, dtype: str, seq_len: int, block_size: int = 16) -> int:
     """KV of one sequence held in whole blocks: ceil(tokens / block_size) blocks per layer."""
-    per_layer_block = 2 * arch.num_kv_heads * arch.head_dim * dtype_bytes(dtype) * block_size
+    per_layer_block = layer_token_bytes(arch, dtype) * block_size
     tokens = [min(seq_len, arch.sliding_window) if arch.is_sliding(i) else seq_len
               for i in range(arch.num_layers)]
     return per_layer_block * sum(math.ceil(t / block_size) for t in tokens)
@@ -257,7 +269,7 @@ def _size(n: float) -> str:
 
 def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
                   mean_prompt_len: int, mean_output_len: int, block_size: int = 16,
-                  distribution: str = "fixed") -> str:
+                  distribution: str = "fixed", weight_dtype: str = "float32") -> str:
     """The calculator's report, as the CLI prints it."""
     per_token = kv_bytes_per_token(arch, dtype)
     per_seq = kv_bytes_per_sequence(arch, dtype, context_len)
@@ -266,7 +278,7 @@ def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
     mean_len = sum(n * q for n, q in lengths.items())
     static = max_seqs_static(arch, dtype, memory, context_len)
     paged = max_seqs_paged(arch, dtype, memory, lengths, block_size)
-    weights = weight_bytes(arch, dtype)
+    weights = weight_bytes(arch, weight_dtype)
     window = "none"
     if arch.sliding_window:
         n_sliding = sum(arch.is_sliding(i) for i in range(arch.num_layers))
@@ -280,7 +292,8 @@ def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
         f"weights          {_size(weights) if weights is not None else 'unknown'}"
         + (f", {arch.num_params / 1e6:,.1f}M parameters" if arch.num_params else ""),
         f"KV per token     {per_token:,} bytes (2 x {arch.num_layers} x {arch.num_kv_heads} x "
-        f"{arch.head_dim} x {dtype_bytes(dtype)})",
+        f"({arch.head_dim} x {dtype_bytes(dtype)}" + (f" + {scale_bytes(dtype)} scale bytes" if scale_bytes(dtype) else "")
+        + "))",
         f"KV per sequence  {_size(per_seq)} at {context_len} tokens",
         f"KV budget        {_size(memory)}",
         f"static           {static:,} sequences (each reserves {context_len} tokens)",
@@ -297,22 +310,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None,
                     help=f"GGUF file, Hugging Face directory or config.json, or a preset "
                          f"({', '.join(PRESETS)}); default: the bundled SmolLM2-135M GGUF")
-    ap.add_argument("--dtype", default="float32", help="KV cache dtype (default float32)")
+    ap.add_argument("--dtype", default="float32",
+                    help="KV cache dtype: float32, bfloat16, float16 or int8 (default float32)")
+    ap.add_argument("--weight-dtype", default="float32",
+                    help="dtype of the weights line when the file does not say how they are stored "
+                         "(a GGUF file does; default float32)")
     ap.add_argument("--context-len", type=int, default=None,
                     help="max sequence length L (default: the model's context length)")
     ap.add_argument("--memory", default="24GiB", help="KV cache budget, e.g. 24GiB (default)")
-    ap.add_argument("--mean-prompt-len", type=int, default=512)
-    ap.add_argument("--mean-output-len", type=int, default=256)
+    ap.add_argument("--mean-prompt-len", type=int, default=512,
+                    help="prompt tokens per request, for the paged estimate (default %(default)s)")
+    ap.add_argument("--mean-output-len", type=int, default=256,
+                    help="mean output tokens per request, for the paged estimate (default %(default)s)")
     ap.add_argument("--distribution", default="fixed", choices=["fixed", "uniform", "geometric"],
-                    help="output length distribution around its mean")
-    ap.add_argument("--block-size", type=int, default=16)
+                    help="output length distribution around its mean (default %(default)s)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     args = ap.parse_args(argv)
     try:
         arch = load_arch(args.model)
         context_len = args.context_len or arch.context_length or 4096
         prompt_len = min(args.mean_prompt_len, context_len - 1)
         print(format_report(arch, args.dtype, context_len, parse_size(args.memory), prompt_len,
-                            args.mean_output_len, args.block_size, args.distribution))
+                            args.mean_output_len, args.block_size, args.distribution, args.weight_dtype))
     except (ValueError, OSError) as e:
         print(f"kv-calc: {e}")
         return 2

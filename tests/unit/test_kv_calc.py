@@ -102,3 +102,17 @@ def test_report_and_cli(capsys):
     assert "1.07 GB" in out and "static           24 sequences" in out
     assert kv_calc.main(["--model", "no-such-model"]) == 2
     assert kv_calc.main(["--model", "llama-7b", "--dtype", "fp7"]) == 2
+
+
+def test_int8_kv_counts_its_scales_as_the_engine_does():
+    """The engine's int8 cache keeps a float32 scale per (token, KV head) row: 12,240 bytes per
+    token for SmolLM2-135M, not 11,520; and the KV dtype never changes the weights line."""
+    from kvserve.config import KV_SCALE_BYTES, KVShape
+    from kvserve.kv_calc import PRESETS, format_report, kv_bytes_per_token, paged_bytes_per_sequence
+    arch = PRESETS["smollm2-135m"]
+    engine = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, 1, KV_SCALE_BYTES["int8"])
+    assert kv_bytes_per_token(arch, "int8") == engine.bytes_per_token == 12_240
+    assert paged_bytes_per_sequence(arch, "int8", 16) == 16 * 12_240
+    weights = {line for d in ("float32", "int8")
+               for line in format_report(arch, d, 4096, 2**30, 512, 256).splitlines() if line.startswith("weights")}
+    assert len(weights) == 1
