@@ -24,8 +24,11 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
-    g.add_argument("--min-p", type=float, default=0.0, help="(default: %(default)s)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than min-p times the most likely one; 0 = off (default: %(default)s)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already in the prompt or output by this "
+                        "(negative ones: multiply); 1 = off, 1.1-1.3 curbs loops (default: %(default)s)")
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed (default: none)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")

@@ -42,6 +42,7 @@ class KVArch:
     sliding_layers: list[int] | None = None   # layers using the window; None: all (when a window is set)
     num_params: int | None = None
     weight_bytes: int | None = None           # as stored (GGUF: the packed tensors)
+    weight_dtype: str | None = None           # config.json's torch_dtype (dtype), when it says
 
     def kv_shape(self, dtype: str) -> KVShape:
         """As the engine sizes its cache: int8 rows carry a float32 scale each."""
@@ -215,7 +216,13 @@ def from_hf_config(config: dict, name: str = "hf-model") -> KVArch:
         name=name, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_heads=heads,
         context_length=cfg.get("max_position_embeddings"), sliding_window=window or None,
         sliding_layers=sliding_layers, num_params=_estimate_params(cfg, head_dim, kv_heads),
+        weight_dtype=_config_dtype(config.get("torch_dtype") or config.get("dtype") or cfg.get("torch_dtype")),
     )
+
+
+def _config_dtype(value) -> str | None:
+    """A config.json dtype ("bfloat16", "float16", "float32") as kv-calc names it, else None."""
+    return value if isinstance(value, str) and value.lower() in DTYPE_BYTES else None
 
 
 def _estimate_params(cfg: dict, head_dim: int, kv_heads: int) -> int | None:
@@ -269,7 +276,7 @@ def _size(n: float) -> str:
 
 def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
                   mean_prompt_len: int, mean_output_len: int, block_size: int = 16,
-                  distribution: str = "fixed", weight_dtype: str = "float32") -> str:
+                  distribution: str = "fixed", weight_dtype: str | None = None) -> str:
     """The calculator's report, as the CLI prints it."""
     per_token = kv_bytes_per_token(arch, dtype)
     per_seq = kv_bytes_per_sequence(arch, dtype, context_len)
@@ -278,7 +285,7 @@ def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
     mean_len = sum(n * q for n, q in lengths.items())
     static = max_seqs_static(arch, dtype, memory, context_len)
     paged = max_seqs_paged(arch, dtype, memory, lengths, block_size)
-    weights = weight_bytes(arch, weight_dtype)
+    weights = weight_bytes(arch, weight_dtype or arch.weight_dtype or "float32")
     window = "none"
     if arch.sliding_window:
         n_sliding = sum(arch.is_sliding(i) for i in range(arch.num_layers))
@@ -312,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"({', '.join(PRESETS)}); default: the bundled SmolLM2-135M GGUF")
     ap.add_argument("--dtype", default="float32",
                     help="KV cache dtype: float32, bfloat16, float16 or int8 (default float32)")
-    ap.add_argument("--weight-dtype", default="float32",
+    ap.add_argument("--weight-dtype", default=None,
                     help="dtype of the weights line when the file does not say how they are stored "
-                         "(a GGUF file does; default float32)")
+                         "(a GGUF file does); default: config.json's torch_dtype, else float32")
     ap.add_argument("--context-len", type=int, default=None,
                     help="max sequence length L (default: the model's context length)")
     ap.add_argument("--memory", default="24GiB", help="KV cache budget, e.g. 24GiB (default)")

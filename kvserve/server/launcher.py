@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     add_connection_args(g)
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="(default: %(default)s)")
+                   help="server log verbosity (default: %(default)s)")
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request (default: log)")
     add_engine_args(p)
     return p

@@ -116,3 +116,14 @@ def test_int8_kv_counts_its_scales_as_the_engine_does():
     weights = {line for d in ("float32", "int8")
                for line in format_report(arch, d, 4096, 2**30, 512, 256).splitlines() if line.startswith("weights")}
     assert len(weights) == 1
+
+
+def test_config_torch_dtype_sizes_the_weights_line():
+    from kvserve.kv_calc import format_report, from_hf_config
+    cfg = {"num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 4, "num_key_value_heads": 2,
+           "vocab_size": 1000, "intermediate_size": 1024, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+    arch = from_hf_config(cfg)
+    assert arch.weight_dtype == "bfloat16"
+    line = next(ln for ln in format_report(arch, "float32", 2048, 2**30, 256, 64).splitlines()
+                if ln.startswith("weights"))
+    assert f"{arch.num_params * 2:,} bytes" in line
