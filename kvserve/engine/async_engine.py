@@ -249,6 +249,8 @@ class AsyncEngine:
                 return
             if core.has_unfinished_requests():
                 self._deliver(core.step())
+                if core.last_step_tokens:
+                    self.metrics.iteration_tokens.observe(core.last_step_tokens)
             busy = core.has_unfinished_requests()
             self._record_stats()
 
@@ -302,6 +304,7 @@ class AsyncEngine:
                 last = self._last_token_at.get(rid)
                 if last is not None:
                     self.metrics.itl.observe(now - last)
+                    self.metrics.tpot_token.observe(now - last)
                 self._last_token_at[rid] = now
             if out.finished:
                 self._live.discard(rid)
@@ -310,7 +313,7 @@ class AsyncEngine:
                     self.metrics.failed_requests.inc()
                 reason = "abort" if out.error else next(
                     (o.finish_reason for o in out.outputs if o.finish_reason), "stop")
-                self.metrics.record_finished(out.metrics, reason)
+                self.metrics.record_finished(out.metrics, reason, len(out.prompt_token_ids))
         if outputs:
             self._to_loop([(out.request_id, out) for out in outputs])
 

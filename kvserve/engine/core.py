@@ -102,6 +102,7 @@ class EngineCore:
         self._pending: list[RequestOutput] = []   # outputs produced outside step() (aborts)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.last_step_tokens = 0                 # tokens the last step scheduled (for /metrics)
 
     # ---- capacity facts printed at start ----
     def describe(self) -> str:
@@ -236,9 +237,11 @@ class EngineCore:
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        self.last_step_tokens = 0
         if not self.scheduler.has_unfinished_requests():
             return outputs
         sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.num_batched_tokens
         self._fail_scheduler_rejects()
         now = time.monotonic()
         for c in sched.chunks:

@@ -7,7 +7,7 @@ several engines in one process do not collide). The engine thread records; /metr
 from __future__ import annotations
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+                               PlatformCollector, ProcessCollector, disable_created_metrics, generate_latest)
 
 disable_created_metrics()   # no `*_created` series: dashboards do not read them (as vLLM)
 
@@ -22,6 +22,8 @@ REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's buckets for token counts (per request, per step): 1, 2, 5, 10, 20, 50, ... up to 1M
+COUNT_BUCKETS = [m * 10 ** e for e in range(7) for m in (1, 2, 5)][:-2]
 
 # core.stats() counter key -> our counter attribute (the core counts; we publish the increase)
 _COUNTER_STATS = {"prompt_tokens_total": "prompt_tokens", "generation_tokens_total": "generation_tokens",
@@ -46,7 +48,18 @@ class EngineMetrics:
         def gauge(name: str, doc: str):
             return Gauge(f"kvserve:{name}", doc, label, registry=reg).labels(model_name)
 
+        ProcessCollector(registry=reg)     # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        PlatformCollector(registry=reg)
         self.ttft = hist("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
+        self.tpot_token = hist("time_per_output_token_seconds",
+                               "Time between consecutive token deliveries of a request (vLLM's older name "
+                               "of inter_token_latency_seconds; dashboards read it).", TOKEN_BUCKETS)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens, per finished request.",
+                                          COUNT_BUCKETS)
+        self.request_generation_tokens = hist("request_generation_tokens",
+                                              "Generated tokens, per finished request.", COUNT_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens scheduled in one engine step.",
+                                     COUNT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive token deliveries of a request.",
                         TOKEN_BUCKETS)
         self.tpot = hist("request_time_per_output_token_seconds",
@@ -81,12 +94,16 @@ class EngineMetrics:
                                        "Requests failed alone by the engine (a step raised because of them).")
         self._last_stats: dict[str, float] = {}
 
-    def record_finished(self, m: RequestMetrics | None, finish_reason: str | None) -> None:
+    def record_finished(self, m: RequestMetrics | None, finish_reason: str | None,
+                        prompt_tokens: int | None = None) -> None:
         """One finished request (all its samples done)."""
         reason = finish_reason if finish_reason in self.success else "abort"
         self.success[reason].inc()
         if m is None or reason == "abort":
             return
+        if prompt_tokens is not None:
+            self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(m.num_generation_tokens)
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),
                             (self.queue, m.queue_time), (self.prefill, m.prefill_time),
                             (self.decode, m.decode_time)):

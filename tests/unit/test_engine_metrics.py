@@ -8,3 +8,19 @@ def test_metrics_have_no_created_series():
     m.ttft.observe(0.1)
     text = m.render()[0].decode()
     assert "kvserve:prompt_tokens_total" in text and "_created" not in text
+
+
+def test_the_series_vllm_dashboards_read_exist():
+    from kvserve.engine.metrics import EngineMetrics
+    from kvserve.outputs import RequestMetrics
+    m = EngineMetrics("m")
+    m.record_finished(RequestMetrics(arrival_time=0.0, first_token_time=0.1, last_token_time=0.5,
+                                     finished_time=0.5, num_generation_tokens=5), "stop", prompt_tokens=12)
+    m.iteration_tokens.observe(64)
+    m.tpot_token.observe(0.02)
+    text = m.render()[0].decode()
+    for name in ("kvserve:time_per_output_token_seconds_bucket", "kvserve:request_prompt_tokens_sum",
+                 "kvserve:request_generation_tokens_sum", "kvserve:iteration_tokens_total_bucket",
+                 "process_resident_memory_bytes"):
+        assert name in text, name
+    assert 'kvserve:request_prompt_tokens_sum{model_name="m"} 12.0' in text
