@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, KVShape, canonical_dtype, parse_size
+from kvserve.config import DTYPE_ALIASES, DTYPE_BYTES, KV_SCALE_BYTES, KVShape, parse_size
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -69,7 +69,7 @@ PRESETS = {
 def scale_bytes(dtype: str) -> int:
     """Bytes of scale per (token, KV head) row of this KV dtype (int8: a float32 scale)."""
     dtype_bytes(dtype)   # the unknown-dtype error
-    return KV_SCALE_BYTES.get(canonical_dtype(dtype, tuple(KV_SCALE_BYTES) + ("float32", "bfloat16", "float16")), 0)
+    return KV_SCALE_BYTES.get(DTYPE_ALIASES[dtype.lower()], 0)
 
 
 def layer_token_bytes(arch: KVArch, dtype: str) -> int:

@@ -110,7 +110,7 @@ class SamplingParams:
             bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings")
         if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
             bad("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
-        if any(not _is_text(s) for s in self.stop):
+        if any(not is_text(s) for s in self.stop):
             bad("stop", "must be valid Unicode text (no lone surrogates)")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
@@ -140,7 +140,7 @@ class SamplingParams:
         return replace(self, n=1, seed=seed)
 
 
-def _is_text(s: str) -> bool:
+def is_text(s: str) -> bool:
     """True when `s` encodes to UTF-8 (no lone surrogates)."""
     try:
         s.encode("utf-8")
@@ -195,11 +195,11 @@ class StructuredOutputs:
             self._canonical_schema()
         elif kind in ("regex", "grammar"):
             value = getattr(self, kind)
-            if not isinstance(value, str) or not value or not _is_text(value):
+            if not isinstance(value, str) or not value or not is_text(value):
                 bad(f"{kind} must be a non-empty string")
         elif kind == "choice":
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or any(not isinstance(c, str) or not _is_text(c) for c in self.choice)):
+                    or any(not isinstance(c, str) or not is_text(c) for c in self.choice)):
                 bad("choice must be a non-empty list of strings")
 
     def _canonical_schema(self) -> str:

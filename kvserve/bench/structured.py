@@ -94,10 +94,8 @@ def validate(text: str, schema: dict) -> bool | str:
 
 
 def mask_figures(base_url: str, api_key: str | None) -> dict:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"{base_url}/metrics", headers=auth_headers(api_key), timeout=30).text
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    from kvserve.bench.soak import read_metrics
+    values = read_metrics(base_url, api_key)
     seconds, masks = values.get("kvserve:structured_mask_seconds_total", 0), values.get("kvserve:structured_masks_total", 0)
     return {"mask_seconds": seconds, "masks": masks, "mask_ms_per_token": 1000 * seconds / masks if masks else None}
 

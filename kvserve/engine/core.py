@@ -32,7 +32,7 @@ from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
 from kvserve.runner.sampler import TokenLogprobs
-from kvserve.sampling_params import ParamError, SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams, is_text
 
 log = logging.getLogger("kvserve")
 
@@ -203,11 +203,8 @@ class EngineCore:
         if cache_salt is not None:
             if not isinstance(cache_salt, str) or not cache_salt:
                 raise ParamError("cache_salt", "cache_salt must be a non-empty string")
-            try:
-                cache_salt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ParamError("cache_salt", "cache_salt must be valid Unicode text "
-                                               "(no lone surrogates)") from None
+            if not is_text(cache_salt):
+                raise ParamError("cache_salt", "cache_salt must be valid Unicode text (no lone surrogates)")
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.get(request_id)

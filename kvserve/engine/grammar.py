@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ class GrammarManager:
     def start_bitmask(self, seq_ids: list[str]) -> GrammarBitmask | None:
         """Begin filling the bitmask rows of these sequences (those with a matcher): on the worker
         thread when overlapping, else when waited for. None when none is constrained."""
+        if not self._matchers:                  # the common case: nothing constrained at all
+            return None
         rows = {sid: i for i, sid in enumerate(s for s in seq_ids if s in self._matchers)}
         if not rows:
             return None
@@ -88,7 +91,6 @@ class GrammarManager:
         pairs = [(self._matchers[sid], row) for sid, row in rows.items()]
 
         def fill() -> np.ndarray:
-            import time
             t0 = time.perf_counter()
             if self.overlap:
                 self._filler.fill(pairs, bitmask)

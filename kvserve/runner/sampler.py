@@ -271,17 +271,8 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.
     out: list[TokenLogprobs | None] = [None] * len(params)
     use = [i for i, p in enumerate(params) if p.logprobs is not None]
     idx = torch.tensor(use, device=logits.device)
-    lp = logits[idx].log_softmax(dim=-1)
-    chosen_ids = tokens[idx]
-    chosen = lp.gather(1, chosen_ids.unsqueeze(1))
-    ranks = (lp > chosen).sum(dim=-1) + 1
     n_top = max(params[i].logprobs for i in use)
-    top_lp, top_ids = lp.topk(n_top, dim=-1)
-
-    chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), chosen_ids.tolist()
-    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
-    for j, i in enumerate(use):
-        n = params[i].logprobs
-        top = list(zip(top_ids_l[j][:n], top_lp_l[j][:n]))
-        out[i] = TokenLogprobs(ids_l[j], chosen_l[j], ranks_l[j], top)
+    for i, entry in zip(use, token_logprobs(logits[idx], tokens[idx].tolist(), n_top)):
+        entry.top = entry.top[:params[i].logprobs]
+        out[i] = entry
     return out

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import os
 import resource
@@ -34,7 +33,7 @@ try:
 except ImportError:                                  # httptools not installed
     HttpToolsProtocol = None
 
-from kvserve.server.errors import error_body
+from kvserve.server.errors import Unavailable, raw_response
 
 log = logging.getLogger("kvserve")
 
@@ -101,12 +100,9 @@ def default_max_connections(open_files_limit: int) -> int:
 
 def refusal_response(max_connections: int) -> bytes:
     """The raw HTTP/1.1 503 written to a connection over the cap before closing it."""
-    body = json.dumps(error_body(
-        f"the server has {max_connections} open connections, its limit (--max-connections); retry later",
-        "service_unavailable_error", None, "too_many_connections")).encode()
-    head = ("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n")
-    return head.encode() + body
+    return raw_response(Unavailable(f"the server has {max_connections} open connections, its limit "
+                                    "(--max-connections); retry later", retry_after=1, code="too_many_connections"),
+                        close=True)
 
 
 class ConnectionLimitsMixin:

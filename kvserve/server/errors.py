@@ -76,14 +76,30 @@ class Unavailable(APIError):
     type = "service_unavailable_error"
     code = "service_unavailable"
 
-    def __init__(self, message: str, retry_after: int = 5):
-        super().__init__(message, headers={"Retry-After": str(retry_after)})
+    def __init__(self, message: str, retry_after: int = 5, code: str | None = None):
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after)})
 
 
 class InternalError(APIError):
     status = 500
     type = "server_error"
     code = "internal_error"
+
+
+_REASONS = {408: "Request Timeout", 413: "Payload Too Large", 429: "Too Many Requests",
+            503: "Service Unavailable"}
+
+
+def raw_response(err: APIError, close: bool = False) -> bytes:
+    """The whole HTTP/1.1 response for `err`, as bytes, for answering below ASGI (the HTTP
+    protocol writes it to the transport itself)."""
+    body = json.dumps(err.body()).encode()
+    head = [f"HTTP/1.1 {err.status} {_REASONS.get(err.status, 'Error')}", "content-type: application/json",
+            f"content-length: {len(body)}"]
+    head += [f"{k.lower()}: {v}" for k, v in (err.headers or {}).items()]
+    if close:
+        head.append("connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,

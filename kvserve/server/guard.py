@@ -8,7 +8,7 @@ import secrets
 
 from collections.abc import Callable
 
-from kvserve.server.errors import APIError, RequestTimeout, TooLarge, Unauthorized
+from kvserve.server.errors import APIError, RequestTimeout, TooLarge, Unauthorized, raw_response
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -122,15 +122,6 @@ async def _send_error(send, err, close: bool = False) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def raw_error_response(err: APIError) -> bytes:
-    """The whole HTTP/1.1 response for `err`, as bytes (for answering below ASGI)."""
-    body = json.dumps(err.body()).encode()
-    reason = {429: "Too Many Requests", 503: "Service Unavailable"}.get(err.status, "Error")
-    head = [f"HTTP/1.1 {err.status} {reason}", "content-type: application/json", f"content-length: {len(body)}"]
-    head += [f"{k.lower()}: {v}" for k, v in (err.headers or {}).items()]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
-
-
 def early_rejection(api_key: str | None, overloaded: Callable[[], APIError | None]):
     """For the HTTP protocol (connections.py): given a generation request's headers, the raw 429
     or 503 it gets whatever its body holds, or None to let it through the app as usual (a wrong
@@ -143,6 +134,6 @@ def early_rejection(api_key: str | None, overloaded: Callable[[], APIError | Non
             if not secrets.compare_digest(auth, expected):
                 return None
         error = overloaded()
-        return None if error is None else raw_error_response(error)
+        return None if error is None else raw_response(error)
 
     return reject
