@@ -41,6 +41,26 @@ def _valid_unicode(v: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
+def _valid_nested_unicode(v: Any, path: str = "") -> Any:
+    """_valid_unicode for every key and string inside a JSON object (tools, schemas), naming where."""
+    if isinstance(v, str):
+        try:
+            _valid_unicode(v)
+        except ValueError as e:
+            raise ValueError(f"{path or 'value'} {e}") from None
+    elif isinstance(v, dict):
+        for key, item in v.items():
+            _valid_nested_unicode(key, f"{path}.{key!r}" if path else f"key {key!r}")
+            _valid_nested_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(v, list):
+        for i, item in enumerate(v):
+            _valid_nested_unicode(item, f"{path}[{i}]" if path else f"[{i}]")
+    return v
+
+
+JSONObject = Annotated[dict, AfterValidator(_valid_nested_unicode)]   # a dict whose strings are all Text
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -48,7 +68,7 @@ class _Model(BaseModel):
 class JsonSchemaFormat(_Model):
     name: Text | None = None
     description: Text | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
+    schema_: JSONObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -99,7 +119,7 @@ class _SamplingRequest(_Model):
     cache_salt: Text | None = None
     user: Text | None = None
     response_format: ResponseFormat | None = None
-    structured_outputs: dict | None = None   # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: JSONObject | None = None   # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
 
     def check(self) -> None:
         """Rules across fields and values kvserve does not support: BadRequest naming the field."""
@@ -244,7 +264,7 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_calls: list[dict] | None = None      # an assistant's earlier calls
+    tool_calls: list[JSONObject] | None = None      # an assistant's earlier calls
     tool_call_id: Text | None = None          # a tool message: the call it answers
 
     @field_validator("content", mode="before")
@@ -277,8 +297,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: Text | dict | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: Text | JSONObject | None = None
     parallel_tool_calls: bool = True
 
     def check(self) -> None:

@@ -49,6 +49,19 @@ def refusal(model, body: dict) -> BadRequest | None:
      "messages.0.content.0.text"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": LONE}]}, "messages.0.name"),
     (TokenizeRequest, {"prompt": LONE}, "prompt"),
+    # inside JSON objects: tools, tool_choice, schemas, an assistant's earlier tool calls
+    (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                          "description": LONE}}]},
+     "tools.0"),
+    (ChatCompletionRequest, {"messages": USER, "tool_choice": {"type": "function", "function": {"name": LONE}}},
+     "tool_choice"),
+    (ChatCompletionRequest, {"messages": USER, "structured_outputs": {"json": {"properties": {LONE: {}}}}},
+     "structured_outputs"),
+    (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_schema",
+                                                                   "json_schema": {"schema": {"title": LONE}}}},
+     "response_format.json_schema.schema"),
+    (ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [{"id": LONE}]}]},
+     "messages.0.tool_calls.0"),
 ])
 def test_lone_surrogates_are_400_naming_the_field(model, body, param):
     err = refusal(model, body)
