@@ -96,17 +96,17 @@ class _Pool:
 _STACKS: dict = {}
 
 
-def forward(lm, ids: torch.Tensor, positions: torch.Tensor, meta, kv) -> torch.Tensor:
+def forward(lm, ids: torch.Tensor, positions: torch.Tensor, meta, kv, prompt: bool) -> torch.Tensor:
     """Final hidden states of every row, computed as the engine computes them: through the C layer
-    stack when the runner would use it for these weights (runner/layer_stack.py), else through
-    the model's PyTorch forward."""
+    stack when the runner would use it for these weights (runner/layer_stack.py; `prompt`: the
+    rows are prompt tokens, else generated ones), else through the model's PyTorch forward."""
     from kvserve.runner.layer_stack import CLayerStack
     key = id(lm.model)
     if key not in _STACKS:
         _STACKS[key] = CLayerStack.build(lm.model)
     stack = _STACKS[key]
     if stack is not None and stack.runs(kv):
-        return stack(ids, positions, meta, kv, torch.arange(ids.shape[0]))
+        return stack(ids, positions, meta, kv, torch.arange(ids.shape[0]), torch.full(ids.shape, prompt))
     return lm.model(ids, positions, meta, kv)
 
 
@@ -117,7 +117,7 @@ def window_logits(lm, ids: list[int], kv_dtype: str = "float32") -> torch.Tensor
     T = len(ids)
     pool = _Pool(lm.arch, T, kv_dtype)
     meta = AttentionMetadata(torch.arange(T), [0, T], [T], pool.table, pool.block)
-    hidden = forward(lm, torch.tensor(ids), torch.arange(T), meta, pool.kv)
+    hidden = forward(lm, torch.tensor(ids), torch.arange(T), meta, pool.kv, prompt=True)
     return lm.model.compute_logits(hidden)
 
 
@@ -132,7 +132,7 @@ def window_logits_decode(lm, ids: list[int], kv_dtype: str = "float32") -> torch
     hidden = []
     for p in range(T):
         meta = AttentionMetadata(torch.tensor([p]), [0, 1], [p + 1], pool.table, pool.block)
-        hidden.append(forward(lm, torch.tensor(ids[p:p + 1]), torch.tensor([p]), meta, pool.kv))
+        hidden.append(forward(lm, torch.tensor(ids[p:p + 1]), torch.tensor([p]), meta, pool.kv, prompt=False))
     return lm.model.compute_logits(torch.cat(hidden))
 
 

@@ -41,7 +41,7 @@ _BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", 
                "-shared", "-fPIC"]
 ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mf16c"],
-    "avx2": ["-mavx2", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+dotprod"],
     "portable": [],
 }
@@ -83,7 +83,7 @@ def _host_isas(machine: str) -> tuple[str, ...]:
     if machine in ("x86_64", "amd64", "i686", "x86"):
         if {"avx512f", "avx512bw", "avx512vl"} <= flags and ("avx512_vnni" in flags or "avx512vnni" in flags):
             isas.append("avx512vnni")
-        if {"avx2", "f16c"} <= flags:
+        if {"avx2", "fma", "f16c"} <= flags:
             isas.append("avx2")
     elif machine in ("aarch64", "arm64") and "asimddp" in flags:      # Linux; macOS: FEAT_DotProd
         isas.append("neon")
@@ -120,10 +120,12 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.paged_attention.argtypes = [p] * 7 + [i64, p] + [i64] * 5 + [f32, i64, i64, i64]
     lib.gguf_gemv.restype = ctypes.c_int
     lib.gguf_gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
+    lib.gguf_gemm_f32.restype = ctypes.c_int
+    lib.gguf_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
     lib.gguf_gemv_isa.restype = ctypes.c_char_p
     lib.gguf_gemv_isa.argtypes = []
     lib.layer_stack.restype = ctypes.c_int
-    lib.layer_stack.argtypes = [p, p, p, p, p, i64, p, i64, p, i64, p, i64]
+    lib.layer_stack.argtypes = [p, p, p, p, p, p, i64, p, i64, p, i64, p, i64]
 
 
 def _compiler() -> str | None:
@@ -220,18 +222,21 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, accumulate: bool = False, isa: str | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, accumulate: bool = False, isa: str | None = None,
+              f32: bool = False) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
     kvserve.ops.gguf_blocks.pack_gguf_rows (`kind` 4: Q4_0/Q4_1, 8: Q8_0): [M, n] float32, written
     into `out` when given (added to it with accumulate=True). `isa`: a build other than the
-    selected one (tests). See csrc/gguf_gemv.c."""
+    selected one (tests). f32: through the float32 tiles (what prompt tokens take in the layer
+    stack) instead of the integer dot products. See csrc/gguf_gemv.c."""
     lib = library(isa)
     M, K = x.shape
     if out is None:
         out = torch.empty(M, n, dtype=torch.float32)
-    rc = lib.gguf_gemv(w.data_ptr(), kind, n, K, x.data_ptr(), x.stride(0), M, out.data_ptr(),
-                       out.stride(0), bias.data_ptr() if bias is not None else None, int(accumulate),
-                       torch.get_num_threads())
+    fn = lib.gguf_gemm_f32 if f32 else lib.gguf_gemv
+    rc = fn(w.data_ptr(), kind, n, K, x.data_ptr(), x.stride(0), M, out.data_ptr(),
+            out.stride(0), bias.data_ptr() if bias is not None else None, int(accumulate),
+            torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"gguf_gemv failed ({rc}): kind {kind}, K={K} (K must be a multiple of 32)")
     return out
@@ -254,13 +259,14 @@ class StackModel(ctypes.Structure):
 
 
 def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                seq: torch.Tensor, tables: torch.Tensor, out_rows: torch.Tensor, out: torch.Tensor,
-                isa: str | None = None) -> None:
+                seq: torch.Tensor, prompt: torch.Tensor, tables: torch.Tensor, out_rows: torch.Tensor,
+                out: torch.Tensor, isa: str | None = None) -> None:
     """Every layer of a flat batch in one call (csrc/layer_stack.c): token ids, positions, KV
-    slots and sequence indices int64 [T], block tables int64 [B, nblk] (rows contiguous) ->
+    slots and sequence indices int64 [T], `prompt` bool [T] (prompt tokens take the float32
+    GEMM, the others the integer GEMV), block tables int64 [B, nblk] (rows contiguous) ->
     out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows."""
     rc = library(isa).layer_stack(ctypes.byref(model), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                  seq.data_ptr(), ids.shape[0], tables.data_ptr(), tables.stride(0),
+                                  seq.data_ptr(), prompt.data_ptr(), ids.shape[0], tables.data_ptr(), tables.stride(0),
                                   out_rows.data_ptr(), out_rows.shape[0], out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"layer_stack failed ({rc})")

@@ -125,9 +125,10 @@ def _mixed_step(lm, prompts, c_stack):
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(lm.arch.num_layers)]
     tables = torch.arange(per * len(ids)).flip(0).reshape(len(ids), per)    # ragged, reversed blocks
 
-    def run(toks, pos, meta, rows):
+    def run(toks, pos, meta, rows, n_decode=0):
         if c_stack:
-            return stack(torch.tensor(toks), pos, meta, kv, torch.tensor(rows))
+            prompt = torch.arange(len(toks)) >= n_decode
+            return stack(torch.tensor(toks), pos, meta, kv, torch.tensor(rows), prompt)
         return lm.model(torch.tensor(toks), pos, meta, kv)[rows]
     with torch.inference_mode():
         for b, x in enumerate(ids[:-1]):
@@ -142,7 +143,7 @@ def _mixed_step(lm, prompts, c_stack):
         qsl = list(range(n + 1)) + [n + len(last)]
         seq_lens = [len(x) + 1 for x in ids[:-1]] + [len(last)]
         meta = AttentionMetadata(slots, qsl, seq_lens, tables, 16)
-        return run([7, 42, 1000][:n] + last, pos, meta, list(range(n)) + [n + len(last) - 1])
+        return run([7, 42, 1000][:n] + last, pos, meta, list(range(n)) + [n + len(last) - 1], n_decode=n)
 
 
 def test_c_layer_stack_matches_the_pytorch_layers(models):

@@ -143,8 +143,10 @@ def test_every_isa_gives_the_portable_bits_on_arbitrary_blocks(qtype, isa):
     assert torch.equal(got, want), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("f32", [False, True])
 @pytest.mark.parametrize("isa", HOST_ISAS)
-def test_gemv_bias_accumulate_and_strided_rows(isa):
+def test_gemv_bias_accumulate_and_strided_rows(isa, f32):
+    """Both kernels (the integer GEMV and the float32 GEMM of prompt tokens)."""
     _lib_or_skip(isa)
     n, k = 24, 64
     bt, packed, kind = weights(Q.Q4_1, n, k)
@@ -154,16 +156,16 @@ def test_gemv_bias_accumulate_and_strided_rows(isa):
     x = x_wide[:, 16:16 + k]                # rows with a leading dimension larger than k
     assert not x.is_contiguous()
     bias = torch.randn(n, generator=g)
-    plain = cpu_kernels.gguf_gemv(packed, kind, n, x.contiguous(), isa=isa)
+    plain = cpu_kernels.gguf_gemv(packed, kind, n, x.contiguous(), isa=isa, f32=f32)
     assert torch.allclose(plain, x @ W.t(), atol=1e-3)
     out_wide = torch.full((11, n + 8), 7.0)
     out = out_wide[:, :n]
-    ret = cpu_kernels.gguf_gemv(packed, kind, n, x, out=out, bias=bias, accumulate=True, isa=isa)
+    ret = cpu_kernels.gguf_gemv(packed, kind, n, x, out=out, bias=bias, accumulate=True, isa=isa, f32=f32)
     assert ret.data_ptr() == out.data_ptr()
     assert torch.equal(out, (7.0 + plain) + bias)           # the kernel's own sum: acc + y, then + bias
     assert torch.equal(out_wide[:, n:], torch.full((11, 8), 7.0))     # nothing written past n
     out2 = torch.full((11, n), 3.0)
-    cpu_kernels.gguf_gemv(packed, kind, n, x, out=out2, bias=bias, isa=isa)   # accumulate off: overwritten
+    cpu_kernels.gguf_gemv(packed, kind, n, x, out=out2, bias=bias, isa=isa, f32=f32)   # accumulate off: overwritten
     assert torch.equal(out2, plain + bias)
 
 
@@ -254,3 +256,61 @@ def test_gguf_method_keeps_dense_weights_float32():
     W = torch.cat([torch.from_numpy(dequantize(t.raw, t.qtype)).reshape(16, 64) for t in (a, b)])
     assert lin.gguf_packed is None and torch.equal(lin.dense_weight, W)
     assert torch.allclose(lin(x), x @ W.t(), atol=1e-5, rtol=1e-5)
+
+
+# ---- The float32 GEMM of prompt tokens (gguf_gemm_f32_team, gguf_gemv.h) ----
+
+F32_SHAPES = ((37, 32, 9), (5, 64, 17), (48, 288, 13), (100, 576, 200), (21, 1536, 5), (64, 544, 1))
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_f32_gemm_matches_dequantized_matmul(qtype, isa):
+    """Exactly dequantized weights (d q + m rounds once) times float32 x, summed by a chain of K
+    fused multiply-adds: |error| <= K 2^-24 sum_k |w_k x_k| (the chain's rounding bound)."""
+    _lib_or_skip(isa)
+    for n, k, m in F32_SHAPES[:4]:
+        bt, packed, kind = weights(qtype, n, k, seed=n)
+        W = torch.from_numpy(dequantize(bt.raw, qtype)).reshape(n, k).double()
+        x = acts(m, k, seed=m)
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True).double()
+        ref = x.double() @ W.t()
+        bound = (x.double().abs() @ W.abs().t()) * k * 2 ** -24
+        assert ((got - ref).abs() <= bound + 1e-30).all(), (n, k, m, (got - ref).abs().max())
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_f32_gemm_every_isa_gives_the_portable_bits(qtype, isa):
+    """Row counts across tiles and chunks (200 > 192 rows a chunk), K across slices (1536 > 256),
+    an odd number of row groups (the last pair half empty)."""
+    _lib_or_skip(isa)
+    _lib_or_skip("portable")
+    for n, k, m in F32_SHAPES:
+        _, packed, kind = weights(qtype, n, k, seed=n + k)
+        x = acts(m, k, seed=k)
+        want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", f32=True)
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True)
+        assert torch.equal(got, want), (n, k, m, (got - want).abs().max())
+    packed, kind = pack_gguf_rows(random_blocks(qtype, 45, 192, seed=11))
+    x = acts(13, 192, seed=12)
+    want = cpu_kernels.gguf_gemv(packed, kind, 45, x, isa="portable", f32=True)
+    assert want.isfinite().all()
+    assert torch.equal(cpu_kernels.gguf_gemv(packed, kind, 45, x, isa=isa, f32=True), want)
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_f32_gemm_bits_do_not_depend_on_threads_or_other_rows(isa, threads):
+    _lib_or_skip(isa)
+    for qtype in TYPES:
+        n, k = 200, 320                       # 13 row groups (7 pairs), two k slices
+        _, packed, kind = weights(qtype, n, k, seed=7)
+        x = acts(29, k, seed=9)
+        threads(1)
+        one = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True)
+        threads(2)
+        two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True)
+        assert torch.equal(one, two), qtype
+        for r in (0, 5, 12, 13, 28):          # each row alone: another tile, another tile row
+            alone = cpu_kernels.gguf_gemv(packed, kind, n, x[r:r + 1].clone(), isa=isa, f32=True)
+            assert torch.equal(alone[0], two[r]), (qtype, r)

@@ -11,6 +11,10 @@
  * call, for any number of rows.
  */
 #include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "gguf_gemv.h"
 
@@ -58,9 +62,10 @@ int64_t gguf_workspace_bytes(int64_t M, int64_t K) {
 /* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
  * `omp for` below splits its loop over them; without OpenMP one thread does it all). kind and K
  * must have been checked (gguf_gemv_check); ws holds gguf_workspace_bytes(M, K) bytes, 64-byte
- * aligned. */
+ * aligned. rows: the M rows of x and y to compute (NULL: rows 0 .. M-1). */
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
-                    int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws) {
+                    const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
+                    int64_t accumulate, void *ws) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
     int8_t *xq = (int8_t *)ws;
@@ -68,7 +73,7 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     int32_t *sq = (int32_t *)(sx + M * nb);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++)
-        quantize_row(x + r * ldx, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb);
+        quantize_row(x + (rows ? rows[r] : r) * ldx, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb);
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
      * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to
@@ -78,16 +83,16 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
         #pragma omp for schedule(static) nowait
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = w + g * gbytes;
-            const int64_t rows = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
+            const int64_t n = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
             float out[GGUF_TILE_M * GGUF_ROWS];
             for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
                 const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++) {
-                    float *yr = y + (r0 + r) * ldy + g * GGUF_ROWS;
+                    float *yr = y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS;
                     const float *o = out + r * GGUF_ROWS;
-                    for (int64_t i = 0; i < rows; i++) {
+                    for (int64_t i = 0; i < n; i++) {
                         float v = accumulate ? yr[i] + o[i] : o[i];
                         yr[i] = bias ? v + bias[g * GGUF_ROWS + i] : v;
                     }
@@ -113,7 +118,134 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
     if (!ws) return -3;
     (void)num_threads;
     #pragma omp parallel num_threads(num_threads)
-    gguf_gemv_team(w, kind, N, K, x, ldx, M, y, ldy, bias, accumulate, ws);
+    gguf_gemv_team(w, kind, N, K, x, ldx, NULL, M, y, ldy, bias, accumulate, ws);
+    free(ws);
+    return 0;
+}
+
+/* ---- The float32 GEMM for prompt tokens (gguf_gemv.h) ---- */
+
+/* One group's packed blocks -> wt[K][16] float32 (row k at wt + k ld), w = d q + m (Q8: d (u - 128)); the product
+ * is exact, so each weight is rounded once, as gguf's dequantization rounds it. */
+static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, float *wt, int64_t ld) {
+    const int64_t pb = gguf_packed_block_bytes(kind);
+    for (int64_t b = 0; b < nb; b++, wg += pb) {
+        float d[GGUF_ROWS], m[GGUF_ROWS];
+        for (int i = 0; i < GGUF_ROWS; i++) {
+            d[i] = gguf_half_to_float(gguf_load_u16(wg + 2 * i));
+            m[i] = kind == 4 ? gguf_half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
+        }
+        float *o = wt + b * 32 * ld;
+        const int chunks = kind == 4 ? 4 : 8;
+        for (int c = 0; c < chunks; c++) {
+            uint32_t u[GGUF_ROWS];                 /* row i's 4 bytes of the chunk */
+            memcpy(u, wg + (kind == 4 ? 64 : 32) + 64 * c, sizeof(u));
+            for (int t = 0; t < 4; t++) {
+                float *row = o + (4 * c + t) * ld;
+                if (kind == 4) {
+                    float *hi = row + 16 * ld;
+                    for (int i = 0; i < GGUF_ROWS; i++) {
+                        row[i] = d[i] * (float)(int32_t)((u[i] >> (8 * t)) & 15) + m[i];
+                        hi[i] = d[i] * (float)(int32_t)((u[i] >> (8 * t + 4)) & 15) + m[i];
+                    }
+                } else {
+                    for (int i = 0; i < GGUF_ROWS; i++)
+                        row[i] = d[i] * (float)((int32_t)((u[i] >> (8 * t)) & 255) - 128);
+                }
+            }
+        }
+    }
+}
+
+int64_t gguf_f32_workspace_bytes(int64_t M, int64_t N, int64_t K, int64_t threads) {
+    const int64_t T = gguf_f32_tile_rows(), rows = (M + T - 1) / T * T;
+    const int64_t pairs = (N + 2 * GGUF_ROWS - 1) / (2 * GGUF_ROWS);
+    return (rows * K + pairs * rows * GGUF_F32_N + threads * GGUF_F32_KC * GGUF_F32_N) * (int64_t)sizeof(float) + 64;
+}
+
+/* y rows (+)= x rows W^T through the float32 tiles, shared by the threads of an enclosing
+ * OpenMP region like gguf_gemv_team (same arguments; ws: gguf_f32_workspace_bytes(M, N, K, the
+ * team's size), 64-byte aligned). Blocked as a GEMM: for each slice of GGUF_F32_KC k and chunk
+ * of GGUF_F32_MC rows (their packed activations, <= 200 KB, stay in L2), each thread dequantizes
+ * the slice of one of its pairs of groups (32 KB, in L1) and runs every tile of the chunk against
+ * it. The sums wait in acc between slices; a pair always belongs to the same thread (static
+ * schedule over the same count, the final writes included), so no barrier is needed until the
+ * end. */
+void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+                        const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
+                        int64_t accumulate, void *ws) {
+    const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS, pairs = (groups + 1) / 2;
+    const int64_t T = gguf_f32_tile_rows(), tiles = (M + T - 1) / T;
+    const int64_t pb = gguf_packed_block_bytes(kind), gbytes = nb * pb;
+    const int64_t mc = (GGUF_F32_MC + T - 1) / T;                  /* tiles per chunk */
+    float *xp = (float *)ws, *acc = xp + tiles * T * K;
+#ifdef _OPENMP
+    const int64_t me = omp_get_thread_num();
+#else
+    const int64_t me = 0;
+#endif
+    float *wt = acc + pairs * tiles * T * GGUF_F32_N + me * GGUF_F32_KC * GGUF_F32_N;
+    #pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; tile++) {       /* xp[tile][k][r] = x[row r of the tile][k] */
+        float *p = xp + tile * T * K;
+        for (int64_t r = 0; r < T; r++) {
+            const int64_t i = tile * T + r;
+            if (i >= M) {
+                for (int64_t k = 0; k < K; k++) p[k * T + r] = 0.f;
+                continue;
+            }
+            const float *xr = x + (rows ? rows[i] : i) * ldx;
+            for (int64_t k = 0; k < K; k++) p[k * T + r] = xr[k];
+        }
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += GGUF_F32_KC) {
+        const int64_t kc = K - k0 < GGUF_F32_KC ? K - k0 : GGUF_F32_KC;
+        for (int64_t t0 = 0; t0 < tiles; t0 += mc) {
+            const int64_t t1 = tiles - t0 < mc ? tiles : t0 + mc;
+            #pragma omp for schedule(static) nowait
+            for (int64_t pr = 0; pr < pairs; pr++) {
+                for (int64_t h = 0; h < 2; h++) {
+                    const int64_t g = 2 * pr + h;
+                    if (g < groups)
+                        dequantize_group(w + g * gbytes + k0 / 32 * pb, kind, kc / 32, wt + h * GGUF_ROWS, GGUF_F32_N);
+                    else                          /* an odd group count: the last pair's second half */
+                        for (int64_t k = 0; k < kc; k++)
+                            memset(wt + k * GGUF_F32_N + GGUF_ROWS, 0, sizeof(float) * GGUF_ROWS);
+                }
+                for (int64_t tile = t0; tile < t1; tile++)
+                    gguf_tile_f32(wt, xp + tile * T * K + k0 * T, kc, k0 > 0,
+                                  acc + (pr * tiles + tile) * T * GGUF_F32_N);
+            }
+        }
+    }
+    /* Each thread writes the pairs it computed (the same static schedule): no barrier before. */
+    #pragma omp for schedule(static)
+    for (int64_t pr = 0; pr < pairs; pr++) {
+        const int64_t n = N - pr * GGUF_F32_N < GGUF_F32_N ? N - pr * GGUF_F32_N : GGUF_F32_N;
+        for (int64_t i = 0; i < M; i++) {
+            float *yr = y + (rows ? rows[i] : i) * ldy + pr * GGUF_F32_N;
+            const float *o = acc + (pr * tiles * T + i) * GGUF_F32_N;
+            const float *b = bias ? bias + pr * GGUF_F32_N : NULL;
+            for (int64_t c = 0; c < n; c++) {
+                float v = accumulate ? yr[c] + o[c] : o[c];
+                yr[c] = b ? v + b[c] : v;
+            }
+        }
+    }
+}
+
+/* gguf_gemv through the float32 tiles (tests and single linears; layer_stack.c calls the team). */
+int gguf_gemm_f32(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+                  int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
+                  int64_t num_threads) {
+    if (gguf_gemv_check(kind, K)) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    const size_t bytes = (size_t)gguf_f32_workspace_bytes(M, N, K, num_threads);
+    void *ws = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!ws) return -3;
+    #pragma omp parallel num_threads(num_threads)
+    gguf_gemm_f32_team(w, kind, N, K, x, ldx, NULL, M, y, ldy, bias, accumulate, ws);
     free(ws);
     return 0;
 }

@@ -26,6 +26,17 @@
  *     out[r * 16 + i] = acc
  * No fused multiply-add: a separate multiply and add round the same way in SIMD lanes and in
  * scalar code, so builds are bit-identical (they are compiled with -ffp-contract=off).
+ *
+ * The float32 GEMM (prompt tokens, gguf_gemm_f32_team in gguf_gemv.c): compute-bound work, where
+ * the two-part integer dot products above run at about half the rate of float32 fused
+ * multiply-adds on the same cores. Two groups' weights (32 rows) are dequantized slice by slice
+ * into wt[k][32] (float32, w = d q + m: the product is exact, so one rounding, as gguf's own
+ * dequantization), activation rows are packed in tiles xp[k][T] (T = gguf_f32_tile_rows(),
+ * rows past the end zero), and
+ *   for each of the 32 rows i and tile row r:
+ *     acc = 0;  for k = 0 .. K-1 in order:  acc = fma(wt[k][i], xp[k][r], acc)
+ *     out[r][i] = acc
+ * with an explicit fused multiply-add (one rounding) in every build: the same bits on every ISA.
  */
 #ifndef KVSERVE_GGUF_GEMV_H
 #define KVSERVE_GGUF_GEMV_H
@@ -35,6 +46,9 @@
 
 #define GGUF_ROWS 16         /* output rows per interleaved group */
 #define GGUF_TILE_M 8        /* activation rows per pass over a group's weights */
+#define GGUF_F32_N 32        /* weight rows per float32 tile: two groups */
+#define GGUF_F32_KC 256      /* k per slice of the float32 GEMM (32 KB of two groups' weights) */
+#define GGUF_F32_MC 192      /* activation rows per chunk of the float32 GEMM */
 
 static inline int64_t gguf_packed_block_bytes(int64_t kind) { return kind == 4 ? 320 : 544; }
 
@@ -60,6 +74,12 @@ typedef struct {
 /* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
  * activation rows; out[r * 16 + i]. kind: 4 or 8. */
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);
+
+/* The per-ISA float32 tile: acc[r * 32 + i] for r < gguf_f32_tile_rows(), continued over kc
+ * more k (wt: kc rows of two groups' dequantized weights [k][32], xp: the tile's kc rows [k][T]),
+ * from 0 (cont = 0) or from the values in acc (cont = 1). */
+void gguf_tile_f32(const float *wt, const float *xp, int64_t kc, int cont, float *acc);
+int gguf_f32_tile_rows(void);
 
 /* The name of the instruction set the kernel was written for ("avx512vnni", "avx2", "neon",
  * "portable"). */

@@ -111,3 +111,30 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
         group_dot_upto4(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
     }
 }
+
+/* The float32 tile (gguf_gemv.h): the 32 rows of two groups are four 256-bit vectors; each k is
+ * four weight loads, T broadcasts and 4 T fused multiply-adds (4 T = 12 accumulators of the 16
+ * registers). */
+#define F32_T 3
+
+int gguf_f32_tile_rows(void) { return F32_T; }
+
+void gguf_tile_f32(const float *wt, const float *xp, int64_t kc, int cont, float *acc) {
+    __m256 a[F32_T][4];
+    for (int r = 0; r < F32_T; r++)
+        for (int v = 0; v < 4; v++)
+            a[r][v] = cont ? _mm256_loadu_ps(acc + r * GGUF_F32_N + 8 * v) : _mm256_setzero_ps();
+    for (int64_t k = 0; k < kc; k++, wt += GGUF_F32_N, xp += F32_T) {
+        const __m256 w0 = _mm256_load_ps(wt), w1 = _mm256_load_ps(wt + 8), w2 = _mm256_load_ps(wt + 16),
+                     w3 = _mm256_load_ps(wt + 24);
+        for (int r = 0; r < F32_T; r++) {
+            const __m256 xv = _mm256_broadcast_ss(xp + r);
+            a[r][0] = _mm256_fmadd_ps(w0, xv, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(w1, xv, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(w2, xv, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(w3, xv, a[r][3]);
+        }
+    }
+    for (int r = 0; r < F32_T; r++)
+        for (int v = 0; v < 4; v++) _mm256_storeu_ps(acc + r * GGUF_F32_N + 8 * v, a[r][v]);
+}

@@ -74,3 +74,30 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
         default: group_dot(wg, kind, nb, a, 8, out); break;
     }
 }
+
+/* The float32 tile (gguf_gemv.h): the 32 rows of two groups are two 512-bit vectors, so each k
+ * is two weight loads, T broadcasts and 2 T fused multiply-adds (2 T = 24 accumulators). With
+ * one group (16 rows) per tile the broadcast loads, not the FMA ports, would set the pace. */
+#define F32_T 12
+
+int gguf_f32_tile_rows(void) { return F32_T; }
+
+void gguf_tile_f32(const float *wt, const float *xp, int64_t kc, int cont, float *acc) {
+    __m512 lo[F32_T], hi[F32_T];
+    for (int r = 0; r < F32_T; r++) {
+        lo[r] = cont ? _mm512_loadu_ps(acc + r * GGUF_F32_N) : _mm512_setzero_ps();
+        hi[r] = cont ? _mm512_loadu_ps(acc + r * GGUF_F32_N + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < kc; k++, wt += GGUF_F32_N, xp += F32_T) {
+        const __m512 w0 = _mm512_load_ps(wt), w1 = _mm512_load_ps(wt + 16);
+        for (int r = 0; r < F32_T; r++) {
+            const __m512 xv = _mm512_set1_ps(xp[r]);
+            lo[r] = _mm512_fmadd_ps(w0, xv, lo[r]);
+            hi[r] = _mm512_fmadd_ps(w1, xv, hi[r]);
+        }
+    }
+    for (int r = 0; r < F32_T; r++) {
+        _mm512_storeu_ps(acc + r * GGUF_F32_N, lo[r]);
+        _mm512_storeu_ps(acc + r * GGUF_F32_N + 16, hi[r]);
+    }
+}

@@ -132,3 +132,34 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
         group_dot_upto4(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
     }
 }
+
+/* The float32 tile (gguf_gemv.h): each half (16 rows: four float32x4 vectors) of the two
+ * groups in its own pass over the slice, T = 4 tile rows: one vector load brings the 4 rows'
+ * activations of a k, and vfmaq_laneq_f32 (one rounding, like fmaf) multiplies a weight vector
+ * by one lane: 4 weight loads + 1 for 16 fused multiply-adds, 16 accumulators. */
+#define F32_T 4
+
+int gguf_f32_tile_rows(void) { return F32_T; }
+
+void gguf_tile_f32(const float *wt, const float *xp, int64_t kc, int cont, float *acc) {
+    for (int h = 0; h < 2; h++) {
+        float32x4_t a[F32_T][4];
+        UNROLL for (int r = 0; r < F32_T; r++)
+            UNROLL for (int v = 0; v < 4; v++)
+                a[r][v] = cont ? vld1q_f32(acc + r * GGUF_F32_N + 16 * h + 4 * v) : vdupq_n_f32(0.f);
+        const float *w = wt + 16 * h, *x = xp;
+        for (int64_t k = 0; k < kc; k++, w += GGUF_F32_N, x += F32_T) {
+            const float32x4_t w0 = vld1q_f32(w), w1 = vld1q_f32(w + 4), w2 = vld1q_f32(w + 8), w3 = vld1q_f32(w + 12);
+            const float32x4_t xv = vld1q_f32(x);
+#define KV_LANE(r)                                     \
+            a[r][0] = vfmaq_laneq_f32(a[r][0], w0, xv, r); \
+            a[r][1] = vfmaq_laneq_f32(a[r][1], w1, xv, r); \
+            a[r][2] = vfmaq_laneq_f32(a[r][2], w2, xv, r); \
+            a[r][3] = vfmaq_laneq_f32(a[r][3], w3, xv, r);
+            KV_LANE(0) KV_LANE(1) KV_LANE(2) KV_LANE(3)
+#undef KV_LANE
+        }
+        UNROLL for (int r = 0; r < F32_T; r++)
+            UNROLL for (int v = 0; v < 4; v++) vst1q_f32(acc + r * GGUF_F32_N + 16 * h + 4 * v, a[r][v]);
+    }
+}

@@ -1,5 +1,7 @@
 /* The portable C reference of gguf_group_dot (gguf_gemv.h): plain loops, any CPU. Every SIMD
  * kernel must give exactly these bits. */
+#include <math.h>
+
 #include "gguf_gemv.h"
 
 const char *gguf_kernel_isa(void) { return "portable"; }
@@ -35,4 +37,18 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
             }
         }
     }
+}
+
+/* The float32 tile (gguf_gemv.h): fmaf rounds once, like the SIMD builds' fused multiply-add. */
+#define F32_T 8
+
+int gguf_f32_tile_rows(void) { return F32_T; }
+
+void gguf_tile_f32(const float *wt, const float *xp, int64_t kc, int cont, float *acc) {
+    for (int r = 0; r < F32_T; r++)
+        for (int i = 0; i < GGUF_F32_N; i++) {
+            float a = cont ? acc[r * GGUF_F32_N + i] : 0.f;
+            for (int64_t k = 0; k < kc; k++) a = fmaf(wt[k * GGUF_F32_N + i], xp[k * F32_T + r], a);
+            acc[r * GGUF_F32_N + i] = a;
+        }
 }

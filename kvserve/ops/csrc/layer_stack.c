@@ -16,10 +16,12 @@
  * table is tables + seq[t] * table_stride; it attends over positions 0..positions[t] of that
  * table (its own key included: this step's K/V are written before attention runs).
  *
- * Every linear is a GGUF-packed weight (gguf_gemv.c); activations and norms are float32, the KV
- * pool float32 or int8 rows with a scale (kv_int8). Each token's numbers are computed on their
- * own, in a fixed order, with no fused multiply-add: the output does not depend on the other
- * tokens of the batch, the thread count or the ISA (see gguf_gemv.h and paged_attention.c).
+ * Every linear is a GGUF-packed weight (gguf_gemv.c): prompt tokens (prompt[t] != 0) go through
+ * its float32 GEMM, the others (decodes) through its integer GEMV. Activations and norms are
+ * float32, the KV pool float32 or int8 rows with a scale (kv_int8). Each token's numbers are
+ * computed on their own, in a fixed order, and its kernels depend only on whether it is a prompt
+ * token: the output does not depend on the other tokens of the batch, the thread count or the
+ * ISA (see gguf_gemv.h and paged_attention.c).
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,8 +32,13 @@
 
 int64_t gguf_workspace_bytes(int64_t M, int64_t K);
 int gguf_gemv_check(int64_t kind, int64_t K);
+int64_t gguf_f32_workspace_bytes(int64_t M, int64_t N, int64_t K, int64_t threads);
+void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+                        const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
+                        int64_t accumulate, void *ws);
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
-                    int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws);
+                    const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
+                    int64_t accumulate, void *ws);
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
@@ -105,12 +112,27 @@ static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads,
     }
 }
 
+/* The rows of one linear: prompt tokens through the float32 GEMM, the others (decodes) through the
+ * integer GEMV (gguf_gemv.h). A token's path depends only on whether it is a prompt token, never
+ * on the batch: its numbers stay independent of what else shares the step. */
+typedef struct {
+    const int64_t *f_rows, *i_rows;
+    int64_t nf, ni;
+    void *ws_f, *ws_i;
+} row_split_t;
+
+static void linear(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x,
+                   int64_t ldx, float *y, int64_t ldy, const float *bias, int64_t accumulate) {
+    if (rs->ni) gguf_gemv_team(w, kind, N, K, x, ldx, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i);
+    if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
+}
+
 /* Returns 0, -1 for a weight of a bad kind or shape, -3 when out of memory. out: [n_out][hidden],
  * the final-normed states of rows out_rows[0..n_out).
  * One OpenMP parallel region runs the whole step: each phase is an `omp for` over tokens, row
  * groups or attention tasks, with the barrier at its end (no fork/join per kernel). */
 int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *positions, const int64_t *slots,
-                const int64_t *seq, int64_t T, const int64_t *tables, int64_t table_stride,
+                const int64_t *seq, const uint8_t *prompt, int64_t T, const int64_t *tables, int64_t table_stride,
                 const int64_t *out_rows, int64_t n_out, float *out, int64_t num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, qs = m->num_heads * D, kvs = m->kv_heads * D;
     const int64_t nqkv = qs + 2 * kvs, I = m->intermediate;
@@ -121,16 +143,26 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
             gguf_gemv_check(L->gate_up_kind, H) || gguf_gemv_check(L->down_kind, I)) return -1;
     }
     const int64_t kmax = H > qs ? (H > I ? H : I) : (qs > I ? qs : I);
-    const size_t ws_bytes = ((size_t)gguf_workspace_bytes(T, kmax) + 63) / 64 * 64;
+    const int64_t nmax = nqkv > 2 * I ? (nqkv > H ? nqkv : H) : (2 * I > H ? 2 * I : H);
+    int64_t nf = 0;
+    for (int64_t t = 0; t < T; t++) nf += prompt[t] != 0;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    const size_t ws_bytes = ((size_t)gguf_workspace_bytes(T - nf, kmax) + 63) / 64 * 64;
+    const size_t wsf_bytes = nf ? ((size_t)gguf_f32_workspace_bytes(nf, nmax, kmax, threads) + 63) / 64 * 64 : 64;
     float *h = malloc(sizeof(float) * T * H), *x = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * nqkv), *q = malloc(sizeof(float) * T * qs);
     float *att = malloc(sizeof(float) * T * qs), *gu = malloc(sizeof(float) * T * 2 * I);
     float *act = malloc(sizeof(float) * T * I);
     int64_t *qrow = malloc(sizeof(int64_t) * T), *lens = malloc(sizeof(int64_t) * T);
-    void *ws = aligned_alloc(64, ws_bytes);
+    void *ws = aligned_alloc(64, ws_bytes), *ws_f = aligned_alloc(64, wsf_bytes);
+    int64_t *f_rows = malloc(sizeof(int64_t) * (nf + 1)), *i_rows = malloc(sizeof(int64_t) * (T - nf + 1));
     int rc = -3;
-    (void)num_threads;
-    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws) goto done;
+    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws || !ws_f || !f_rows || !i_rows) goto done;
+    row_split_t rs = {f_rows, i_rows, 0, 0, ws_f, ws};
+    for (int64_t t = 0; t < T; t++) {
+        if (prompt[t]) f_rows[rs.nf++] = t;
+        else i_rows[rs.ni++] = t;
+    }
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
@@ -143,7 +175,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
             const stack_layer_t *L = &m->layers[l];
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
-            gguf_gemv_team(L->qkv, L->qkv_kind, nqkv, H, x, H, T, qkv, nqkv, L->qkv_bias, 0, ws);
+            linear(&rs, L->qkv, L->qkv_kind, nqkv, H, x, H, qkv, nqkv, L->qkv_bias, 0);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *row = qkv + t * nqkv;
@@ -156,23 +188,23 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
             paged_attention_team(q, L->k_cache, L->v_cache, att, qrow, seq, tables, table_stride, lens, T,
                                  m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
                                  m->kv_int8);
-            gguf_gemv_team(L->o, L->o_kind, H, qs, att, qs, T, h, H, L->o_bias, 1, ws);
+            linear(&rs, L->o, L->o_kind, H, qs, att, qs, h, H, L->o_bias, 1);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
-            gguf_gemv_team(L->gate_up, L->gate_up_kind, 2 * I, H, x, H, T, gu, 2 * I, NULL, 0, ws);
+            linear(&rs, L->gate_up, L->gate_up_kind, 2 * I, H, x, H, gu, 2 * I, NULL, 0);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < I; i++) {
                     const float g = gu[t * 2 * I + i];
                     act[t * I + i] = g / (1.f + exp_f32(-g)) * gu[t * 2 * I + I + i];
                 }
-            gguf_gemv_team(L->down, L->down_kind, H, I, act, I, T, h, H, NULL, 1, ws);
+            linear(&rs, L->down, L->down_kind, H, I, act, I, h, H, NULL, 1);
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < n_out; r++) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);
     }
     rc = 0;
 done:
-    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws);
+    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws); free(ws_f); free(f_rows); free(i_rows);
     return rc;
 }

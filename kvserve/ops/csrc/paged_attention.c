@@ -79,6 +79,39 @@ static inline __attribute__((always_inline)) float row_scale(const uint8_t *row,
     return s;
 }
 
+/* A K or V row PF keys ahead of the one in use is fetched early: the rows of a task are
+ * 768-byte strided (every KV head's row sits in a slot) and blocks are scattered, so the
+ * hardware prefetcher alone leaves each row's load waiting on memory. */
+#define PF 4
+static inline __attribute__((always_inline)) void prefetch_row(const uint8_t *row, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(row + o, 0, 3);
+}
+
+/* Rows of 8 floats as GCC/clang vector values: element-wise IEEE operations, so the same bits as
+ * the scalar loops above in every build (no contraction: -ffp-contract=off). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+
+static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64_t c, const int quantized) {
+    if (quantized) {
+        v8i8 q;
+        memcpy(&q, row + 8 * c, 8);
+        return __builtin_convertvector(q, v8f);
+    }
+    v8f v;
+    memcpy(&v, row + 32 * c, 32);
+    return v;
+}
+
+/* row_dot for head_dim = 8 C (C 8-float chunks, a compile-time constant): the same 8 partial
+ * sums and tree, with the query's chunks in registers. */
+static inline __attribute__((always_inline)) float
+row_dot8(const v8f *x, const uint8_t *row, const int C, const int quantized) {
+    v8f acc = {0};
+    for (int c = 0; c < C; c++) acc += x[c] * load8(row, c, quantized);
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
 /* exp(s - mx) in place over n scores, returning their sum (8 partial sums, fixed tree). */
 static inline float softmax_numerators(float *restrict sc, int64_t n, float mx) {
     float acc[LANES] = {0};
@@ -101,7 +134,7 @@ static inline __attribute__((always_inline)) void
 attend(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *qrow,
        const int64_t *qseq, const int64_t *tables, int64_t table_stride, const int64_t *lens,
        int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-       float scale, int64_t window, const int quantized) {
+       float scale, int64_t window, const int quantized, const int C) {
     const int64_t group = num_heads / kv_heads;
     const int64_t row_bytes = quantized ? head_dim + 4 : head_dim * 4;
     const int64_t tok_stride = kv_heads * row_bytes;       /* bytes between slots */
@@ -122,15 +155,20 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 continue;
             }
             for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
+            v8f qv[C > 0 ? MAX_GROUP * C : 1];          /* the group's queries, as 8-float chunks */
+            for (int64_t g = 0; C && g < group; g++)
+                for (int c = 0; c < C; c++) memcpy(&qv[g * C + c], qh + g * head_dim + 8 * c, 32);
             /* Walk the context block by block (no division per key): positions p in
              * [start, len), slot = table[p / block_size] * block_size + p % block_size. */
             for (int64_t p = start, t = 0; p < len;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
                 const uint8_t *kr = kc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                 for (int64_t j = 0; j < run; j++, t++, kr += tok_stride) {
+                    if (j + PF < run) prefetch_row(kr + PF * tok_stride, row_bytes);
                     const float ks = scale * row_scale(kr, head_dim, quantized);
                     for (int64_t g = 0; g < group; g++) {
-                        const float s = row_dot(qh + g * head_dim, kr, head_dim, quantized) * ks;
+                        const float s = (C ? row_dot8(qv + g * C, kr, C, quantized)
+                                           : row_dot(qh + g * head_dim, kr, head_dim, quantized)) * ks;
                         scores[g * n + t] = s;
                         if (s > mx[g]) mx[g] = s;
                     }
@@ -141,7 +179,25 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
                 memset(oh + g * head_dim, 0, sizeof(float) * head_dim);
             }
-            for (int64_t p = start, t = 0; p < len;) {
+            /* head_dim = 8 C: one query head at a time, its weighted sum of V in registers (the
+             * context's V rows come from cache after the first head); the same additions, in
+             * the same order, as the row_axpy loop below. */
+            for (int64_t g = 0; C && g < group; g++) {
+                v8f acc[C > 0 ? C : 1];
+                for (int c = 0; c < C; c++) acc[c] = (v8f){0};
+                for (int64_t p = start, t = 0; p < len;) {
+                    const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
+                    const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
+                    for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
+                        if (g == 0 && j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
+                        const float w = scores[g * n + t] * row_scale(vr, head_dim, quantized);
+                        for (int c = 0; c < C; c++) acc[c] += w * load8(vr, c, quantized);
+                    }
+                    p += run;
+                }
+                memcpy(oh + g * head_dim, acc, sizeof(float) * head_dim);
+            }
+            for (int64_t p = start, t = 0; p < len && !C;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
                 const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                 for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
@@ -168,12 +224,17 @@ void paged_attention_team(const float *q, const void *k_cache, const void *v_cac
                           const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t int8_rows) {
-    if (int8_rows)
-        attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
-               kv_heads, head_dim, block_size, scale, window, 1);
-    else
-        attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
-               kv_heads, head_dim, block_size, scale, window, 0);
+    /* Instantiations with the row format and, for the usual head sizes, head_dim / 8 fixed at
+     * compile time (C = 0: any head_dim). */
+#define ATTEND(QUANT, C) attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, \
+                                num_heads, kv_heads, head_dim, block_size, scale, window, QUANT, C)
+    const int C = head_dim == 64 ? 8 : head_dim == 128 ? 16 : 0;
+    if (int8_rows) {
+        if (C == 8) ATTEND(1, 8); else if (C == 16) ATTEND(1, 16); else ATTEND(1, 0);
+    } else {
+        if (C == 8) ATTEND(0, 8); else if (C == 16) ATTEND(0, 16); else ATTEND(0, 0);
+    }
+#undef ATTEND
 }
 
 /* The exported entry: its own parallel region over num_threads threads. */

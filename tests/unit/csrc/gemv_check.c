@@ -9,9 +9,11 @@
  * outlier, an all-zero block and a row small enough for subnormal d dx (compared bit for bit, not
  * with the reference below: such scales keep few significant bits), runs gguf_gemv over
  * shapes with N not a multiple of 16 and M = 1..20 (every tile size R = 1..8), and prints per
- * case a hash of the output bits and the first values' bits (all of them with --all).
+ * case a hash of the output bits and the first values' bits (all of them with --all), for the
+ * integer GEMV and for the float32 GEMM of prompt tokens (gguf_gemm_f32).
  * It also checks every output against a double-precision sum of the dequantized weights times x:
- * |y - ref| <= 2^-12 sum_k |w_k x_k| (+ 2^-20 (|bias| + |y before|)); exit status 1 if not.
+ * |y - ref| <= 2^-12 sum_k |w_k x_k| (float32 GEMM: K 2^-24 sum_k |w_k x_k|) (+ 2^-20 (|bias| +
+ * |y before|)); exit status 1 if not.
  *
  * Build, e.g.: cc -O2 -ffp-contract=off -I kvserve/ops/csrc tests/unit/csrc/gemv_check.c
  *              kvserve/ops/csrc/gguf_gemv.c kvserve/ops/csrc/gguf_gemv_portable.c -o gemv_check
@@ -28,6 +30,9 @@
 int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
               int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
               int64_t num_threads);
+int gguf_gemm_f32(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+                  int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
+                  int64_t num_threads);
 const char *gguf_gemv_isa(void);
 
 static uint64_t rng_state;
@@ -139,10 +144,13 @@ int main(int argc, char **argv) {
             x[5] = 40.f * (1 + (float)below(4));                       /* an outlier */
             if (M > 1 && K >= 64)
                 for (int k = 32; k < 64; k++) x[ldx + k] = 0.f;         /* an all-zero block */
-            for (int64_t i = 0; i < M * ldy; i++) y[i] = y0[i] = uniform() * 4;
+            for (int64_t i = 0; i < M * ldy; i++) y0[i] = uniform() * 4;
             for (int64_t n = 0; n < N; n++) bias[n] = uniform();
-            const int rc = gguf_gemv(w, kind, N, K, x, ldx, M, y, ldy, sh.bias ? bias : NULL, sh.accumulate, 1);
-            if (rc != 0) { printf("case %d: gguf_gemv returned %d\n", ncase, rc); failed = 1; }
+          for (int f32 = 0; f32 < 2; f32++) {
+            memcpy(y, y0, sizeof(float) * (size_t)(M * ldy));
+            const int rc = (f32 ? gguf_gemm_f32 : gguf_gemv)(w, kind, N, K, x, ldx, M, y, ldy, sh.bias ? bias : NULL,
+                                                             sh.accumulate, 1);
+            if (rc != 0) { printf("case %d: %s returned %d\n", ncase, f32 ? "gguf_gemm_f32" : "gguf_gemv", rc); failed = 1; }
 
             uint64_t h = 0xcbf29ce484222325ull;
             int ok = 1;
@@ -161,7 +169,7 @@ int main(int argc, char **argv) {
                     double extra = 0;
                     if (sh.bias) { ref += bias[n]; extra += fabs(bias[n]); }
                     if (sh.accumulate) { ref += y0[r * ldy + n]; extra += fabs(y0[r * ldy + n]); }
-                    const double bound = ldexp(mag, -12) + ldexp(extra, -20) + 1e-37;
+                    const double bound = (f32 ? ldexp(mag, -24) * (double)K : ldexp(mag, -12)) + ldexp(extra, -20) + 1e-37;
                     const double ratio = fabs(got - ref) / bound;
                     if (!(ratio <= 1)) {
                         if (ok) printf("case %d: y[%lld][%lld] = %.9g, reference %.9g, bound %.3g\n", ncase,
@@ -171,15 +179,16 @@ int main(int argc, char **argv) {
                     if (ratio > worst) worst = ratio;
                 }
             failed |= !ok;
-            printf("case %2d kind %d%s N %3lld K %4lld M %2lld: %016llx", ncase, kind,
-                   kind == 4 ? (variant ? "/m" : "/0") : "  ", (long long)N, (long long)K, (long long)M,
+            printf("case %2d %s kind %d%s N %3lld K %4lld M %2lld: %016llx", ncase, f32 ? "f32 " : "gemv",
+                   kind, kind == 4 ? (variant ? "/m" : "/0") : "  ", (long long)N, (long long)K, (long long)M,
                    (unsigned long long)h);
             for (int64_t i = 0; i < (all ? M * ldy : 4); i++) printf(" %08x", bits(y[i]));
             printf("%s\n", ok ? "" : "  REFERENCE MISMATCH");
+          }
             free(w); free(x); free(y); free(y0); free(bias);
             ncase++;
         }
-    printf("reference check (|y - ref| <= 2^-12 sum|w x|): %s, worst error / bound %.3f\n",
+    printf("reference check (|y - ref| <= 2^-12 sum|w x|, float32 GEMM K 2^-24 sum|w x|): %s, worst error / bound %.3f\n",
            failed ? "FAILED" : "passed", worst);
     return failed;
 }
