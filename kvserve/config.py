@@ -96,7 +96,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None   # bytes; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = 0.25
-    kv_cache_dtype: str = "auto"         # auto (= model dtype) | float32 | bfloat16 | float16 | int8
+    kv_cache_dtype: str = "auto"         # auto | float32 | bfloat16 | float16 | int8 (resolved_kv_dtype)
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact pool size
 
@@ -112,6 +112,14 @@ class CacheConfig:
                 f"KV cache budget {budget} bytes holds no block of {self.block_size} tokens "
                 f"({kv.bytes_per_token} bytes/token): raise --kv-cache-memory")
         return int(blocks)
+
+    def resolved_kv_dtype(self, model_dtype: str) -> str:
+        """The KV pool's element type. auto: float16 for a float32 model (half the memory and
+        the memory traffic of float32 KV; the C kernels convert half rows to float32 exactly,
+        and llama.cpp keeps its KV in f16 by default too), else the model's dtype."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return "float16" if model_dtype == "float32" else model_dtype
 
 
 @dataclass
@@ -149,7 +157,7 @@ def add_engine_args(parser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache element type (default: %(default)s = compute dtype). int8 keeps each "
+                   help="KV cache element type (default: %(default)s = float16 for float32 models, else the compute dtype). int8 keeps each "
                         "token's K/V rows as int8 with a float32 scale: 3.8x the tokens of float32 for the "
                         "same memory, read in place by the C decode kernels; bfloat16/float16 halve KV "
                         "memory (decodes then take the slower torch attention path). fp8 is not built")

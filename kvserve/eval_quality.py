@@ -43,11 +43,11 @@ KV_SEPARATOR = "@"           # "gguf:decode@int8": ... with an int8 KV cache
 class FormatSpec:
     weights: str               # a weight format of kvserve.model.quant.FORMATS
     decode: bool               # fed token by token (decode steps) instead of window prefills
-    kv_dtype: str              # float32 | int8
+    kv_dtype: str              # float32 | float16 | int8
 
 
 def parse_format(text: str) -> FormatSpec:
-    """'gguf' | 'gguf:decode' | 'none@int8' | 'gguf:decode@int8' -> FormatSpec."""
+    """'gguf' | 'gguf:decode' | 'none@int8' | 'gguf:decode@float16' -> FormatSpec."""
     rest, _, kv = text.partition(KV_SEPARATOR)
     return FormatSpec(rest.removesuffix(DECODE_SUFFIX), rest.endswith(DECODE_SUFFIX), kv or "float32")
 PPL_BOUND = 0.01
@@ -76,8 +76,8 @@ def corpus_text() -> str:
 
 
 class _Pool:
-    """One window's paged KV pool: contiguous blocks 0..n-1 (a fresh context per window), float32
-    or int8 rows (kvserve.ops.kv_int8)."""
+    """One window's paged KV pool: contiguous blocks 0..n-1 (a fresh context per window), float32,
+    float16 or int8 rows (kvserve.ops.kv_int8)."""
 
     def __init__(self, arch, tokens: int, kv_dtype: str = "float32", block: int = 16):
         from kvserve.ops import kv_int8
@@ -87,8 +87,10 @@ class _Pool:
         dtype = torch.float32
         if kv_dtype == "int8":
             shape, dtype = kv_int8.pool_shape(*shape), torch.int8
+        elif kv_dtype == "float16":
+            dtype = torch.float16
         elif kv_dtype != "float32":
-            raise ValueError(f"KV dtype {kv_dtype!r}: eval-quality measures float32 or int8")
+            raise ValueError(f"KV dtype {kv_dtype!r}: eval-quality measures float32, float16 or int8")
         self.kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
         self.table = torch.arange(n)[None]
 
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated weight formats; the reference fp32 'none' is always included. "
                         "FORMAT:decode feeds the text one token per step, through the decode kernels "
                         "(the C layer stack for gguf), instead of whole-window prefills; "
-                        "FORMAT@int8 uses an int8 KV cache (e.g. none@int8, gguf:decode@int8)")
+                        "FORMAT@int8 or FORMAT@float16 uses that KV cache dtype instead of float32 (e.g. none@int8, "
+                        "gguf:decode@float16, what the engine keeps by default)")
     p.add_argument("--max-tokens", type=int, default=24576, help="tokens of the text to use (default: %(default)s)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -203,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     formats = ["none"] + [f for f in args.formats.split(",") if f and f != "none"]
     specs = {f: parse_format(f) for f in formats}
     for f, spec in specs.items():
-        if spec.weights not in FORMATS or spec.kv_dtype not in ("float32", "int8"):
-            p.error(f"unknown format {f!r}: FORMAT[{DECODE_SUFFIX}][{KV_SEPARATOR}int8], FORMAT one of "
+        if spec.weights not in FORMATS or spec.kv_dtype not in ("float32", "float16", "int8"):
+            p.error(f"unknown format {f!r}: FORMAT[{DECODE_SUFFIX}][{KV_SEPARATOR}int8|float16], FORMAT one of "
                     f"{', '.join(FORMATS)}")
     loaded = {}
     for spec in specs.values():

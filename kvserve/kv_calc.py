@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None,
                     help=f"GGUF file, Hugging Face directory or config.json, or a preset "
                          f"({', '.join(PRESETS)}); default: the bundled SmolLM2-135M GGUF")
-    ap.add_argument("--dtype", default="float32",
-                    help="KV cache dtype: float32, bfloat16, float16 or int8 (default float32)")
+    ap.add_argument("--dtype", default="float16",
+                    help="KV cache dtype: float32, bfloat16, float16 or int8 (default float16: "
+                         "what kvserve keeps for a float32 model)")
     ap.add_argument("--weight-dtype", default=None,
                     help="dtype of the weights line when the file does not say how they are stored "
                          "(a GGUF file does); default: config.json's torch_dtype, else float32")

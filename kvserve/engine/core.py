@@ -88,7 +88,7 @@ class EngineCore:
         self.model_name = getattr(arch, "model_name", None) or _stem(loaded.path)
         self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
-        kv_dtype = config.model.dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
+        kv_dtype = config.cache.resolved_kv_dtype(config.model.dtype)
         self.kv_shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, DTYPE_BYTES[kv_dtype],
                                 KV_SCALE_BYTES.get(kv_dtype, 0))
         self.num_blocks = config.cache.num_blocks(self.kv_shape)

@@ -201,7 +201,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     window: int | None, qseq: torch.Tensor | None = None) -> None:
     """out[qrow[i]] = softmax(q[qrow[i]] K^T * scale) V over row i's `lens[i]` context slots,
     whose blocks table row qseq[i] names (qseq None: row i), for float32 q [T, Hq, D], pools
-    [NB, BS, Hkv, D] float32 or [NB, BS, Hkv, D + 4] int8 (kv_int8 rows), int64 qrow [R], tables
+    [NB, BS, Hkv, D] float32 / float16 or [NB, BS, Hkv, D + 4] int8 (kv_int8 rows), int64 qrow [R], tables
     [B, nblk], lens [R]. Every tensor must be contiguous."""
     lib = library()
     T, Hq, D = q.shape
@@ -209,14 +209,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib.paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                         qrow.data_ptr(), qseq.data_ptr() if qseq is not None else None, tables.data_ptr(),
                         tables.stride(0), lens.data_ptr(), qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0,
-                        torch.get_num_threads(), int(k_cache.dtype == torch.int8))
+                        torch.get_num_threads(), kv_format(k_cache.dtype))
+
+
+# The KV pool dtypes the C kernels read, and their kv_format codes (csrc/paged_attention.c).
+KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.float16: 2}
+
+
+def kv_format(dtype: torch.dtype) -> int:
+    return KV_FORMATS[dtype]
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether paged_attention takes these tensors (float32 q, float32 or int8 pools, GQA group
+    """Whether paged_attention takes these tensors (float32 q, float32, float16 or int8 pools, GQA group
     <= MAX_GROUP); q is made contiguous by the caller."""
     return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
-            and k_cache.dtype in (torch.float32, torch.int8)
+            and k_cache.dtype in KV_FORMATS
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
             and available())
 
@@ -252,7 +260,7 @@ class StackLayer(ctypes.Structure):
 class StackModel(ctypes.Structure):
     """stack_model_t of csrc/layer_stack.c: shapes, embedding, final norm, rope tables, layers."""
     _fields_ = [(n, ctypes.c_int64) for n in ("num_layers", "hidden", "num_heads", "kv_heads", "head_dim",
-                                             "intermediate", "block_size", "window", "kv_int8")] \
+                                             "intermediate", "block_size", "window", "kv_format")] \
         + [("eps", ctypes.c_double), ("scale", ctypes.c_double)] \
         + [(n, ctypes.c_void_p) for n in ("embed", "norm", "cos", "sin")] \
         + [("layers", ctypes.POINTER(StackLayer))]

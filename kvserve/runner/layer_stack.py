@@ -48,8 +48,8 @@ class CLayerStack:
 
     @staticmethod
     def runs(kv_caches) -> bool:
-        """Whether the KV pool is one the C attention reads (float32 or int8 rows)."""
-        return kv_caches[0][0].dtype in (torch.float32, torch.int8)
+        """Whether the KV pool is one the C attention reads (float32, float16 or int8 rows)."""
+        return kv_caches[0][0].dtype in cpu_kernels.KV_FORMATS
 
     def _bind(self, kv_caches) -> None:
         """The C tables of weights and pools (pointers into tensors that live as long as the model)."""
@@ -70,7 +70,7 @@ class CLayerStack:
         a = m.layers[0].self_attn
         self._struct = cpu_kernels.StackModel(
             len(m.layers), arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, arch.intermediate_size,
-            kv_caches[0][0].shape[1], a.sliding_window or 0, int(kv_caches[0][0].dtype == torch.int8),
+            kv_caches[0][0].shape[1], a.sliding_window or 0, cpu_kernels.kv_format(kv_caches[0][0].dtype),
             m.layers[0].input_layernorm.eps, a.scale,
             ptr(m.embed_tokens.weight), ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
             ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)))

@@ -64,8 +64,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         self.seed = config.seed
-        kv_dtype = config.cache.kv_cache_dtype
-        self.kv_dtype = _TORCH_DTYPES[config.model.dtype if kv_dtype == "auto" else kv_dtype]
+        self.kv_dtype = _TORCH_DTYPES[config.cache.resolved_kv_dtype(config.model.dtype)]
         shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         if self.kv_dtype == torch.int8:       # rows of int8 values + a float32 scale (ops/kv_int8.py)
             shape = kv_int8.pool_shape(*shape)

@@ -15,9 +15,9 @@ TEXT = ("The paged KV cache stores keys and values in fixed blocks of sixteen to
 
 @pytest.fixture(scope="module")
 def dense(default_gguf):
-    # fp32 weights (the GGUF dequantized once), a token budget of 64: the prompt runs in chunks
+    # fp32 weights (the GGUF dequantized once) and fp32 KV, a token budget of 64: the prompt runs in chunks
     return LLM(default_gguf, quantization="none", num_threads=1, kv_cache_memory="64MiB", max_model_len=512,
-               max_num_batched_tokens=64)
+               max_num_batched_tokens=64, kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")

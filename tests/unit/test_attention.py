@@ -258,17 +258,24 @@ def run_kernel(q, kc, vc, meta, rows, scale, window):
 PROMPT_CHUNKS = [(0, 9), (12, 6), (30, 1), (5, 1), (0, 1)]
 
 
+def _pools(kv, kc, vc):
+    """The float32 test pools as a pool of dtype `kv` (int8: kv_int8 rows)."""
+    if kv == "int8":
+        return _int8_pools(kc, vc)
+    return (kc.half(), vc.half()) if kv == "float16" else (kc, vc)
+
+
 @needs_cc
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "int8", "float16"])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 20), (4, 4, 16), (8, 1, 8)])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 20), (4, 4, 16), (8, 1, 8), (6, 2, 64), (4, 1, 128)])
 def test_c_kernel_prompt_rows_match_reference(use_isa, kv, window, hq, hkv, d):
     """Rows that are prompt tokens (several per sequence, sharing its table row through qseq, each
     with lens = its position + 1) equal the reference attention of those tokens, on every ISA."""
     rng = random.Random(hq * 7 + d)
     q, k, v, kc, vc, meta = make_batch(rng, PROMPT_CHUNKS, 4, 40, hq, hkv, d)
-    if kv == "int8":
-        kc, vc = _int8_pools(kc, vc)
+    if kv != "float32":
+        kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)
     rows = token_rows(meta)
     want = paged_attention_ref(q, kc, vc, meta, 0.3, sliding_window=window)
@@ -280,15 +287,16 @@ def test_c_kernel_prompt_rows_match_reference(use_isa, kv, window, hq, hkv, d):
 
 
 @needs_cc
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "int8", "float16"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, kv, window):
+@pytest.mark.parametrize("d", [20, 64])
+def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, kv, window, d):
     """A token's output is bitwise the same in a batch or alone, with 1 or 2 threads, on every
-    ISA build the host runs."""
+    ISA build the host runs (d = 64: the kernel's head size with the query in registers)."""
     rng = random.Random(21)
-    q, k, v, kc, vc, meta = make_batch(rng, PROMPT_CHUNKS + [(3, 4)], 4, 48, 6, 2, 20)
-    if kv == "int8":
-        kc, vc = _int8_pools(kc, vc)
+    q, k, v, kc, vc, meta = make_batch(rng, PROMPT_CHUNKS + [(3, 4)], 4, 48, 6, 2, d)
+    if kv != "float32":
+        kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)
     rows = token_rows(meta, seed=5)
     per_isa = {}

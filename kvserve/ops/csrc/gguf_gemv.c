@@ -132,8 +132,8 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, float 
     for (int64_t b = 0; b < nb; b++, wg += pb) {
         float d[GGUF_ROWS], m[GGUF_ROWS];
         for (int i = 0; i < GGUF_ROWS; i++) {
-            d[i] = gguf_half_to_float(gguf_load_u16(wg + 2 * i));
-            m[i] = kind == 4 ? gguf_half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
+            d[i] = half_to_float(gguf_load_u16(wg + 2 * i));
+            m[i] = kind == 4 ? half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
         }
         float *o = wt + b * 32 * ld;
         const int chunks = kind == 4 ? 4 : 8;

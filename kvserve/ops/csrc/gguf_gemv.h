@@ -44,6 +44,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
 #define GGUF_ROWS 16         /* output rows per interleaved group */
 #define GGUF_TILE_M 8        /* activation rows per pass over a group's weights */
 #define GGUF_F32_N 32        /* weight rows per float32 tile: two groups */
@@ -84,24 +86,6 @@ int gguf_f32_tile_rows(void);
 /* The name of the instruction set the kernel was written for ("avx512vnni", "avx2", "neon",
  * "portable"). */
 const char *gguf_kernel_isa(void);
-
-/* IEEE half -> float, exact, without F16C or Arm fp16 instructions (the portable reference). */
-static inline float gguf_half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    uint32_t bits;
-    float f;
-    if (exp == 0) {                       /* zero or subnormal: man * 2^-24, exact */
-        f = (float)man * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 static inline uint16_t gguf_load_u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
 

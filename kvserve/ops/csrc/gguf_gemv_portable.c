@@ -12,8 +12,8 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
         for (int i = 0; i < GGUF_ROWS; i++) out[r * GGUF_ROWS + i] = 0.f;
     for (int64_t b = 0; b < nb; b++, wg += pb) {
         for (int i = 0; i < GGUF_ROWS; i++) {
-            const float d = gguf_half_to_float(gguf_load_u16(wg + 2 * i));
-            const float m = kind == 4 ? gguf_half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
+            const float d = half_to_float(gguf_load_u16(wg + 2 * i));
+            const float m = kind == 4 ? half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
             for (int r = 0; r < R; r++) {
                 const int8_t *xa = a->xq + (r * nb + b) * 64, *xb = xa + 32;
                 int32_t s = 0;

@@ -18,7 +18,7 @@
  *
  * Every linear is a GGUF-packed weight (gguf_gemv.c): prompt tokens (prompt[t] != 0) go through
  * its float32 GEMM, the others (decodes) through its integer GEMV. Activations and norms are
- * float32, the KV pool float32 or int8 rows with a scale (kv_int8). Each token's numbers are
+ * float32, the KV pool float32, IEEE half or int8 rows with a scale (kv_int8). Each token's numbers are
  * computed on their own, in a fixed order, and its kernels depend only on whether it is a prompt
  * token: the output does not depend on the other tokens of the batch, the thread count or the
  * ISA (see gguf_gemv.h and paged_attention.c).
@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "fixed_math.h"
+#include "half.h"
 
 int64_t gguf_workspace_bytes(int64_t M, int64_t K);
 int gguf_gemv_check(int64_t kind, int64_t K);
@@ -42,19 +43,19 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                          int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t int8_rows);
+                          int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t kv_format);
 
 typedef struct {
     const float *ln1, *ln2;                          /* RMSNorm weights [hidden] */
     const uint8_t *qkv, *o, *gate_up, *down;         /* gguf_gemv packed weights */
     int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
     const float *qkv_bias, *o_bias;                  /* NULL when the layer has none */
-    void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows: float32[head_dim], or
-                                     int8[head_dim] + float32 scale when kv_int8 */
+    void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows (kv_format): 0 float32[head_dim],
+                                     1 int8[head_dim] + float32 scale, 2 IEEE half[head_dim] */
 } stack_layer_t;
 
 typedef struct {
-    int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, block_size, window, kv_int8;
+    int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, block_size, window, kv_format;
     double eps, scale;
     const float *embed;                              /* [vocab][hidden] */
     const float *norm;                               /* final RMSNorm [hidden] */
@@ -92,10 +93,15 @@ static inline float exp_f32(float x) {
     return exp_in_range(x);
 }
 
-/* Store one token's K or V heads ([kv_heads][D] floats) at `slot` of a pool. */
-static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads, int64_t D, int64_t int8) {
-    if (!int8) {
+/* Store one token's K or V heads ([kv_heads][D] floats) at `slot` of a pool of format fmt. */
+static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads, int64_t D, int64_t fmt) {
+    if (fmt == 0) {
         memcpy((float *)pool + slot * kv_heads * D, x, sizeof(float) * kv_heads * D);
+        return;
+    }
+    if (fmt == 2) {                                    /* round to nearest even, as torch's .half() */
+        uint16_t *row = (uint16_t *)pool + slot * kv_heads * D;
+        for (int64_t i = 0; i < kv_heads * D; i++) row[i] = float_to_half(x[i]);
         return;
     }
     for (int64_t h = 0; h < kv_heads; h++) {           /* kv_int8.quantize, row by row */
@@ -182,12 +188,12 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
                 const float *c = m->cos + positions[t] * D, *s = m->sin + positions[t] * D;
                 for (int64_t hd = 0; hd < m->num_heads + m->kv_heads; hd++) rope(row + hd * D, c, s, D);
                 memcpy(q + t * qs, row, sizeof(float) * qs);
-                store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_int8);
-                store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_int8);
+                store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_format);
+                store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_format);
             }
             paged_attention_team(q, L->k_cache, L->v_cache, att, qrow, seq, tables, table_stride, lens, T,
                                  m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
-                                 m->kv_int8);
+                                 m->kv_format);
             linear(&rs, L->o, L->o_kind, H, qs, att, qs, h, H, L->o_bias, 1);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);

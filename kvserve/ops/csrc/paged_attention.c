@@ -4,8 +4,9 @@
  * not depend on how its prompt was chunked or what else ran in the step.
  *
  * Pool layout (one layer): k_cache, v_cache float32 [num_blocks][block_size][kv_heads][head_dim],
- * or int8 rows (int8_rows): each (slot, kv head) row is head_dim int8 values followed by its
- * float32 scale in 4 bytes (x ~= scale * q; kvserve/ops/kv_int8.py writes them).
+ * IEEE half [num_blocks][block_size][kv_heads][head_dim] (kv_format KV_F16, converted exactly to
+ * float32 on read), or int8 rows (KV_INT8): each (slot, kv head) row is head_dim int8 values
+ * followed by its float32 scale in 4 bytes (x ~= scale * q; kvserve/ops/kv_int8.py writes them).
  * Row i: query q[qrow[i]] (float32 [num_heads][head_dim]), context of lens[i] tokens whose slots
  * are table[p / block_size] * block_size + p % block_size with table = tables + qseq[i] *
  * table_stride (qseq NULL: row i uses table row i); keys older than `window` positions
@@ -25,6 +26,17 @@
 #include <string.h>
 
 #include "fixed_math.h"
+#include "half.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+/* Row formats of the pool (kv_format): float32, int8 + float32 scale, IEEE half. */
+#define KV_F32 0
+#define KV_INT8 1
+#define KV_F16 2
 
 #define MAX_GROUP 16
 #define LANES 8
@@ -41,41 +53,33 @@ static inline float exp_nonpos(float x) {
     return x < -87.f ? 0.f : e;
 }
 
-/* One K row's dot with a query head: float32 rows in place, int8 rows converted (exactly). */
+/* Element d of a K or V row, as float32 (exact for every row format). */
+static inline __attribute__((always_inline)) float elem(const uint8_t *row, int64_t d, const int fmt) {
+    if (fmt == KV_INT8) return (float)((const int8_t *)row)[d];
+    if (fmt == KV_F16) return half_to_float(((const uint16_t *)row)[d]);
+    return ((const float *)row)[d];
+}
+
+/* One K row's dot with a query head (any head_dim): 8 partial sums, fixed tree. */
 static inline __attribute__((always_inline)) float
-row_dot(const float *x, const uint8_t *row, int64_t head_dim, const int quantized) {
+row_dot(const float *x, const uint8_t *row, int64_t head_dim, const int fmt) {
     float acc[LANES] = {0};
     int64_t d = 0;
-    if (quantized) {
-        const int8_t *r = (const int8_t *)row;
-        for (; d + LANES <= head_dim; d += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * (float)r[d + l];
-        float s = tree8(acc);
-        for (; d < head_dim; d++) s += x[d] * (float)r[d];
-        return s;
-    }
-    const float *r = (const float *)row;
     for (; d + LANES <= head_dim; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * r[d + l];
+        for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * elem(row, d + l, fmt);
     float s = tree8(acc);
-    for (; d < head_dim; d++) s += x[d] * r[d];
+    for (; d < head_dim; d++) s += x[d] * elem(row, d, fmt);
     return s;
 }
 
 static inline __attribute__((always_inline)) void
-row_axpy(float *restrict y, float w, const uint8_t *row, int64_t head_dim, const int quantized) {
-    if (quantized) {
-        const int8_t *r = (const int8_t *)row;
-        for (int64_t d = 0; d < head_dim; d++) y[d] += w * (float)r[d];
-    } else {
-        const float *r = (const float *)row;
-        for (int64_t d = 0; d < head_dim; d++) y[d] += w * r[d];
-    }
+row_axpy(float *restrict y, float w, const uint8_t *row, int64_t head_dim, const int fmt) {
+    for (int64_t d = 0; d < head_dim; d++) y[d] += w * elem(row, d, fmt);
 }
 
-static inline __attribute__((always_inline)) float row_scale(const uint8_t *row, int64_t head_dim, const int quantized) {
+static inline __attribute__((always_inline)) float row_scale(const uint8_t *row, int64_t head_dim, const int fmt) {
     float s = 1.f;
-    if (quantized) memcpy(&s, row + head_dim, 4);
+    if (fmt == KV_INT8) memcpy(&s, row + head_dim, 4);
     return s;
 }
 
@@ -92,13 +96,28 @@ static inline __attribute__((always_inline)) void prefetch_row(const uint8_t *ro
 typedef float v8f __attribute__((vector_size(32)));
 typedef int8_t v8i8 __attribute__((vector_size(8)));
 
-static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64_t c, const int quantized) {
-    if (quantized) {
+static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64_t c, const int fmt) {
+    v8f v;
+    if (fmt == KV_INT8) {
         v8i8 q;
         memcpy(&q, row + 8 * c, 8);
         return __builtin_convertvector(q, v8f);
     }
-    v8f v;
+    if (fmt == KV_F16) {                 /* exact conversions: the same floats on every build */
+#if defined(__F16C__)
+        const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * c)));
+        memcpy(&v, &f, 32);
+#elif defined(__aarch64__)
+        const uint16x8_t h = vld1q_u16((const uint16_t *)(row + 16 * c));
+        const float32x4_t lo = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h)));
+        const float32x4_t hi = vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h)));
+        memcpy(&v, &lo, 16);
+        memcpy((char *)&v + 16, &hi, 16);
+#else
+        for (int l = 0; l < 8; l++) v[l] = half_to_float(((const uint16_t *)row)[8 * c + l]);
+#endif
+        return v;
+    }
     memcpy(&v, row + 32 * c, 32);
     return v;
 }
@@ -106,9 +125,9 @@ static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64
 /* row_dot for head_dim = 8 C (C 8-float chunks, a compile-time constant): the same 8 partial
  * sums and tree, with the query's chunks in registers. */
 static inline __attribute__((always_inline)) float
-row_dot8(const v8f *x, const uint8_t *row, const int C, const int quantized) {
+row_dot8(const v8f *x, const uint8_t *row, const int C, const int fmt) {
     v8f acc = {0};
-    for (int c = 0; c < C; c++) acc += x[c] * load8(row, c, quantized);
+    for (int c = 0; c < C; c++) acc += x[c] * load8(row, c, fmt);
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
@@ -134,9 +153,9 @@ static inline __attribute__((always_inline)) void
 attend(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *qrow,
        const int64_t *qseq, const int64_t *tables, int64_t table_stride, const int64_t *lens,
        int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-       float scale, int64_t window, const int quantized, const int C) {
+       float scale, int64_t window, const int fmt, const int C) {
     const int64_t group = num_heads / kv_heads;
-    const int64_t row_bytes = quantized ? head_dim + 4 : head_dim * 4;
+    const int64_t row_bytes = fmt == KV_INT8 ? head_dim + 4 : fmt == KV_F16 ? head_dim * 2 : head_dim * 4;
     const int64_t tok_stride = kv_heads * row_bytes;       /* bytes between slots */
     const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
     #pragma omp for collapse(2) schedule(dynamic, 1)
@@ -165,10 +184,10 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 const uint8_t *kr = kc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                 for (int64_t j = 0; j < run; j++, t++, kr += tok_stride) {
                     if (j + PF < run) prefetch_row(kr + PF * tok_stride, row_bytes);
-                    const float ks = scale * row_scale(kr, head_dim, quantized);
+                    const float ks = scale * row_scale(kr, head_dim, fmt);
                     for (int64_t g = 0; g < group; g++) {
-                        const float s = (C ? row_dot8(qv + g * C, kr, C, quantized)
-                                           : row_dot(qh + g * head_dim, kr, head_dim, quantized)) * ks;
+                        const float s = (C ? row_dot8(qv + g * C, kr, C, fmt)
+                                           : row_dot(qh + g * head_dim, kr, head_dim, fmt)) * ks;
                         scores[g * n + t] = s;
                         if (s > mx[g]) mx[g] = s;
                     }
@@ -190,8 +209,8 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                     const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                     for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
                         if (g == 0 && j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
-                        const float w = scores[g * n + t] * row_scale(vr, head_dim, quantized);
-                        for (int c = 0; c < C; c++) acc[c] += w * load8(vr, c, quantized);
+                        const float w = scores[g * n + t] * row_scale(vr, head_dim, fmt);
+                        for (int c = 0; c < C; c++) acc[c] += w * load8(vr, c, fmt);
                     }
                     p += run;
                 }
@@ -201,9 +220,9 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
                 const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                 for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
-                    const float vs = row_scale(vr, head_dim, quantized);
+                    const float vs = row_scale(vr, head_dim, fmt);
                     for (int64_t g = 0; g < group; g++)
-                        row_axpy(oh + g * head_dim, scores[g * n + t] * vs, vr, head_dim, quantized);
+                        row_axpy(oh + g * head_dim, scores[g * n + t] * vs, vr, head_dim, fmt);
                 }
                 p += run;
             }
@@ -218,22 +237,22 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
 }
 
 /* The work of one call shared by the threads of an enclosing OpenMP parallel region (layer_stack.c):
- * float32 pools, or int8 rows with a scale when int8_rows is set. Each branch is an
- * instantiation with its row format fixed at compile time. */
+ * kv_format: KV_F32, KV_INT8 (rows with a scale) or KV_F16. Each branch is an instantiation with
+ * its row format fixed at compile time. */
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                          int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t int8_rows) {
+                          int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t kv_format) {
     /* Instantiations with the row format and, for the usual head sizes, head_dim / 8 fixed at
      * compile time (C = 0: any head_dim). */
-#define ATTEND(QUANT, C) attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, \
-                                num_heads, kv_heads, head_dim, block_size, scale, window, QUANT, C)
+#define ATTEND(FMT, C) attend(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, \
+                              num_heads, kv_heads, head_dim, block_size, scale, window, FMT, C)
+#define BY_SIZE(FMT) do { if (C == 8) ATTEND(FMT, 8); else if (C == 16) ATTEND(FMT, 16); else ATTEND(FMT, 0); } while (0)
     const int C = head_dim == 64 ? 8 : head_dim == 128 ? 16 : 0;
-    if (int8_rows) {
-        if (C == 8) ATTEND(1, 8); else if (C == 16) ATTEND(1, 16); else ATTEND(1, 0);
-    } else {
-        if (C == 8) ATTEND(0, 8); else if (C == 16) ATTEND(0, 16); else ATTEND(0, 0);
-    }
+    if (kv_format == KV_INT8) BY_SIZE(KV_INT8);
+    else if (kv_format == KV_F16) BY_SIZE(KV_F16);
+    else BY_SIZE(KV_F32);
+#undef BY_SIZE
 #undef ATTEND
 }
 
@@ -242,9 +261,9 @@ void paged_attention(const float *q, const void *k_cache, const void *v_cache, f
                      const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                      const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                     int64_t num_threads, int64_t int8_rows) {
+                     int64_t num_threads, int64_t kv_format) {
     (void)num_threads;
     #pragma omp parallel num_threads(num_threads)
     paged_attention_team(q, k_cache, v_cache, out, qrow, qseq, tables, table_stride, lens, num_rows, num_heads,
-                         kv_heads, head_dim, block_size, scale, window, int8_rows);
+                         kv_heads, head_dim, block_size, scale, window, kv_format);
 }
