@@ -37,6 +37,7 @@
 #define KV_F32 0
 #define KV_INT8 1
 #define KV_F16 2
+#define UNROLL _Pragma("GCC unroll 16")   /* whole: the chunk arrays stay in registers */
 
 #define MAX_GROUP 16
 #define LANES 8
@@ -127,7 +128,7 @@ static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64
 static inline __attribute__((always_inline)) float
 row_dot8(const v8f *x, const uint8_t *row, const int C, const int fmt) {
     v8f acc = {0};
-    for (int c = 0; c < C; c++) acc += x[c] * load8(row, c, fmt);
+    UNROLL for (int c = 0; c < C; c++) acc += x[c] * load8(row, c, fmt);
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
@@ -203,18 +204,18 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
              * the same order, as the row_axpy loop below. */
             for (int64_t g = 0; C && g < group; g++) {
                 v8f acc[C > 0 ? C : 1];
-                for (int c = 0; c < C; c++) acc[c] = (v8f){0};
+                UNROLL for (int c = 0; c < C; c++) acc[c] = (v8f){0};
                 for (int64_t p = start, t = 0; p < len;) {
                     const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
                     const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
                     for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
                         if (g == 0 && j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
                         const float w = scores[g * n + t] * row_scale(vr, head_dim, fmt);
-                        for (int c = 0; c < C; c++) acc[c] += w * load8(vr, c, fmt);
+                        UNROLL for (int c = 0; c < C; c++) acc[c] += w * load8(vr, c, fmt);
                     }
                     p += run;
                 }
-                memcpy(oh + g * head_dim, acc, sizeof(float) * head_dim);
+                UNROLL for (int c = 0; c < C; c++) memcpy(oh + g * head_dim + 8 * c, &acc[c], 32);
             }
             for (int64_t p = start, t = 0; p < len && !C;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
