@@ -47,52 +47,54 @@ static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sa, 8), sb));
 }
 
+/* One half (8 rows, h) of a group against R activation rows. The halves run one after the other
+ * over the group's blocks (the second re-reads them from L1): with both at once the 2 R
+ * accumulators, 8 weight registers and temporaries exceed the 16 registers and spill. */
 static inline __attribute__((always_inline)) void
-group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
-    __m256 acc[R_MAX][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+half_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
+    __m256 acc[R_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int64_t pb = gguf_packed_block_bytes(kind);
     if (kind == 4) {
         const __m256i low4 = _mm256_set1_epi8(0x0f);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
-            gguf_prefetch_block(wg, pb);
-            for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)));
-                __m256i q[8];
-                for (int c = 0; c < 4; c++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 64 + 64 * c + 32 * h));
-                    q[c] = _mm256_and_si256(v, low4);
-                    q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                }
-                for (int r = 0; r < R; r++) {
-                    const int64_t rb = r * nb + b;
-                    const int8_t *x = a->xq + rb * 64;
-                    const __m256 s = two_parts(dot_q4(q, x), dot_q4(q, x + 32));
-                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
-                }
+            if (h == 0) gguf_prefetch_block(wg, pb);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)));
+            __m256i q[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 64 + 64 * c + 32 * h));
+                q[c] = _mm256_and_si256(v, low4);
+                q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            }
+            for (int r = 0; r < R; r++) {
+                const int64_t rb = r * nb + b;
+                const int8_t *x = a->xq + rb * 64;
+                const __m256 s = two_parts(dot_q4(q, x), dot_q4(q, x + 32));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
             }
         }
     } else {
         for (int64_t b = 0; b < nb; b++, wg += pb) {
-            gguf_prefetch_block(wg, pb);
-            for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
-                for (int r = 0; r < R; r++) {
-                    const int64_t rb = r * nb + b;
-                    __m256i sa, sb;
-                    dot_q8(wg + 32 + 32 * h, a->xq + rb * 64, &sa, &sb);
-                    const __m256 s = two_parts(sa, sb);
-                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-                }
+            if (h == 0) gguf_prefetch_block(wg, pb);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
+            for (int r = 0; r < R; r++) {
+                const int64_t rb = r * nb + b;
+                __m256i sa, sb;
+                dot_q8(wg + 32 + 32 * h, a->xq + rb * 64, &sa, &sb);
+                const __m256 s = two_parts(sa, sb);
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(out + r * GGUF_ROWS, acc[r][0]);
-        _mm256_storeu_ps(out + r * GGUF_ROWS + 8, acc[r][1]);
-    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void
+group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+    half_dot(wg, kind, nb, a, R, 0, out);
+    half_dot(wg, kind, nb, a, R, 1, out);
 }
 
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
