@@ -145,18 +145,19 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    def check_queue(self, num_sequences: int) -> None:
+    def check_queue(self, num_sequences: int, ahead: int = 0) -> None:
         """QueueFullError now when `num_sequences` more would overflow the waiting queue as last
-        seen (the core's own check stays the authority); ValueError if they never could."""
+        seen (the core's own check stays the authority), counting `ahead` sequences the caller
+        knows are on their way; ValueError if they never could."""
         with self._cv:
-            self.check_queue_locked(num_sequences)
+            self.check_queue_locked(num_sequences, ahead)
 
-    def check_queue_locked(self, num_sequences: int) -> None:
+    def check_queue_locked(self, num_sequences: int, ahead: int = 0) -> None:
         """check_queue with _cv held."""
         if num_sequences > self.max_waiting:
             raise ValueError(f"{num_sequences} sequences can never fit the waiting queue "
                              f"(max_waiting={self.max_waiting}, --max-waiting)")
-        waiting = self._core_waiting + self._queued_sequences + self._reserved_sequences
+        waiting = self._core_waiting + self._queued_sequences + self._reserved_sequences + ahead
         if waiting + num_sequences > self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting (max_waiting={self.max_waiting}): "
                                  "retry later")

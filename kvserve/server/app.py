@@ -38,7 +38,7 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
                        body_timeout=getattr(args, "body_timeout", None),
                        overloaded=lambda: admission_error(state))
     # the same answer, given by the HTTP protocol before any ASGI work (connections.py)
-    app.state.early_rejection = early_rejection(api_key, lambda: admission_error(state))
+    app.state.early_rejection = early_rejection(api_key, lambda pending: admission_error(state, pending))
 
     @app.post("/v1/completions")
     @with_cancellation

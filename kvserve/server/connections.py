@@ -24,7 +24,8 @@ import resource
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -51,9 +52,39 @@ OUT_OF_RESOURCES = OUT_OF_FDS + (errno.ENOBUFS, errno.ENOMEM)
 class ConnectionLimits:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     max_connections: int = MAX_CONNECTIONS_CEILING
-    # headers of a generation request -> the raw response it gets anyway (429 queue full, 503
-    # draining), or None; answered by the httptools protocol before any ASGI work
-    early_reject: Callable[[list[tuple[bytes, bytes]]], bytes | None] | None = None
+    # (headers of a generation request, how many admitted requests have not reserved their
+    # queue places yet) -> the raw response it gets anyway (429 queue full, 503 draining), or
+    # None; answered by the httptools protocol before any ASGI work
+    early_reject: Callable[[list[tuple[bytes, bytes]], int], bytes | None] | None = None
+    pending: PendingAdmissions = field(default_factory=lambda: PendingAdmissions())
+
+
+class PendingAdmissions:
+    """Generation requests let through the early check whose queue places are not reserved yet
+    (their body is being read or parsed). A burst's requests all pass the headers check before
+    the first one reaches the engine's reservation; counting them keeps the early 429 exact."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class Admission:
+    """One request counted in PendingAdmissions until release() (idempotent): at its queue
+    reservation (serving.reserve_capacity) or when its response ends, whichever comes first."""
+
+    def __init__(self, pending: PendingAdmissions) -> None:
+        self.pending = pending
+        self.open = True
+        pending.count += 1
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            self.pending.count -= 1
+
+
+# The request's Admission, in the context its ASGI task is created with.
+CURRENT_ADMISSION: ContextVar[Admission | None] = ContextVar("kvserve_admission", default=None)
 
 
 class RateLimitedLog:
@@ -192,22 +223,46 @@ class EarlyRejectMixin:
 
     def on_message_begin(self) -> None:
         self.rejecting = False
+        self.release_admission()
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         response = self.early_response()
         if response is None:
-            return super().on_headers_complete()
+            if not self.is_generation():
+                return super().on_headers_complete()
+            self.admission = Admission(self.limits.pending)
+            token = CURRENT_ADMISSION.set(self.admission)     # the ASGI task copies this context
+            try:
+                return super().on_headers_complete()
+            finally:
+                CURRENT_ADMISSION.reset(token)
         self.rejecting = True
         self.transport.write(response)
 
+    def is_generation(self) -> bool:
+        return self.parser.get_method() == b"POST" and self.url.split(b"?", 1)[0] in GENERATION_PATHS
+
     def early_response(self) -> bytes | None:
         reject = self.limits.early_reject
-        if (reject is None or self.parser.get_method() != b"POST" or self.expect_100_continue
-                or self.url.split(b"?", 1)[0] not in GENERATION_PATHS or self.pipeline
+        if (reject is None or not self.is_generation() or self.expect_100_continue or self.pipeline
                 or (self.cycle is not None and not self.cycle.response_complete)):
             return None
-        return reject(self.headers)
+        return reject(self.headers, self.limits.pending.count)
+
+    def release_admission(self) -> None:
+        admission = getattr(self, "admission", None)
+        if admission is not None:
+            admission.release()
+            self.admission = None
+
+    def on_response_complete(self) -> None:
+        self.release_admission()
+        super().on_response_complete()
+
+    def connection_lost(self, exc) -> None:
+        self.release_admission()
+        super().connection_lost(exc)
 
     def on_body(self, body: bytes) -> None:
         if not getattr(self, "rejecting", False):

@@ -122,18 +122,19 @@ async def _send_error(send, err, close: bool = False) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def early_rejection(api_key: str | None, overloaded: Callable[[], APIError | None]):
-    """For the HTTP protocol (connections.py): given a generation request's headers, the raw 429
-    or 503 it gets whatever its body holds, or None to let it through the app as usual (a wrong
-    or missing API key goes on to get its 401 there)."""
+def early_rejection(api_key: str | None, overloaded: Callable[[int], APIError | None]):
+    """For the HTTP protocol (connections.py): given a generation request's headers and how many
+    requests it let through are still on their way to the queue, the raw 429 or 503 it gets
+    whatever its body holds, or None to let it through the app as usual (a wrong or missing API
+    key goes on to get its 401 there)."""
     expected = f"Bearer {api_key}".encode() if api_key else None
 
-    def reject(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    def reject(headers: list[tuple[bytes, bytes]], pending: int = 0) -> bytes | None:
         if expected is not None:
             auth = next((v for k, v in headers if k == b"authorization"), b"")
             if not secrets.compare_digest(auth, expected):
                 return None
-        error = overloaded()
+        error = overloaded(pending)
         return None if error is None else raw_response(error)
 
     return reject

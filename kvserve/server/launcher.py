@@ -29,6 +29,9 @@ log = logging.getLogger("kvserve")
 FORCED_EXIT_CODE = 1  # a second SIGTERM / Ctrl-C while draining
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve serve",
                                 description="Serve a model over an OpenAI-compatible HTTP API "
@@ -189,6 +192,10 @@ def main(argv: list[str]) -> int:
 
     core = EngineCore(config)
     print(core.describe(), file=sys.stderr, flush=True)
+    # The engine thread's Python work (scheduling, sampling, detokenizing) holds the GIL between
+    # kernel calls; at the default 5 ms switch interval the event loop waits up to that long for
+    # each turn, which is what a fast 429 or a /health answer would cost under load.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine = AsyncEngine(core)
     app = build_app(engine, args)
     name = args.served_model_name or core.model_name

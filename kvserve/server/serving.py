@@ -18,6 +18,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineClosedError, EngineDe
 from kvserve.engine.errors import QueueFullError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.connections import CURRENT_ADMISSION
 from kvserve.server.errors import (APIError, BadRequest, InternalError, NotFound, TooManyRequests,
                                    Unavailable)
 
@@ -62,14 +63,15 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
                          param=param, code="context_length_exceeded")
 
 
-def admission_error(state: ServerState) -> APIError | None:
+def admission_error(state: ServerState, pending: int = 0) -> APIError | None:
     """The error any generation request gets right now, whatever it holds (503 draining or engine
-    dead, 429 queue full), or None. The guard asks it before parsing a body."""
+    dead, 429 queue full counting `pending` admitted requests not yet in the queue as one place
+    each), or None. The guard asks it before parsing a body."""
     if not state.engine.accepting:
         return Unavailable("the server is shutting down and admits no new request")
     try:
         state.engine.check_health()
-        state.engine.check_queue(1)
+        state.engine.check_queue(1, ahead=pending)
     except (QueueFullError, EngineDeadError) as e:
         return api_error(e)
     return None
@@ -82,12 +84,16 @@ def reserve_capacity(state: ServerState, num_sequences: int, param: str):
     while the request is tokenized and submitted, so that a burst is refused from its first
     request past the limit (not after all of them have been tokenized)."""
     reservation = state.engine.reserve(num_sequences)
+    admission = CURRENT_ADMISSION.get()
     try:
         held = reservation.__enter__()
     except ValueError as e:
         raise BadRequest(f"{e}: send fewer prompts or a smaller n", param) from None
     except QueueFullError as e:
         raise api_error(e) from None
+    finally:      # counted by the engine now, or refused: no longer pending at the protocol
+        if admission is not None:
+            admission.release()
     try:
         yield held
     finally:

@@ -62,3 +62,25 @@ def test_an_error_inside_the_block_gives_the_places_back(engine):
         with engine.reserve(16):
             raise RuntimeError("tokenizing failed")
     engine.check_queue(16)
+
+
+def test_requests_on_their_way_count_as_ahead(engine):
+    """The HTTP protocol's early check counts requests it let through that have not reserved yet
+    (`ahead`): the 17th of a burst gets its 429 before the first 16 reach the engine."""
+    engine.check_queue(1, ahead=15)
+    with pytest.raises(QueueFullError):
+        engine.check_queue(1, ahead=16)
+    with pytest.raises(QueueFullError):
+        engine.check_queue(1, ahead=400)        # many pending: a 429, never "can never fit"
+
+
+def test_a_pending_admission_is_released_once():
+    from kvserve.server.connections import Admission, PendingAdmissions
+    pending = PendingAdmissions()
+    a, b = Admission(pending), Admission(pending)
+    assert pending.count == 2
+    a.release()
+    a.release()                                  # at its reservation and again at its response's end
+    assert pending.count == 1
+    b.release()
+    assert pending.count == 0
