@@ -109,12 +109,16 @@ class GrammarCompiler:
                                         limits=llguidance.LLParserLimits(verbose_errors=False))
         if template.is_error():
             return CompiledGrammar(grammar, None, _failure(kind, template.get_error()))
-        probe = GrammarMatcher(template.deep_copy(), self.vocab_size, self.tokenizer_vocab_size)
-        first_mask = allocate_bitmask(1, self.vocab_size)
-        probe.fill_bitmask(first_mask, 0)
-        if probe.error is not None or not unpack_bitmask(first_mask, self.vocab_size).any():
-            reason = f" ({probe.error})" if probe.error else ""
-            return CompiledGrammar(grammar, None, _failure(kind, f"no output satisfies it{reason}"))
+        # Two probes: copies of a template share its lexer, whose expression budget a huge
+        # repetition (a{99999999}) can spend on the first sequence's mask alone; the second
+        # sequence's would then fail at its first step instead of here, as a 400.
+        for _ in range(2):
+            probe = GrammarMatcher(template.deep_copy(), self.vocab_size, self.tokenizer_vocab_size)
+            first_mask = allocate_bitmask(1, self.vocab_size)
+            probe.fill_bitmask(first_mask, 0)
+            if probe.error is not None or not unpack_bitmask(first_mask, self.vocab_size).any():
+                reason = f" ({probe.error})" if probe.error else ""
+                return CompiledGrammar(grammar, None, _failure(kind, f"no output satisfies it{reason}"))
         return CompiledGrammar(grammar, template, None)
 
 

@@ -170,6 +170,9 @@ def test_batch_filler_matches_one_by_one(compiler, tokenizer):
     (StructuredOutputs(json={"$ref": "#/definitions/missing"}), "response_format", "does not exist"),
     (StructuredOutputs(json={"type": "integer", "minimum": 5, "maximum": 2}), "response_format", "Unsatisfiable"),
     (StructuredOutputs(grammar="start: <|no_such_token|>"), "tools", "unknown special token"),
+    # compiles, and its first mask spends the lexer's budget that every copy shares: the second
+    # sequence's mask would fail at its first step
+    (StructuredOutputs(regex="a{99999999}"), "structured_outputs", "too many expressions"),
 ])
 def test_bad_constraints_raise_param_error_with_llguidances_message(compiler, so, param, message):
     for _ in range(2):     # compiled, then from the cache
