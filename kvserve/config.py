@@ -157,10 +157,12 @@ def add_engine_args(parser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache element type (default: %(default)s = float16 for float32 models, else the compute dtype). int8 keeps each "
-                        "token's K/V rows as int8 with a float32 scale: 3.8x the tokens of float32 for the "
-                        "same memory, read in place by the C decode kernels; bfloat16/float16 halve KV "
-                        "memory (decodes then take the slower torch attention path). fp8 is not built")
+                   help="KV cache element type (default: %(default)s = float16 for float32 models, else "
+                        "the compute dtype). float16 halves float32's KV memory and is read in place by "
+                        "the C kernels; int8 keeps each token's K/V rows as int8 with a float32 scale: "
+                        "3.8x the tokens of float32 for the same memory, read in place too; bfloat16 "
+                        "halves KV memory (decodes then take the slower torch attention path). fp8 is "
+                        "not built")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off (default: on)")

@@ -37,6 +37,7 @@ MODULES = (
 )
 DECODE_SUFFIX = ":decode"    # "gguf:decode": the format's model fed token by token (decode kernels)
 KV_SEPARATOR = "@"           # "gguf:decode@int8": ... with an int8 KV cache
+KV_DTYPES = ("float32", "float16", "int8")   # the KV caches eval-quality measures
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class _Pool:
             shape, dtype = kv_int8.pool_shape(*shape), torch.int8
         elif kv_dtype == "float16":
             dtype = torch.float16
-        elif kv_dtype != "float32":
-            raise ValueError(f"KV dtype {kv_dtype!r}: eval-quality measures float32, float16 or int8")
+        elif kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV dtype {kv_dtype!r}: eval-quality measures {', '.join(KV_DTYPES)}")
         self.kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
         self.table = torch.arange(n)[None]
 
@@ -98,17 +99,18 @@ class _Pool:
 _STACKS: dict = {}
 
 
-def forward(lm, ids: torch.Tensor, positions: torch.Tensor, meta, kv, prompt: bool) -> torch.Tensor:
-    """Final hidden states of every row, computed as the engine computes them: through the C layer
-    stack when the runner would use it for these weights (runner/layer_stack.py; `prompt`: the
-    rows are prompt tokens, else generated ones), else through the model's PyTorch forward."""
+def forward(lm, ids: torch.Tensor, positions: torch.Tensor, meta, kv, prompt_len: int) -> torch.Tensor:
+    """Final hidden states of every row (one sequence whose first `prompt_len` tokens are its
+    prompt), computed as the engine computes them: through the C layer stack when the runner
+    would use it for these weights (runner/layer_stack.py), else through the model's PyTorch
+    forward."""
     from kvserve.runner.layer_stack import CLayerStack
     key = id(lm.model)
     if key not in _STACKS:
         _STACKS[key] = CLayerStack.build(lm.model)
     stack = _STACKS[key]
     if stack is not None and stack.runs(kv):
-        return stack(ids, positions, meta, kv, torch.arange(ids.shape[0]), torch.full(ids.shape, prompt))
+        return stack(ids, positions, meta, kv, torch.arange(ids.shape[0]), [prompt_len])
     return lm.model(ids, positions, meta, kv)
 
 
@@ -119,7 +121,7 @@ def window_logits(lm, ids: list[int], kv_dtype: str = "float32") -> torch.Tensor
     T = len(ids)
     pool = _Pool(lm.arch, T, kv_dtype)
     meta = AttentionMetadata(torch.arange(T), [0, T], [T], pool.table, pool.block)
-    hidden = forward(lm, torch.tensor(ids), torch.arange(T), meta, pool.kv, prompt=True)
+    hidden = forward(lm, torch.tensor(ids), torch.arange(T), meta, pool.kv, prompt_len=T)
     return lm.model.compute_logits(hidden)
 
 
@@ -134,7 +136,7 @@ def window_logits_decode(lm, ids: list[int], kv_dtype: str = "float32") -> torch
     hidden = []
     for p in range(T):
         meta = AttentionMetadata(torch.tensor([p]), [0, 1], [p + 1], pool.table, pool.block)
-        hidden.append(forward(lm, torch.tensor(ids[p:p + 1]), torch.tensor([p]), meta, pool.kv, prompt=False))
+        hidden.append(forward(lm, torch.tensor(ids[p:p + 1]), torch.tensor([p]), meta, pool.kv, prompt_len=0))
     return lm.model.compute_logits(torch.cat(hidden))
 
 
@@ -206,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     formats = ["none"] + [f for f in args.formats.split(",") if f and f != "none"]
     specs = {f: parse_format(f) for f in formats}
     for f, spec in specs.items():
-        if spec.weights not in FORMATS or spec.kv_dtype not in ("float32", "float16", "int8"):
-            p.error(f"unknown format {f!r}: FORMAT[{DECODE_SUFFIX}][{KV_SEPARATOR}int8|float16], FORMAT one of "
+        if spec.weights not in FORMATS or spec.kv_dtype not in KV_DTYPES:
+            p.error(f"unknown format {f!r}: FORMAT[{DECODE_SUFFIX}][{KV_SEPARATOR}{'|'.join(KV_DTYPES)}], FORMAT one of "
                     f"{', '.join(FORMATS)}")
     loaded = {}
     for spec in specs.values():

@@ -77,19 +77,21 @@ class CLayerStack:
         self._layers, self._kv_caches = layers, kv_caches
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches, out_rows: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+                 kv_caches, out_rows: torch.Tensor, prompt_lens: list[int]) -> torch.Tensor:
         """Run every layer on the flat batch; returns the final-normed hidden states of the rows
-        `out_rows` (int64), [len(out_rows), hidden]. `prompt` (bool [T]): which tokens are
-        prompt tokens (their linears run the float32 GEMM, the others the integer GEMV; see
-        csrc/gguf_gemv.h)."""
+        `out_rows` (int64), [len(out_rows), hidden]. `prompt_lens`: each sequence's prompt
+        length; its tokens at positions below it are prompt tokens (their linears run the float32
+        GEMM, the others the integer GEMV; a generated token recomputed after preemption is not
+        one; see csrc/gguf_gemv.h)."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         qsl = meta.query_start_loc
         q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)], dtype=torch.long)
         seq = torch.repeat_interleave(torch.arange(meta.num_seqs, dtype=torch.long), q_lens)
+        prompt = positions < torch.repeat_interleave(torch.tensor(prompt_lens, dtype=torch.long), q_lens)
         out = torch.empty(out_rows.shape[0], self.model.arch.hidden_size)
         cpu_kernels.layer_stack(self._struct, input_ids.contiguous(), positions.contiguous(),
-                                meta.slot_mapping.contiguous(), seq, prompt.to(torch.bool).contiguous(),
+                                meta.slot_mapping.contiguous(), seq, prompt,
                                 meta.block_tables.contiguous(),
                                 out_rows.contiguous(), out, isa=self.isa)
         return out

@@ -156,7 +156,8 @@ class ModelRunner:
         rows = torch.tensor(sample_idx + [r for _, first, n, _ in spans for r in range(first, first + n)],
                             dtype=torch.long)
         if self.layer_stack is not None and self.layer_stack.runs(self.kv_caches):
-            hidden = self.layer_stack(input_ids, positions, meta, self.kv_caches, rows, self._prompt_tokens(out))
+            hidden = self.layer_stack(input_ids, positions, meta, self.kv_caches, rows,
+                                      [c.request.num_prompt_tokens for c in out.chunks])
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)[rows]
         if rows.numel() == 0:
@@ -189,16 +190,6 @@ class ModelRunner:
         step.sampled = {c.request.request_id: SampledToken(tok, lp)
                         for c, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)}
         return step
-
-    @staticmethod
-    def _prompt_tokens(out: SchedulerOutput) -> torch.Tensor:
-        """bool [T]: whether each flat row is a prompt token of its request (a recomputed
-        generated token after preemption is not)."""
-        mask: list[bool] = []
-        for c in out.chunks:
-            n_prompt = c.request.num_prompt_tokens
-            mask.extend(p < n_prompt for p in range(c.start_pos, c.start_pos + len(c.token_ids)))
-        return torch.tensor(mask, dtype=torch.bool)
 
     @staticmethod
     def _prompt_logprob_spans(out: SchedulerOutput, query_start_loc: list[int]) -> list[tuple]:

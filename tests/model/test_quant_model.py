@@ -125,16 +125,15 @@ def _mixed_step(lm, prompts, c_stack):
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(lm.arch.num_layers)]
     tables = torch.arange(per * len(ids)).flip(0).reshape(len(ids), per)    # ragged, reversed blocks
 
-    def run(toks, pos, meta, rows, n_decode=0):
+    def run(toks, pos, meta, rows, prompt_lens):
         if c_stack:
-            prompt = torch.arange(len(toks)) >= n_decode
-            return stack(torch.tensor(toks), pos, meta, kv, torch.tensor(rows), prompt)
+            return stack(torch.tensor(toks), pos, meta, kv, torch.tensor(rows), prompt_lens)
         return lm.model(torch.tensor(toks), pos, meta, kv)[rows]
     with torch.inference_mode():
         for b, x in enumerate(ids[:-1]):
             pos = torch.arange(len(x))
             meta = AttentionMetadata(tables[b][pos // 16] * 16 + pos % 16, [0, len(x)], [len(x)], tables[b:b + 1], 16)
-            run(x, pos, meta, [len(x) - 1])
+            run(x, pos, meta, [len(x) - 1], [len(x)])
         n = len(ids) - 1
         last = ids[-1]
         pos = torch.cat([torch.tensor([len(x) for x in ids[:-1]]), torch.arange(len(last))])
@@ -143,7 +142,8 @@ def _mixed_step(lm, prompts, c_stack):
         qsl = list(range(n + 1)) + [n + len(last)]
         seq_lens = [len(x) + 1 for x in ids[:-1]] + [len(last)]
         meta = AttentionMetadata(slots, qsl, seq_lens, tables, 16)
-        return run([7, 42, 1000][:n] + last, pos, meta, list(range(n)) + [n + len(last) - 1], n_decode=n)
+        return run([7, 42, 1000][:n] + last, pos, meta, list(range(n)) + [n + len(last) - 1],
+                   [len(x) for x in ids])
 
 
 def test_c_layer_stack_matches_the_pytorch_layers(models):

@@ -52,6 +52,14 @@ static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, floa
     }
 }
 
+/* n outputs o of one row into yr: yr = o, or yr + o with accumulate, then + bias when given. */
+static inline void write_row(float *yr, const float *o, int64_t n, const float *bias, int64_t accumulate) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = accumulate ? yr[i] + o[i] : o[i];
+        yr[i] = bias ? v + bias[i] : v;
+    }
+}
+
 const char *gguf_gemv_isa(void) { return gguf_kernel_isa(); }
 
 int64_t gguf_workspace_bytes(int64_t M, int64_t K) {
@@ -89,14 +97,9 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
                 const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
-                for (int r = 0; r < R; r++) {
-                    float *yr = y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS;
-                    const float *o = out + r * GGUF_ROWS;
-                    for (int64_t i = 0; i < n; i++) {
-                        float v = accumulate ? yr[i] + o[i] : o[i];
-                        yr[i] = bias ? v + bias[g * GGUF_ROWS + i] : v;
-                    }
-                }
+                for (int r = 0; r < R; r++)
+                    write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
+                              bias ? bias + g * GGUF_ROWS : NULL, accumulate);
             }
         }
     }
@@ -125,8 +128,9 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
 
 /* ---- The float32 GEMM for prompt tokens (gguf_gemv.h) ---- */
 
-/* One group's packed blocks -> wt[K][16] float32 (row k at wt + k ld), w = d q + m (Q8: d (u - 128)); the product
- * is exact, so each weight is rounded once, as gguf's dequantization rounds it. */
+/* One group's packed blocks -> wt[K][16] float32 (row k at wt + k ld), w = d q + m (Q8:
+ * d (u - 128)); the product is exact, so each weight is rounded once, as gguf's dequantization
+ * rounds it. */
 static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, float *wt, int64_t ld) {
     const int64_t pb = gguf_packed_block_bytes(kind);
     for (int64_t b = 0; b < nb; b++, wg += pb) {
@@ -222,15 +226,9 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
     #pragma omp for schedule(static)
     for (int64_t pr = 0; pr < pairs; pr++) {
         const int64_t n = N - pr * GGUF_F32_N < GGUF_F32_N ? N - pr * GGUF_F32_N : GGUF_F32_N;
-        for (int64_t i = 0; i < M; i++) {
-            float *yr = y + (rows ? rows[i] : i) * ldy + pr * GGUF_F32_N;
-            const float *o = acc + (pr * tiles * T + i) * GGUF_F32_N;
-            const float *b = bias ? bias + pr * GGUF_F32_N : NULL;
-            for (int64_t c = 0; c < n; c++) {
-                float v = accumulate ? yr[c] + o[c] : o[c];
-                yr[c] = b ? v + b[c] : v;
-            }
-        }
+        for (int64_t i = 0; i < M; i++)
+            write_row(y + (rows ? rows[i] : i) * ldy + pr * GGUF_F32_N, acc + (pr * tiles * T + i) * GGUF_F32_N, n,
+                      bias ? bias + pr * GGUF_F32_N : NULL, accumulate);
     }
 }
 

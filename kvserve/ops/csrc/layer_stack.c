@@ -18,8 +18,8 @@
  *
  * Every linear is a GGUF-packed weight (gguf_gemv.c): prompt tokens (prompt[t] != 0) go through
  * its float32 GEMM, the others (decodes) through its integer GEMV. Activations and norms are
- * float32, the KV pool float32, IEEE half or int8 rows with a scale (kv_int8). Each token's numbers are
- * computed on their own, in a fixed order, and its kernels depend only on whether it is a prompt
+ * float32, the KV pool float32, IEEE half or int8 rows with a scale (kv_format.h). Each
+ * token's numbers are computed on their own, in a fixed order, and its kernels depend only on whether it is a prompt
  * token: the output does not depend on the other tokens of the batch, the thread count or the
  * ISA (see gguf_gemv.h and paged_attention.c).
  */
@@ -30,6 +30,7 @@
 
 #include "fixed_math.h"
 #include "half.h"
+#include "kv_format.h"
 
 int64_t gguf_workspace_bytes(int64_t M, int64_t K);
 int gguf_gemv_check(int64_t kind, int64_t K);
@@ -50,8 +51,8 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down;         /* gguf_gemv packed weights */
     int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
     const float *qkv_bias, *o_bias;                  /* NULL when the layer has none */
-    void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows (kv_format): 0 float32[head_dim],
-                                     1 int8[head_dim] + float32 scale, 2 IEEE half[head_dim] */
+    void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows (kv_format.h): float32[head_dim],
+                                     int8[head_dim] + float32 scale, or IEEE half[head_dim] */
 } stack_layer_t;
 
 typedef struct {
@@ -93,13 +94,14 @@ static inline float exp_f32(float x) {
     return exp_in_range(x);
 }
 
-/* Store one token's K or V heads ([kv_heads][D] floats) at `slot` of a pool of format fmt. */
+/* Store one token's K or V heads ([kv_heads][D] floats) at `slot` of a pool of format fmt
+ * (kv_format.h). */
 static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads, int64_t D, int64_t fmt) {
-    if (fmt == 0) {
+    if (fmt == KV_F32) {
         memcpy((float *)pool + slot * kv_heads * D, x, sizeof(float) * kv_heads * D);
         return;
     }
-    if (fmt == 2) {                                    /* round to nearest even, as torch's .half() */
+    if (fmt == KV_F16) {                               /* round to nearest even, as torch's .half() */
         uint16_t *row = (uint16_t *)pool + slot * kv_heads * D;
         for (int64_t i = 0; i < kv_heads * D; i++) row[i] = float_to_half(x[i]);
         return;

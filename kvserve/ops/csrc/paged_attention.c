@@ -27,16 +27,13 @@
 
 #include "fixed_math.h"
 #include "half.h"
+#include "kv_format.h"
 #if defined(__F16C__)
 #include <immintrin.h>
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #endif
 
-/* Row formats of the pool (kv_format): float32, int8 + float32 scale, IEEE half. */
-#define KV_F32 0
-#define KV_INT8 1
-#define KV_F16 2
 #define UNROLL _Pragma("GCC unroll 16")   /* whole: the chunk arrays stay in registers */
 
 #define MAX_GROUP 16
@@ -197,7 +194,7 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
             }
             for (int64_t g = 0; g < group; g++) {
                 sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
-                memset(oh + g * head_dim, 0, sizeof(float) * head_dim);
+                if (!C) memset(oh + g * head_dim, 0, sizeof(float) * head_dim);   /* row_axpy adds */
             }
             /* head_dim = 8 C: one query head at a time, its weighted sum of V in registers (the
              * context's V rows come from cache after the first head); the same additions, in
