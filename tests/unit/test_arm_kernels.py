@@ -1,9 +1,10 @@
 # The Arm NEON GEMV kernel, cross-compiled and run under qemu-user against the portable reference.
 #
-# Needs the Debian/Ubuntu packages gcc-aarch64-linux-gnu and qemu-user (skipped without them;
-# .ci/run installs them when it can). By hand, from the repository root:
+# Needs the Debian/Ubuntu packages gcc-aarch64-linux-gnu, libc6-dev-arm64-cross (its C library
+# and headers, only a Recommends of the compiler) and qemu-user (skipped without them; .ci/run
+# installs them when it can). By hand, from the repository root:
 #
-#   sudo apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu qemu-user
+#   sudo apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 #   S=kvserve/ops/csrc F="-O3 -ffp-contract=off -fno-fast-math -fno-math-errno -fno-trapping-math -static -I$S"
 #   aarch64-linux-gnu-gcc $F -march=armv8.2-a+dotprod tests/unit/csrc/gemv_check.c $S/gguf_gemv.c \
 #       $S/gguf_gemv_neon.c -lm -o /tmp/gemv_neon
@@ -34,9 +35,23 @@ QEMU = "qemu-aarch64"
 EXACT = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math"]
 NEON_ARCH = "-march=armv8.2-a+dotprod"
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None,
-    reason=f"needs {CROSS_CC} and {QEMU} (Debian packages gcc-aarch64-linux-gnu and qemu-user)")
+
+
+def _cross_libc_missing() -> bool:
+    """The cross compiler is there but cannot build a static C program (no aarch64 C library)."""
+    if shutil.which(CROSS_CC) is None:
+        return False
+    p = subprocess.run([CROSS_CC, "-static", "-x", "c", "-", "-o", "/dev/null"], input="#include <stdint.h>\nint main(void){return 0;}\n",
+                       capture_output=True, text=True, timeout=60)
+    return p.returncode != 0
+
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None,
+                       reason=f"needs {CROSS_CC} and {QEMU} (Debian packages gcc-aarch64-linux-gnu and qemu-user)"),
+    pytest.mark.skipif(_cross_libc_missing(),
+                       reason=f"{CROSS_CC} has no aarch64 C library (Debian package libc6-dev-arm64-cross)"),
+]
 
 
 def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:

@@ -49,7 +49,7 @@
 #define GGUF_ROWS 16         /* output rows per interleaved group */
 #define GGUF_TILE_M 8        /* activation rows per pass over a group's weights */
 #define GGUF_F32_N 32        /* weight rows per float32 tile: two groups */
-#define GGUF_F32_KC 256      /* k per slice of the float32 GEMM (32 KB of two groups' weights) */
+#define GGUF_F32_KC 128      /* k per slice of the float32 GEMM (16 KB of two groups' weights) */
 #define GGUF_F32_MC 192      /* activation rows per chunk of the float32 GEMM */
 
 static inline int64_t gguf_packed_block_bytes(int64_t kind) { return kind == 4 ? 320 : 544; }

@@ -82,22 +82,23 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
 
 int gguf_f32_tile_rows(void) { return F32_T; }
 
+/* The 24 accumulators are named variables (EACH_ROW repeats a statement for rows 0..11): kept in
+ * arrays, GCC 12 stores some of them to the stack on every k, and the store port paces the loop. */
+#define EACH_ROW(S) S(0) S(1) S(2) S(3) S(4) S(5) S(6) S(7) S(8) S(9) S(10) S(11)
+
 void gguf_tile_f32(const float *wt, const float *xp, int64_t kc, int cont, float *acc) {
-    __m512 lo[F32_T], hi[F32_T];
-    for (int r = 0; r < F32_T; r++) {
-        lo[r] = cont ? _mm512_loadu_ps(acc + r * GGUF_F32_N) : _mm512_setzero_ps();
-        hi[r] = cont ? _mm512_loadu_ps(acc + r * GGUF_F32_N + 16) : _mm512_setzero_ps();
-    }
+#define INIT(r) __m512 lo##r = cont ? _mm512_loadu_ps(acc + (r) * GGUF_F32_N) : _mm512_setzero_ps(), \
+                       hi##r = cont ? _mm512_loadu_ps(acc + (r) * GGUF_F32_N + 16) : _mm512_setzero_ps();
+    EACH_ROW(INIT)
+#undef INIT
     for (int64_t k = 0; k < kc; k++, wt += GGUF_F32_N, xp += F32_T) {
         const __m512 w0 = _mm512_load_ps(wt), w1 = _mm512_load_ps(wt + 16);
-        for (int r = 0; r < F32_T; r++) {
-            const __m512 xv = _mm512_set1_ps(xp[r]);
-            lo[r] = _mm512_fmadd_ps(w0, xv, lo[r]);
-            hi[r] = _mm512_fmadd_ps(w1, xv, hi[r]);
-        }
+#define FMA(r) { const __m512 xv = _mm512_set1_ps(xp[r]); \
+                 lo##r = _mm512_fmadd_ps(w0, xv, lo##r); hi##r = _mm512_fmadd_ps(w1, xv, hi##r); }
+        EACH_ROW(FMA)
+#undef FMA
     }
-    for (int r = 0; r < F32_T; r++) {
-        _mm512_storeu_ps(acc + r * GGUF_F32_N, lo[r]);
-        _mm512_storeu_ps(acc + r * GGUF_F32_N + 16, hi[r]);
-    }
+#define STORE(r) _mm512_storeu_ps(acc + (r) * GGUF_F32_N, lo##r); _mm512_storeu_ps(acc + (r) * GGUF_F32_N + 16, hi##r);
+    EACH_ROW(STORE)
+#undef STORE
 }
