@@ -44,7 +44,12 @@ def _params(args):
 def _load(args):
     from kvserve.config import engine_config_from_args
     from kvserve.engine.llm import LLM
-    llm = LLM(config=engine_config_from_args(args))
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:          # a flag's value (e.g. --speculative-config): say which, exit 2
+        print(f"kvserve: {e}", file=sys.stderr)
+        sys.exit(2)
+    llm = LLM(config=config)
     print(llm.engine.describe(), file=sys.stderr)
     return llm
 

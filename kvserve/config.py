@@ -5,6 +5,7 @@ and the server all read these dataclasses.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -130,11 +131,66 @@ class SchedulerConfig:
     chunked_prefill: bool = True
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32        # drafts per step; past a few the acceptance of the last ones is ~0
+SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's --speculative-config: `method` "ngram" drafts by prompt
+    lookup (kvserve/spec/ngram.py): the longest suffix of prompt_lookup_max down to
+    prompt_lookup_min tokens found earlier in the request's context proposes up to
+    num_speculative_tokens tokens per step (fewer while a request's drafts get rejected)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is not supported: use one of "
+                             f"{list(SPECULATIVE_METHODS)}, e.g. {SPECULATIVE_EXAMPLE}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens} (4 is a good start)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is above "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}): lower it or raise prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A SpeculativeConfig from JSON text or a dict (None: no speculation); ValueError names
+        the field at fault and how to write it."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}): write it like "
+                                 f"{SPECULATIVE_EXAMPLE}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a JSON object, like {SPECULATIVE_EXAMPLE}")
+        unknown = sorted(set(spec) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}: the fields are method, "
+                             f"num_speculative_tokens, prompt_lookup_max, prompt_lookup_min")
+        if "method" not in spec:
+            raise ValueError(f"speculative_config.method is missing: write it like {SPECULATIVE_EXAMPLE}")
+        return cls(**spec)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None      # None: no speculative decoding
     seed: int = 0
     num_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     device: str = "cpu"
@@ -176,6 +232,10 @@ def add_engine_args(parser) -> None:
                    help="torch threads (default: the cores this process may use; `serve`: one less, "
                         "leaving a core for HTTP)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: %(default)s)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM takes it, e.g. '" + SPECULATIVE_EXAMPLE.replace("%", "%%")
+                        + "' (prompt lookup: drafts copied from the request's own context, verified in "
+                          "one step; outputs follow the same distribution). Default: off")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -186,7 +246,8 @@ def engine_config_from_args(args) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_waiting=args.max_waiting, num_threads=args.threads, seed=args.seed)
+        max_waiting=args.max_waiting, num_threads=args.threads, seed=args.seed,
+        speculative_config=getattr(args, "speculative_config", None))
 
 
 def make_engine_config(model: str | None = None, *, dtype: str = "float32",
@@ -195,7 +256,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
                        block_size: int = 16, enable_prefix_caching: bool = True,
                        num_blocks: int | None = None, max_num_batched_tokens: int = 512,
                        max_num_seqs: int = 64, max_waiting: int = 1024,
-                       num_threads: int | None = None, seed: int = 0) -> EngineConfig:
+                       num_threads: int | None = None, seed: int = 0,
+                       speculative_config: str | dict | SpeculativeConfig | None = None) -> EngineConfig:
     """Keyword arguments (as LLM(...) takes them) to an EngineConfig."""
     cfg = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization,
@@ -206,6 +268,7 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
                           num_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs, max_waiting=max_waiting),
+        speculative=SpeculativeConfig.parse(speculative_config),
         seed=seed)
     if num_threads:
         cfg.num_threads = num_threads

@@ -41,6 +41,8 @@ class Request:
     to the room left in the context; the scheduler does so too when handed None).
     `fork_of` names the n > 1 sibling whose prompt blocks this request shares.
     `stop_reason` is the stop token id that finished it, when one did.
+`spec_token_ids` are draft tokens the engine proposed to follow its known tokens; the scheduler
+feeds them (after the last sampled token) for verification at its next decode step.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | None = None
+        self.spec_token_ids: list[int] = []   # draft tokens to verify next step (speculative decoding)
         self._all_token_ids = list(self.prompt_token_ids)
 
     def append_output_token(self, token_id: int) -> None:

@@ -14,12 +14,21 @@ A request whose own data makes its scheduling raise (prefix hashing, allocation)
 alone and reported by `pop_failed()`; the other requests of the step go on.
 `num_computed_tokens` advances at schedule time; the prefix cache learns a block's hash only
 in `update_from_output`, once its KV has really been written.
+
+Speculative decoding: a running request at a decode step that carries draft tokens
+(`Request.spec_token_ids`, set by the engine) is given its last sampled token plus the drafts,
+all counted in the token budget and given KV slots (drafts are cut to the budget and to the
+tokens the request may still generate, and dropped before anyone is preempted for them). The
+runner returns the accepted drafts plus one token; `update_from_output` takes
+`num_computed_tokens` back by the rejected drafts (their KV slots are simply written again
+later) before it registers full blocks in the prefix cache, so no block holding a rejected
+token is ever found by hash.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache import KVCacheManager, cdiv
@@ -38,6 +47,7 @@ class ScheduledChunk:
     start_pos: int            # position of token_ids[0] (== num_computed_tokens before this step)
     block_table: list[int]    # the request's whole block table after this step's allocation
     sample: bool              # the chunk ends at the request's last known token: sample from it
+    draft_token_ids: list[int] = field(default_factory=list)   # the last tokens of token_ids, to verify
 
 
 @dataclass
@@ -146,6 +156,7 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self._enqueue(req, front=True)
@@ -174,6 +185,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         budget = self.sched.max_num_batched_tokens
         scheduled: dict[str, int] = {}      # request id -> tokens this step, in batch order
+        drafts: dict[str, list[int]] = {}   # request id -> draft tokens among them
         copy_blocks: list[tuple[int, int]] = []
         preempted: list[str] = []
 
@@ -186,14 +198,22 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            spec = self._drafts_to_verify(req, num_new, budget)
             while True:
-                if kv.allocate_slots(req, num_new, copy_blocks):
-                    scheduled[req.request_id] = num_new
-                    req.num_computed_tokens += num_new
-                    budget -= num_new
+                if kv.allocate_slots(req, num_new + len(spec), copy_blocks):
+                    scheduled[req.request_id] = num_new + len(spec)
+                    if spec:
+                        drafts[req.request_id] = spec
+                    req.spec_token_ids = []
+                    req.num_computed_tokens += num_new + len(spec)
+                    budget -= num_new + len(spec)
                     break
+                if spec:            # no blocks for the drafts: verify none rather than preempt for them
+                    spec = []
+                    continue
                 victim = max(self.running, key=self._victim_key)
                 budget += scheduled.pop(victim.request_id, 0)
+                drafts.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -241,14 +261,29 @@ class Scheduler:
         chunks = []
         for rid, n in scheduled.items():
             req = self.requests[rid]
-            end = req.num_computed_tokens
-            chunks.append(ScheduledChunk(req, req.all_token_ids[end - n:end], end - n,
-                                         kv.block_ids(rid), sample=end == req.num_tokens and req.max_tokens > 0))
+            spec = drafts.get(rid, [])
+            start, end = req.num_computed_tokens - n, req.num_computed_tokens - len(spec)
+            chunks.append(ScheduledChunk(req, req.all_token_ids[start:end] + spec, start, kv.block_ids(rid),
+                                         sample=end == req.num_tokens and req.max_tokens > 0,
+                                         draft_token_ids=spec))
         return SchedulerOutput(chunks, copy_blocks, preempted, sum(scheduled.values()))
+
+    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts a running request feeds after its last token this step: only at a decode
+        step (its one new token is its last sampled one), cut so that the budget holds them and
+        the accepted drafts plus one token never pass max_tokens or max_model_len."""
+        if not req.spec_token_ids or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+        return req.spec_token_ids[:max(room, 0)]
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Append sampled tokens, apply token-level stops, free finished requests' blocks.
 
+        A chunk with drafts samples the accepted drafts then one token: the rejected drafts are
+        taken off `num_computed_tokens`, and the tokens are appended one by one with the stop
+        checks, so a stop cuts exactly where one-token steps would (nothing after it is kept).
         Chunks of requests aborted since `schedule()` are skipped. Returns the requests that
         finished in this call.
         """
@@ -257,24 +292,27 @@ class Scheduler:
             req = chunk.request
             if req.status != RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
                 continue
-            try:
-                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            tokens = sampled.get(req.request_id, ()) if chunk.sample else ()
+            if chunk.draft_token_ids:
+                num_accepted = max(0, len(tokens) - 1)
+                assert list(tokens[:num_accepted]) == chunk.draft_token_ids[:num_accepted], "accepted != drafts"
+                req.num_computed_tokens -= len(chunk.draft_token_ids) - num_accepted
+            status = None
+            for token_id in tokens:
+                req.append_output_token(token_id)
+                status = self._check_stop(req, token_id)
+                if status is not None:
+                    break
+            try:  # after the append: accepted drafts are computed tokens, hashed with the rest
+                self.kv_cache_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             except Exception as e:  # hashing this request's blocks: it fails alone
                 self._fail(req, e)
                 continue
             if req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)   # scoring the prompt only
+                status = RequestStatus.FINISHED_LENGTH    # scoring the prompt only
+            if status is not None:
+                self._finish(req, status)
                 finished.append(req)
-                continue
-            if not chunk.sample:
-                continue
-            for token_id in sampled.get(req.request_id, ()):
-                req.append_output_token(token_id)
-                status = self._check_stop(req, token_id)
-                if status is not None:
-                    self._finish(req, status)
-                    finished.append(req)
-                    break
         return finished
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:

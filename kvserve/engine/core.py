@@ -10,6 +10,14 @@ fail: the scheduler fails a request whose own data breaks its scheduling, and a 
 raises is run again on halves of its batch until the chunks that raise are found (a step's KV
 writes are idempotent, and the runner restores seeded generators on failure). Those requests
 finish with `error` set; everyone else's step goes on.
+
+Speculative decoding (config.speculative): after each step the Drafter (kvserve/spec/drafter.py)
+proposes draft tokens for every sequence that sampled and still runs, and puts them on its
+Request (`spec_token_ids`); the scheduler feeds them next step, the runner verifies them with
+the RejectionSampler (kvserve/spec/rejection.py) and returns the accepted drafts plus one token,
+and the scheduler appends those token by token with its stop checks. The engine emits exactly
+the tokens the scheduler kept, each through the detokenizer (stop strings) in turn. Sequences
+with a structured-output constraint do not speculate (their grammar masks one position a step).
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
 from kvserve.runner.sampler import TokenLogprobs
 from kvserve.sampling_params import ParamError, SamplingParams, is_text
+from kvserve.spec.drafter import Drafter
+from kvserve.spec.rejection import RejectionSampler
 
 log = logging.getLogger("kvserve")
 
@@ -93,7 +103,9 @@ class EngineCore:
                                 KV_SCALE_BYTES.get(kv_dtype, 0))
         self.num_blocks = config.cache.num_blocks(self.kv_shape)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
-        self.runner = ModelRunner(loaded, config, self.num_blocks)
+        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
+        self.runner = ModelRunner(loaded, config, self.num_blocks,
+                                  verifier=RejectionSampler() if self.drafter is not None else None)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or arch.eos_token_ids)
         self.grammar = GrammarManager(self.tokenizer, arch.vocab_size,
                                       overlap=config.num_threads < len(os.sched_getaffinity(0)))
@@ -117,7 +129,8 @@ class EngineCore:
                 f"= {cap} tokens ({self.num_blocks * bpt * self.config.cache.block_size / 2**20:.0f} MiB); "
                 f"max concurrency at {self.max_model_len} tokens: {cap / self.max_model_len:.2f}x; "
                 f"prefix caching {'on' if self.config.cache.enable_prefix_caching else 'off'}\n"
-                f"  steps: {self.step_path}")
+                f"  steps: {self.step_path}"
+                + (f"\n  speculative decoding: {self.config.speculative}" if self.config.speculative else ""))
 
     @property
     def step_path(self) -> str:
@@ -223,6 +236,8 @@ class EngineCore:
         The model and the KV tensors stay; nothing is reloaded."""
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_blocks, self.max_model_len)
         self.runner.forget_requests()
+        if self.drafter is not None:
+            self.drafter.forget_requests()
         self.grammar.clear()
         self._groups.clear()
         self._seq_to_group.clear()
@@ -252,20 +267,25 @@ class EngineCore:
             entry = self._seq_to_group.get(seq_id)
             if entry is not None:
                 entry[0].record_prompt_logprobs(plp.start, [self._to_logprob(t) for t in plp.entries])
-        finished = self.scheduler.update_from_output(sched, {k: [v.token_id] for k, v in sampled.items()
+        outputs_before = {c.request.request_id: c.request.num_output_tokens for c in sched.chunks}
+        finished = self.scheduler.update_from_output(sched, {k: [t.token_id for t in v] for k, v in sampled.items()
                                                             if k in self._seq_to_group})
         self._fail_scheduler_rejects()
+        self._record_verifications(sched, sampled)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
-        for seq_id, tok in sampled.items():
+        for seq_id, toks in sampled.items():
             entry = self._seq_to_group.get(seq_id)
             if entry is None:
                 continue
             group, sample = entry
-            self._append_token(group, sample, tok, now)
+            req = sample.request
+            kept = req.num_output_tokens - outputs_before.get(seq_id, req.num_output_tokens)  # a stop cuts the rest
+            for tok in toks[:kept]:
+                self._append_token(group, sample, tok, now)
+                if self.grammar.constrained(seq_id):
+                    self._advance_grammar(group, sample, tok.token_id)
             touched[group.request_id] = group
-            if self.grammar.constrained(seq_id):
-                self._advance_grammar(group, sample, tok.token_id)
         for req in finished:
             entry = self._seq_to_group.get(req.request_id)
             if entry is None:
@@ -279,7 +299,34 @@ class EngineCore:
                 outputs.append(self._emit(group))
         outputs.extend(self._pending)
         self._pending = []
+        self._propose_drafts(sched)
         return outputs
+
+    # ---- speculative decoding ----
+    def _record_verifications(self, sched: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> None:
+        """Count each verification's accepted drafts (the runner's answer, before any stop cut)."""
+        if self.drafter is None:
+            return
+        for c in sched.chunks:
+            toks = sampled.get(c.request.request_id)
+            if c.draft_token_ids and toks:
+                self.drafter.record(c.request.request_id, len(c.draft_token_ids), len(toks) - 1)
+
+    def _propose_drafts(self, sched: SchedulerOutput) -> None:
+        """Drafts for every sequence that sampled this step and still runs (none under a grammar)."""
+        if self.drafter is None:
+            return
+        for c in sched.chunks:
+            req = c.request
+            if (c.sample and req.status == RequestStatus.RUNNING and req.request_id in self._seq_to_group
+                    and not self.grammar.constrained(req.request_id)):
+                req.spec_token_ids = self.drafter.propose(req)
+
+    def _forget_sequence(self, seq_id: str) -> None:
+        """Per-sequence state outside the scheduler: the runner's generator, the drafter's index."""
+        self.runner.free_request(seq_id)
+        if self.drafter is not None:
+            self.drafter.free(seq_id)
 
     # ---- fault isolation ----
     def _advance_grammar(self, group: _Group, sample: _Sample, token_id: int) -> None:
@@ -356,7 +403,7 @@ class EngineCore:
         sample.changed = True
         if stopped:
             self.scheduler.finish_request(sample.seq_id, RequestStatus.FINISHED_STOPPED)
-            self.runner.free_request(sample.seq_id)
+            self._forget_sequence(sample.seq_id)
             out.finish_reason = "stop"
             out.stop_reason = sample.detok.stop_reason if hasattr(sample.detok, "stop_reason") else None
 
@@ -369,7 +416,7 @@ class EngineCore:
                 req.output_token_ids[-1] in req.sampling_params.stop_token_ids:
             sample.out.stop_reason = req.output_token_ids[-1]
         sample.changed = True
-        self.runner.free_request(sample.seq_id)
+        self._forget_sequence(sample.seq_id)
 
     def _to_logprob(self, lp: TokenLogprobs) -> Logprob:
         dec = self.tokenizer.decode
@@ -397,7 +444,7 @@ class EngineCore:
             del self._groups[group.request_id]
             for s in group.samples:
                 self._seq_to_group.pop(s.seq_id, None)
-                self.runner.free_request(s.seq_id)
+                self._forget_sequence(s.seq_id)
                 self.grammar.remove(s.seq_id)
         complete = group.prompt_logprobs is not None and group.prompt_logprobs_missing == 0
         return RequestOutput(request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
@@ -417,7 +464,16 @@ class EngineCore:
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "structured_mask_seconds": self.grammar.mask_seconds,
                 "structured_masks": self.grammar.masks_filled,
-                "generation_tokens_total": self.generation_tokens_total}
+                "generation_tokens_total": self.generation_tokens_total,
+                **self._spec_stats()}
+
+    def _spec_stats(self) -> dict:
+        if self.drafter is None:
+            return {}
+        s = self.drafter.stats
+        return {"spec_decode_num_drafts": s.num_drafts, "spec_decode_num_draft_tokens": s.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(s.accepted_per_position)}
 
 
 def _stem(path: str) -> str:

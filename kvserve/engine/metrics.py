@@ -29,7 +29,12 @@ COUNT_BUCKETS = [m * 10 ** e for e in range(7) for m in (1, 2, 5)][:-2]
 _COUNTER_STATS = {"prompt_tokens_total": "prompt_tokens", "generation_tokens_total": "generation_tokens",
                   "num_preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
                   "prefix_cache_hits": "prefix_cache_hits", "structured_mask_seconds": "structured_mask_seconds",
-                  "structured_masks": "structured_masks"}
+                  "structured_masks": "structured_masks",
+                  "spec_decode_num_drafts": "spec_decode_num_drafts",
+                  "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+                  "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens"}
+# core.stats() key of the accepted drafts by draft position (a list: [j] counts position j)
+_PER_POSITION_STAT = "spec_decode_num_accepted_tokens_per_pos"
 
 
 class EngineMetrics:
@@ -79,6 +84,14 @@ class EngineMetrics:
         self.structured_mask_seconds = counter("structured_mask_seconds",
                                                "Time spent filling grammar token masks (on a worker thread).")
         self.structured_masks = counter("structured_masks", "Grammar token masks filled (one per constrained token).")
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts",
+                                              "Speculative verifications (steps of a request with draft tokens).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._accepted_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft (0 = first).",
+                                         ["model_name", "position"], registry=reg)
+        self._model_name = model_name
         success = Counter("kvserve:request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
@@ -124,6 +137,13 @@ class EngineMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last_stats[key] = stats[key]
+        for pos, count in enumerate(stats.get(_PER_POSITION_STAT, ())):
+            key = f"{_PER_POSITION_STAT}[{pos}]"
+            series = self._accepted_per_pos.labels(self._model_name, str(pos))   # exists (at 0) from now on
+            delta = count - self._last_stats.get(key, 0)
+            if delta > 0:
+                series.inc(delta)
+            self._last_stats[key] = count
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition."""

@@ -5,12 +5,19 @@ unpadded batch — input_ids[T], positions[T], slot_mapping[T] plus per-request 
 context lengths and block tables — runs the model once, takes logits only at the last
 position of chunks that sample, and samples.
 
+A chunk with draft tokens (speculative decoding) gets logits at its last token and at every
+draft; the verifier handed in by the engine (kvserve/spec/rejection.py, injected: the runner
+does not import spec) turns them into the accepted drafts plus one token. Draft positions are
+past the prompt, so the C layer stack computes them as it computes decodes (integer GEMV):
+a verified token has the very logits it would have had decoded alone.
+
 How a step runs is decided here: through the C layer stack (runner/layer_stack.py) when the
 model's weights allow it, else through the model's PyTorch forward.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +28,12 @@ from kvserve.model.loader import TORCH_DTYPES as _TORCH_DTYPES   # canonical dty
 from kvserve.ops import kv_int8
 from kvserve.ops.attention import AttentionMetadata
 from kvserve.runner.layer_stack import CLayerStack
-from kvserve.runner.sampler import Sampler, SamplingRow, TokenLogprobs, apply_token_bitmask, token_logprobs
+from kvserve.runner.sampler import (Sampler, SamplerOutput, SamplingRow, TokenLogprobs, apply_token_bitmask,
+                                    token_logprobs)
+
+# (logits [R, V], one SamplingRow per fed position, draft token ids per request) -> per request
+# the accepted drafts + one token: kvserve.spec.rejection.RejectionSampler
+Verifier = Callable[[torch.Tensor, list[SamplingRow], list[list[int]]], list[SamplerOutput]]
 
 log = logging.getLogger("kvserve")
 
@@ -49,7 +61,8 @@ class PromptLogprobs:
 
 @dataclass
 class StepOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)         # by request id
+    # by request id: one token, or with drafts the accepted ones then one more
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     def update(self, other: "StepOutput") -> None:
@@ -58,7 +71,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, loaded, config: EngineConfig, num_blocks: int):
+    def __init__(self, loaded, config: EngineConfig, num_blocks: int, verifier: Verifier | None = None):
         self.model = loaded.model
         self.arch = loaded.arch
         self.block_size = config.cache.block_size
@@ -73,6 +86,7 @@ class ModelRunner:
         self.kv_caches = [(_lazy_zeros(shape, self.kv_dtype), _lazy_zeros(shape, self.kv_dtype))
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler()
+        self.verifier = verifier
         self.layer_stack = CLayerStack.build(self.model)
         if self.layer_stack is not None:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
@@ -112,7 +126,8 @@ class ModelRunner:
             v[dst] = v[src]
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled chunks into one batch; returns (input_ids, positions, meta, sample_idx)."""
+        """Flatten the scheduled chunks into one batch; returns (input_ids, positions, meta, sample_idx):
+        sample_idx holds, per chunk that samples, the rows of its last known token and its drafts."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -133,8 +148,8 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
-            if c.sample:
-                sample_idx.append(query_start_loc[-1] - 1)
+            if c.sample:      # the last known token, then every draft
+                sample_idx.extend(range(query_start_loc[-1] - 1 - len(c.draft_token_ids), query_start_loc[-1]))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
                                  query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_tables=tables, block_size=bs)
@@ -168,28 +183,58 @@ class ModelRunner:
         if not sampling:
             return step
         constrained = [grammar is not None and c.request.request_id in grammar.rows for c in sampling]
+        first_rows, row = [], 0
+        for c in sampling:
+            first_rows.append(row)
+            row += 1 + len(c.draft_token_ids)
         sample_logits = logits[:len(sample_idx)]
         if any(constrained):      # waits for the mask only when this batch has a constrained row
+            assert not any(c.draft_token_ids for c, on in zip(sampling, constrained) if on), \
+                "constrained requests do not speculate"
             bitmask = grammar.wait()
-            apply_token_bitmask(sample_logits, [j for j, on in enumerate(constrained) if on],
+            apply_token_bitmask(sample_logits, [first_rows[j] for j, on in enumerate(constrained) if on],
                                 bitmask[[grammar.rows[c.request.request_id] for c, on in zip(sampling, constrained)
                                          if on]])
-        rows = [SamplingRow(params=c.request.sampling_params,
-                            prompt_token_ids=c.request.prompt_token_ids,
-                            output_token_ids=c.request.output_token_ids,
-                            generator=self._generator(c.request),
-                            eos_token_ids=c.request.eos_token_ids, constrained=on)
-                for c, on in zip(sampling, constrained)]
-        saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+        plain = [j for j, c in enumerate(sampling) if not c.draft_token_ids]
+        spec = [j for j, c in enumerate(sampling) if c.draft_token_ids]
+        plain_rows = [self._sampling_row(sampling[j].request, constrained[j]) for j in plain]
+        spec_rows = [r for j in spec for r in self._position_rows(sampling[j])]
+        generators = {id(r.generator): r.generator for r in plain_rows + spec_rows if r.generator is not None}
+        saved = [(g, g.get_state()) for g in generators.values()]
         try:
-            sampled = self.sampler(sample_logits, rows)
+            if plain:
+                plain_logits = sample_logits if not spec else sample_logits[torch.tensor([first_rows[j] for j in plain])]
+                out_plain = self.sampler(plain_logits, plain_rows)
+                for j, tok, lp in zip(plain, out_plain.token_ids, out_plain.logprobs):
+                    step.sampled[sampling[j].request.request_id] = [SampledToken(tok, lp)]
+            if spec:
+                if self.verifier is None:
+                    raise RuntimeError("draft tokens were scheduled but this runner has no verifier")
+                rows_idx = [first_rows[j] + i for j in spec for i in range(1 + len(sampling[j].draft_token_ids))]
+                verified = self.verifier(sample_logits[torch.tensor(rows_idx)], spec_rows,
+                                         [sampling[j].draft_token_ids for j in spec])
+                for j, v in zip(spec, verified):
+                    step.sampled[sampling[j].request.request_id] = [SampledToken(t, lp)
+                                                                    for t, lp in zip(v.token_ids, v.logprobs)]
         except Exception:  # a failed step draws nothing: the engine may run it again
             for g, state in saved:
                 g.set_state(state)
             raise
-        step.sampled = {c.request.request_id: SampledToken(tok, lp)
-                        for c, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)}
         return step
+
+    def _sampling_row(self, req, constrained: bool = False) -> SamplingRow:
+        return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids, generator=self._generator(req),
+                           eos_token_ids=req.eos_token_ids, constrained=constrained)
+
+    def _position_rows(self, chunk) -> list[SamplingRow]:
+        """One SamplingRow per fed position of a chunk with drafts: position j sees the drafts
+        before it as generated tokens (min_tokens, penalties), as one-token steps would."""
+        first = self._sampling_row(chunk.request)
+        drafts = chunk.draft_token_ids
+        return [first] + [SamplingRow(first.params, first.prompt_token_ids, first.output_token_ids + drafts[:j],
+                                      first.generator, first.eos_token_ids)
+                          for j in range(1, len(drafts) + 1)]
 
     @staticmethod
     def _prompt_logprob_spans(out: SchedulerOutput, query_start_loc: list[int]) -> list[tuple]:

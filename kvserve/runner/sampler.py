@@ -20,6 +20,9 @@ min_tokens and penalties, and after temperature for sampled rows (greedy rows: n
 temperature), but before min_p/top_k/top_p. They describe the distribution the model
 proposed, not the truncated one we drew from, so a token outside the nucleus still gets a
 finite logprob.
+
+``process_logits`` runs the stages up to the draw and returns the distributions; the sampler
+draws from them, and so does the speculative verifier (kvserve/spec/rejection.py).
 """
 from __future__ import annotations
 
@@ -60,32 +63,57 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass
+class ProcessedLogits:
+    """One batch of logits after every stage that shapes the distribution a row draws from.
+
+    `logits`: after min_tokens and penalties, and after temperature for sampled rows (greedy rows
+    take its argmax; logprobs are its log_softmax). `probs`: the distribution each sampled row
+    draws from (min_p, top_k and top_p applied, softmax), its rows those of `sampled_rows`, in
+    order; None when every row is greedy. The speculative verifier (kvserve/spec/rejection.py)
+    reads the same object, so both sample from exactly the same distributions.
+    """
+
+    logits: torch.Tensor                  # [N, V]
+    greedy: list[bool]                    # per row: temperature < 1e-5
+    sampled_rows: list[int]               # the rows that are not greedy
+    probs: torch.Tensor | None            # [len(sampled_rows), V]
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLogits:
+    """Run the logits processors of the module doc over `logits` (never modified in place)."""
+    assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per request"
+    params = [r.params for r in rows]
+    greedy = [p.temperature < _GREEDY_EPS for p in params]
+    needs_edit = _needs_min_tokens(rows) or any(_has_penalty(p) for p in params)
+
+    logits = logits.float()
+    if needs_edit or not all(greedy):
+        logits = logits.clone()  # never modify the caller's tensor
+    if needs_edit:
+        _apply_min_tokens(logits, rows)
+        _apply_penalties(logits, rows)
+    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    if not sampled_rows:
+        return ProcessedLogits(logits, greedy, sampled_rows, None)
+    temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+    if any(t != 1.0 for t in temps):
+        logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))
+    sub = logits[torch.tensor(sampled_rows, device=logits.device)]  # a copy: logprobs read `logits` unfiltered
+    s_params = [params[i] for i in sampled_rows]
+    _apply_min_p(sub, s_params)
+    _apply_top_k_top_p(sub, s_params)
+    return ProcessedLogits(logits, greedy, sampled_rows, sub.softmax(dim=-1))
+
+
 class Sampler:
     """Stateless: ``Sampler()(logits[N, V], rows) -> SamplerOutput``."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per request"
-        params = [r.params for r in rows]
-        greedy = [p.temperature < _GREEDY_EPS for p in params]
-        want_logprobs = any(p.logprobs is not None for p in params)
-        needs_edit = _needs_min_tokens(rows) or any(_has_penalty(p) for p in params)
-
-        logits = logits.float()
-        if all(greedy) and not needs_edit and not want_logprobs:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
-
-        if needs_edit or not all(greedy):
-            logits = logits.clone()  # never modify the caller's tensor
-        if needs_edit:
-            _apply_min_tokens(logits, rows)
-            _apply_penalties(logits, rows)
-        if not all(greedy):
-            temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-            if any(t != 1.0 for t in temps):
-                logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))
-
-        tokens = _greedy_and_sample(logits, rows, greedy)
-        logprobs = _logprobs(logits, params, tokens) if want_logprobs else [None] * len(rows)
+        proc = process_logits(logits, rows)
+        tokens = _greedy_and_sample(proc, rows)
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        logprobs = _logprobs(proc.logits, [r.params for r in rows], tokens) if want_logprobs else [None] * len(rows)
         return SamplerOutput(tokens.tolist(), logprobs)
 
 
@@ -202,7 +230,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> No
 # ---------------------------------------------------------------- sampling
 
 
-def _exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+def exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(rows), vocab] Exp(1) noise; a row with a generator draws only from it."""
     q = torch.empty(len(rows), vocab, device=device)
     shared = [i for i, r in enumerate(rows) if r.generator is None]
@@ -216,27 +244,20 @@ def _exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device
     return q
 
 
-def _greedy_and_sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
-    """Argmax for greedy rows, filtered random draw for the rest. Returns [N] token ids."""
-    if all(greedy):
+def _greedy_and_sample(proc: ProcessedLogits, rows: list[SamplingRow]) -> torch.Tensor:
+    """Argmax for greedy rows, a draw from `proc.probs` for the rest. Returns [N] token ids."""
+    logits = proc.logits
+    if proc.probs is None:
         return logits.argmax(dim=-1)
     dev = logits.device
     tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
-    g_idx = [i for i, g in enumerate(greedy) if g]
-    s_idx = [i for i, g in enumerate(greedy) if not g]
+    g_idx = [i for i, g in enumerate(proc.greedy) if g]
     if g_idx:
         gi = torch.tensor(g_idx, device=dev)
         tokens[gi] = logits[gi].argmax(dim=-1)
-
-    si = torch.tensor(s_idx, device=dev)
-    s_rows = [rows[i] for i in s_idx]
-    s_params = [r.params for r in s_rows]
-    sub = logits[si]  # a copy: filtering must not touch the logits that logprobs read
-    _apply_min_p(sub, s_params)
-    _apply_top_k_top_p(sub, s_params)
-    probs = sub.softmax(dim=-1)
-    q = _exponential_noise(s_rows, logits.shape[1], dev)
-    tokens[si] = probs.div_(q).argmax(dim=-1)
+    s_rows = [rows[i] for i in proc.sampled_rows]
+    q = exponential_noise(s_rows, logits.shape[1], dev)
+    tokens[torch.tensor(proc.sampled_rows, device=dev)] = proc.probs.div(q).argmax(dim=-1)
     return tokens
 
 

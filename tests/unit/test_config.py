@@ -54,3 +54,20 @@ def test_torch_dtype_is_the_one_mapping_of_canonical_names():
     assert torch_dtype("bf16") is torch.bfloat16 and torch_dtype("int8") is torch.int8
     cfg = make_engine_config(dtype="bf16", kv_cache_dtype="half")
     assert TORCH_DTYPES[cfg.model.dtype] is torch.bfloat16 and TORCH_DTYPES[cfg.cache.kv_cache_dtype] is torch.float16
+
+
+def test_speculative_config_is_parsed_like_vllms_flag():
+    import pytest
+    from kvserve.config import SpeculativeConfig, make_engine_config
+    cfg = make_engine_config(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+                                                '"prompt_lookup_max": 5, "prompt_lookup_min": 1}')
+    assert cfg.speculative == SpeculativeConfig("ngram", 3, 5, 1)
+    assert make_engine_config().speculative is None
+    for bad, field in [("{", "not valid JSON"), ('{"method": "eagle"}', "method"),
+                       ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "num_speculative_tokens": 18446744073709551616}', "at most 32"),
+                       ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "prompt_lookup_min": 5}', "prompt_lookup_min"),
+                       ('{"method": "ngram", "k": 2}', "unknown field"), ('{"num_speculative_tokens": 2}', "method")]:
+        with pytest.raises(ValueError, match=field):
+            make_engine_config(speculative_config=bad)

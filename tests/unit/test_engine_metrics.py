@@ -24,3 +24,19 @@ def test_the_series_vllm_dashboards_read_exist():
                  "process_resident_memory_bytes"):
         assert name in text, name
     assert 'kvserve:request_prompt_tokens_sum{model_name="m"} 12.0' in text
+
+
+def test_spec_decode_counters_follow_the_core_stats():
+    from kvserve.engine.metrics import EngineMetrics
+    m = EngineMetrics("m")
+    m.record_stats({"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 10,
+                    "spec_decode_num_accepted_tokens": 6, "spec_decode_num_accepted_tokens_per_pos": [3, 2, 1, 0]})
+    m.record_stats({"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 14,
+                    "spec_decode_num_accepted_tokens": 9, "spec_decode_num_accepted_tokens_per_pos": [4, 3, 2, 0]})
+    text = m.render()[0].decode()
+    assert 'kvserve:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
+    assert 'kvserve:spec_decode_num_draft_tokens_total{model_name="m"} 14.0' in text
+    assert 'kvserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    for pos, value in enumerate([4, 3, 2, 0]):
+        assert (f'kvserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} '
+                f'{value:.1f}') in text

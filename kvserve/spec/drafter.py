@@ -1,0 +1,67 @@
+"""The engine's side of speculative decoding: drafts per request, acceptance per request, counters.
+
+After each step the engine asks `Drafter.propose(request)` for the drafts of every request that
+just sampled and still runs; the scheduler feeds them with the request's last token next step
+(kvserve/core/scheduler.py), the runner verifies them (kvserve/spec/rejection.py), and the
+engine reports the outcome with `record`. The draft length adapts per request
+(kvserve/spec/adaptive.py) and never exceeds the tokens the request may still generate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.config import SpeculativeConfig
+from kvserve.core.request import Request
+from kvserve.spec.adaptive import AdaptiveDraftLength
+from kvserve.spec.ngram import NgramProposer
+
+
+@dataclass
+class SpecDecodeStats:
+    """Monotone counters, named after vLLM's spec_decode metrics."""
+    num_drafts: int = 0                # verifications of at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)   # [j]: drafts accepted at position j
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._lengths: dict[str, AdaptiveDraftLength] = {}
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose(self, req: Request) -> list[int]:
+        """Draft tokens to verify after the request's last token (possibly none)."""
+        room = req.max_tokens - req.num_output_tokens - 1   # the step emits the drafts accepted + 1 token
+        if room <= 0:
+            return []
+        length = self._lengths.get(req.request_id)
+        if length is None:
+            length = self._lengths[req.request_id] = AdaptiveDraftLength(self.config.num_speculative_tokens)
+        k = min(length.next_length(), room)
+        return self.proposer.propose(req.request_id, req.all_token_ids, k) if k > 0 else []
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """One verification's outcome: `num_accepted` of `num_drafts` draft tokens were accepted."""
+        if num_drafts <= 0:
+            return
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            s.accepted_per_position[j] += 1
+        length = self._lengths.get(request_id)
+        if length is not None:
+            length.record(num_drafts, num_accepted)
+
+    def free(self, request_id: str) -> None:
+        self._lengths.pop(request_id, None)
+        self.proposer.free(request_id)
+
+    def forget_requests(self) -> None:
+        """Drop every request's state (the engine reset); the counters stay monotone."""
+        self._lengths.clear()
+        self.proposer = NgramProposer(self.config.prompt_lookup_min, self.config.prompt_lookup_max)

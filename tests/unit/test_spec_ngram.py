@@ -1,0 +1,165 @@
+"""Prompt-lookup proposer (kvserve/spec/ngram.py), adaptive draft length (spec/adaptive.py) and
+the Drafter (spec/drafter.py)."""
+import random
+
+import pytest
+
+from kvserve.config import SpeculativeConfig
+from kvserve.core.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec.adaptive import MAX_COOLDOWN, AdaptiveDraftLength
+from kvserve.spec.drafter import Drafter
+from kvserve.spec.ngram import NgramIndex, NgramProposer
+
+
+def brute_force(tokens, k, min_n, max_n):
+    """The specification: longest n first, most recent earlier occurrence, continuation that
+    runs on into its own draft past the end."""
+    length = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= length:
+            continue
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                stream = list(tokens)
+                for i in range(k):
+                    stream.append(stream[start + n + i])
+                return stream[length:]
+    return []
+
+
+def test_finds_the_longest_most_recent_match():
+    index = NgramIndex(2, 4)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
+    # suffix [2, 3]: 3-gram [5, 2, 3] never occurred; the latest earlier [2, 3] is at 5 -> 8, 5, 2
+    assert index.propose(tokens, 3) == [8, 5, 2]
+    tokens = tokens + [8]          # suffix [2, 3, 8] occurred at 5 -> 5, 2, 3, 8
+    assert index.propose(tokens, 4) == [5, 2, 3, 8]
+
+
+def test_no_match_no_draft():
+    index = NgramIndex(2, 3)
+    assert index.propose([1, 2, 3, 4, 5], 4) == []
+    assert index.propose([7], 4) == []
+    assert index.propose([1, 2, 1, 2], 0) == []
+
+
+def test_a_repeating_pattern_keeps_repeating():
+    assert NgramIndex(2, 2).propose([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]
+    assert NgramIndex(1, 3).propose([4, 4, 4], 3) == [4, 4, 4]
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 1), (2, 4), (3, 5)])
+def test_incremental_index_agrees_with_a_rescan(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    index = NgramIndex(min_n, max_n)
+    tokens: list[int] = []
+    for _ in range(600):
+        tokens.append(rng.randrange(6))
+        k = rng.randrange(1, 6)
+        assert index.propose(tokens, k) == brute_force(tokens, k, min_n, max_n), tokens
+
+
+def test_a_shorter_sequence_rebuilds_the_index():
+    index = NgramIndex(2, 2)
+    assert index.propose([1, 2, 3, 1, 2], 1) == [3]
+    assert index.propose([9, 8, 9, 8], 2) == [9, 8]
+
+
+def test_long_contexts_are_cheap_per_step():
+    """8k tokens fed one at a time: the work per step is the new tokens, not the context."""
+    import time
+    rng = random.Random(0)
+    proposer = NgramProposer(2, 4)
+    tokens = [rng.randrange(50) for _ in range(8000)]
+    proposer.propose("r", tokens, 4)
+    t0 = time.perf_counter()
+    for _ in range(500):
+        tokens.append(rng.randrange(50))
+        proposer.propose("r", tokens, 4)
+    assert time.perf_counter() - t0 < 1.0      # a rescan would be ~500 x 8000 x 3 tuple builds
+    proposer.free("r")
+    assert len(proposer) == 0
+
+
+def test_sizes_are_validated():
+    with pytest.raises(ValueError, match="min_n"):
+        NgramIndex(3, 2)
+    with pytest.raises(ValueError, match="min_n"):
+        NgramProposer(0, 2)
+
+
+# ---------------------------------------------------------------- adaptive draft length
+
+
+def test_full_length_while_accepted():
+    a = AdaptiveDraftLength(4)
+    for _ in range(10):
+        assert a.next_length() == 4
+        a.record(4, 4)
+
+
+def test_shrinks_to_plain_decoding_then_probes_and_backs_off():
+    a = AdaptiveDraftLength(4)
+    lengths = []
+    for _ in range(12):
+        k = a.next_length()
+        lengths.append(k)
+        a.record(k, 0)
+    assert lengths[0] == 4 and 0 in lengths[:8], lengths
+    first_zero = lengths.index(0)
+    assert lengths[:first_zero] == sorted(lengths[:first_zero], reverse=True), lengths
+    # plain steps between probes, and the pause doubles after each failed probe
+    pauses, run = [], 0
+    for _ in range(400):
+        k = a.next_length()
+        if k == 0:
+            run += 1
+            continue
+        assert k == 1
+        pauses.append(run)
+        run = 0
+        a.record(1, 0)
+    assert pauses[1:] == sorted(pauses[1:]) and pauses[-1] == MAX_COOLDOWN
+
+
+def test_grows_back_when_probes_are_accepted():
+    a = AdaptiveDraftLength(4)
+    while a.next_length() > 0:
+        a.record(4, 0)
+    k = a.next_length()
+    while k == 0:
+        k = a.next_length()
+    seen = []
+    for _ in range(12):
+        a.record(k, k)
+        k = a.next_length()
+        seen.append(k)
+    assert seen[-1] == 4
+
+
+# ---------------------------------------------------------------- drafter
+
+
+def make_request(prompt, max_tokens=50):
+    return Request("r", prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+
+
+def test_drafter_caps_drafts_to_the_tokens_left():
+    d = Drafter(SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=2))
+    req = make_request([1, 2, 3, 4, 1, 2], max_tokens=3)
+    assert d.propose(req) == [3, 4]              # 3 tokens left: 2 drafts + the token after them
+    req.append_output_token(3)
+    req.append_output_token(4)
+    assert d.propose(req) == []                  # one token left: nothing to draft
+
+
+def test_drafter_counts_acceptance_by_position():
+    d = Drafter(SpeculativeConfig(num_speculative_tokens=3))
+    d.record("r", 3, 2)
+    d.record("r", 2, 0)
+    d.record("r", 0, 0)
+    s = d.stats
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 5, 2)
+    assert s.accepted_per_position == [1, 1, 0]
