@@ -261,7 +261,9 @@ class EngineCore:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
         grammar = self.grammar.start_bitmask([c.request.request_id for c in sched.chunks if c.sample])
+        t_step = time.perf_counter()
         step = self._execute(sched, grammar)
+        self._observe_step_cost(sched, time.perf_counter() - t_step)
         sampled = step.sampled
         for seq_id, plp in step.prompt_logprobs.items():
             entry = self._seq_to_group.get(seq_id)
@@ -312,15 +314,24 @@ class EngineCore:
             if c.draft_token_ids and toks:
                 self.drafter.record(c.request.request_id, len(c.draft_token_ids), len(toks) - 1)
 
+    def _observe_step_cost(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Steps of decodes only (each chunk its last token plus its drafts) teach the drafter
+        what a token row costs here; a prompt chunk's rows take another kernel."""
+        if self.drafter is not None and sched.chunks and all(
+                len(c.token_ids) == 1 + len(c.draft_token_ids) and c.start_pos >= c.request.num_prompt_tokens
+                for c in sched.chunks):
+            self.drafter.observe_step(sched.num_batched_tokens, seconds)
+
     def _propose_drafts(self, sched: SchedulerOutput) -> None:
         """Drafts for every sequence that sampled this step and still runs (none under a grammar)."""
         if self.drafter is None:
             return
+        batch_rows = sum(1 for c in sched.chunks if c.sample)
         for c in sched.chunks:
             req = c.request
             if (c.sample and req.status == RequestStatus.RUNNING and req.request_id in self._seq_to_group
                     and not self.grammar.constrained(req.request_id)):
-                req.spec_token_ids = self.drafter.propose(req)
+                req.spec_token_ids = self.drafter.propose(req, batch_rows)
 
     def _forget_sequence(self, seq_id: str) -> None:
         """Per-sequence state outside the scheduler: the runner's generator, the drafter's index."""

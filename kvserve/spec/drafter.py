@@ -3,8 +3,10 @@
 After each step the engine asks `Drafter.propose(request)` for the drafts of every request that
 just sampled and still runs; the scheduler feeds them with the request's last token next step
 (kvserve/core/scheduler.py), the runner verifies them (kvserve/spec/rejection.py), and the
-engine reports the outcome with `record`. The draft length adapts per request
-(kvserve/spec/adaptive.py) and never exceeds the tokens the request may still generate.
+engine reports the outcome with `record` and the duration of every decode-only step with
+`observe_step`. The draft length adapts per request to its acceptance and to what a token row
+costs on this machine (kvserve/spec/adaptive.py, kvserve/spec/step_cost.py), and never exceeds
+the tokens the request may still generate.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from kvserve.config import SpeculativeConfig
 from kvserve.core.request import Request
 from kvserve.spec.adaptive import AdaptiveDraftLength
 from kvserve.spec.ngram import NgramProposer
+from kvserve.spec.step_cost import StepCostModel
 
 
 @dataclass
@@ -30,17 +33,23 @@ class Drafter:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._lengths: dict[str, AdaptiveDraftLength] = {}
+        self.step_cost = StepCostModel()
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
-    def propose(self, req: Request) -> list[int]:
-        """Draft tokens to verify after the request's last token (possibly none)."""
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step (no prompt token) of `rows` token rows, drafts included, took `seconds`."""
+        self.step_cost.observe(rows, seconds)
+
+    def propose(self, req: Request, batch_rows: int = 1) -> list[int]:
+        """Draft tokens to verify after the request's last token (possibly none); batch_rows: the
+        decoding requests of the step, each one row without drafts (the price of a draft row)."""
         room = req.max_tokens - req.num_output_tokens - 1   # the step emits the drafts accepted + 1 token
         if room <= 0:
             return []
         length = self._lengths.get(req.request_id)
         if length is None:
             length = self._lengths[req.request_id] = AdaptiveDraftLength(self.config.num_speculative_tokens)
-        k = min(length.next_length(), room)
+        k = min(length.next_length(self.step_cost.row_share(batch_rows)), room)
         return self.proposer.propose(req.request_id, req.all_token_ids, k) if k > 0 else []
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:

@@ -15,10 +15,20 @@ Greedy requests (temperature < 1e-5): drafts are accepted while each equals the 
 processed logits (torch's argmax, the normal greedy sampler's tie rule), then that argmax is
 emitted: the same tokens as decoding one at a time.
 
-Random numbers: a request with its own generator (a seeded request) draws k uniforms, then one
-Exp(1) vector over the vocabulary (the exponential race argmax(dist / noise), as the normal
-sampler draws), from that generator only: its tokens depend on its own drafts and seed, not on
-the rest of the batch. The other requests share the default generator, one op per kind.
+Deterministic drafts (q one-hot, n-gram lookup) are verified by sampling each position as
+plain decoding samples it: position j draws one Exp(1) row from the request's generator and
+takes argmax(p_j / noise) (the normal sampler's exponential race); draft j is accepted when it
+equals that token, and the first token that differs is emitted. The draft is accepted with
+probability p_j(d_j) = min(1, p_j(d_j) / 1), and a token that differs follows p_j without d_j,
+renormalized = norm(max(0, p_j - q_j)): the rejection sampler's law, with the randomness of
+plain decoding. A request draws exactly one row per token it emits, so a seeded request's
+tokens are those it gets without speculation, whatever was drafted (drafts depend on timing:
+kvserve/spec/adaptive.py).
+
+Probabilistic drafts: a request with its own generator (a seeded request) draws k uniforms, then
+one Exp(1) vector over the vocabulary, from that generator only: its tokens depend on its own
+drafts and seed, not on the rest of the batch. The other requests share the default generator,
+one op per kind.
 """
 from __future__ import annotations
 
@@ -119,6 +129,43 @@ def _exponentials(num: int, vocab: int, generators: list[torch.Generator | None]
     return noise
 
 
+def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
+                   generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [B], next token [B]) for deterministic drafts, each position sampled as
+    plain decoding samples it (see the module doc). Rows as verify_sampled's."""
+    b_count, vocab = drafts.token_ids.shape[0], target_probs.shape[1]
+    firsts, counts = drafts.first_rows.tolist(), drafts.counts.tolist()
+    num_accepted = torch.zeros(b_count, dtype=torch.long)
+    next_token = torch.zeros(b_count, dtype=torch.long)
+    gens = generators or [None] * b_count
+    shared = [b for b in range(b_count) if gens[b] is None]
+    if shared:     # no seed: every position's race at once (how many rows it draws is free)
+        rows = torch.tensor([firsts[b] + j for b in shared for j in range(counts[b] + 1)], dtype=torch.long)
+        tokens = target_probs[rows].div(torch.empty(len(rows), vocab).exponential_()).argmax(dim=-1).tolist()
+        at = 0
+        for b in shared:
+            n = counts[b]
+            row = tokens[at:at + n + 1]
+            at += n + 1
+            a = 0
+            while a < n and row[a] == int(drafts.token_ids[b, a]):
+                a += 1
+            num_accepted[b], next_token[b] = a, row[a]
+    for b in range(b_count):
+        g = gens[b]
+        if g is None:
+            continue
+        for j in range(counts[b] + 1):    # one row per emitted token, as plain decoding draws
+            noise = torch.empty(1, vocab)
+            noise[0].exponential_(generator=g)
+            token = int(target_probs[firsts[b] + j:firsts[b] + j + 1].div(noise).argmax(dim=-1))
+            if j < counts[b] and token == int(drafts.token_ids[b, j]):
+                continue
+            num_accepted[b], next_token[b] = j, token
+            break
+    return num_accepted, next_token
+
+
 def verify_sampled(target_probs: torch.Tensor, drafts: Drafts,
                    generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [B], next token [B]) by rejection sampling (see the module doc).
@@ -188,7 +235,8 @@ class RejectionSampler:
             # proc.probs holds the sampled rows in order: exactly these requests' positions
             probs = None if draft_probs is None else [draft_probs[b] for b in s_req]
             drafts = Drafts.from_lists([draft_token_ids[b] for b in s_req], probs, vocab)
-            num, nxt = verify_sampled(proc.probs, drafts, [rows[firsts[b]].generator for b in s_req])
+            verify = verify_one_hot if drafts.probs is None else verify_sampled
+            num, nxt = verify(proc.probs, drafts, [rows[firsts[b]].generator for b in s_req])
             for b, a, t in zip(s_req, num.tolist(), nxt.tolist()):
                 accepted[b], nexts[b] = a, t
 

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.runner.sampler import Sampler, SamplingRow, process_logits
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec.rejection import Drafts, RejectionSampler, verify_greedy, verify_sampled
+from kvserve.spec.rejection import Drafts, RejectionSampler, verify_greedy, verify_one_hot, verify_sampled
 
 V = 8
 START = V          # the context row before the first emitted token
@@ -31,7 +31,7 @@ def tables(params: SamplingParams, seed: int = 0):
     return target, q, one_hot
 
 
-def step(ctx: torch.Tensor, k: int, target, q, one_hot, probabilistic: bool):
+def step(ctx: torch.Tensor, k: int, target, q, one_hot, probabilistic: bool, race: bool = False):
     """One verification of k drafts after context token `ctx` [N]: (drafts [N, k], accepted [N], next [N])."""
     n = len(ctx)
     drafts, draft_q, prev = [], [], ctx
@@ -47,7 +47,8 @@ def step(ctx: torch.Tensor, k: int, target, q, one_hot, probabilistic: bool):
     contexts = torch.cat([ctx.unsqueeze(1), d], dim=1)                   # position j's previous token
     batch = Drafts(d, torch.full((n,), k, dtype=torch.long),
                    torch.stack(draft_q, dim=1) if probabilistic and k else None)
-    accepted, nxt = verify_sampled(target[contexts].reshape(n * (k + 1), V), batch)
+    verify = verify_one_hot if race else verify_sampled
+    accepted, nxt = verify(target[contexts].reshape(n * (k + 1), V), batch)
     return d, accepted, nxt
 
 
@@ -60,18 +61,19 @@ FILTERS = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("probabilistic", [False, True], ids=["one-hot", "sampled-draft"])
+@pytest.mark.parametrize("probabilistic,race", [(False, False), (False, True), (True, False)],
+                         ids=["one-hot", "one-hot-race", "sampled-draft"])
 @pytest.mark.parametrize("params", FILTERS, ids=["top_k", "top_k+top_p"])
-def test_first_and_second_tokens_follow_the_target(k, probabilistic, params):
+def test_first_and_second_tokens_follow_the_target(k, probabilistic, race, params):
     torch.manual_seed(1234 + k)
     target, q, one_hot = tables(params, seed=k)
     assert (target == 0).any(), "the filters must cut some tokens for this test to mean anything"
     ctx = torch.full((SAMPLES,), START, dtype=torch.long)
-    d, accepted, nxt = step(ctx, k, target, q, one_hot, probabilistic)
+    d, accepted, nxt = step(ctx, k, target, q, one_hot, probabilistic, race)
     first = torch.where(accepted >= 1, d[:, 0], nxt)
     second = torch.where(accepted >= 2, d[:, min(1, k - 1)], nxt)
     again = accepted == 0                                 # one token this step: the next step emits the second
-    _, acc2, nxt2 = step(first[again], k, target, q, one_hot, probabilistic)
+    _, acc2, nxt2 = step(first[again], k, target, q, one_hot, probabilistic, race)
     second[again] = torch.where(acc2 >= 1, _[:, 0], nxt2)
 
     p_first = target[START]
@@ -87,6 +89,31 @@ def test_rejected_draft_is_never_emitted_where_the_target_has_no_mass():
     for _ in range(50):
         accepted, nxt = verify_sampled(target, batch)
         assert accepted.item() == 0 and nxt.item() in (1, 2)
+
+
+def test_one_hot_race_gives_a_seeded_request_its_plain_decoding_tokens():
+    """One Exp(1) row per emitted token from the request's generator, as the sampler draws: the
+    tokens of a seeded request do not depend on what was drafted."""
+    torch.manual_seed(0)
+    probs = torch.rand(6, V).softmax(dim=-1)
+    plain_gen = torch.Generator().manual_seed(7)
+    plain = []
+    for j in range(4):
+        noise = torch.empty(1, V)
+        noise[0].exponential_(generator=plain_gen)
+        plain.append(int(probs[j:j + 1].div(noise).argmax()))
+    for drafts in ([], plain[:3], [plain[0], (plain[1] + 1) % V, 0], [(plain[0] + 1) % V]):
+        gen = torch.Generator().manual_seed(7)
+        got = []
+        while len(got) < 4:
+            k = min(len(drafts), 3 - len(got)) if drafts else 0
+            d = drafts[:k]
+            rows = probs[len(got):len(got) + k + 1]
+            a, nxt = verify_one_hot(rows, Drafts(torch.tensor([d], dtype=torch.long).reshape(1, k),
+                                                 torch.tensor([k])), [gen])
+            got += d[:int(a)] + [int(nxt)]
+            drafts = []
+        assert got[:4] == plain, (drafts, got, plain)
 
 
 def test_greedy_accepts_while_drafts_equal_the_argmax():

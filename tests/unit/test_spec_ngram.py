@@ -1,5 +1,5 @@
-"""Prompt-lookup proposer (kvserve/spec/ngram.py), adaptive draft length (spec/adaptive.py) and
-the Drafter (spec/drafter.py)."""
+"""Prompt-lookup proposer (kvserve/spec/ngram.py), adaptive draft length (spec/adaptive.py),
+step cost (spec/step_cost.py) and the Drafter (spec/drafter.py)."""
 import random
 
 import pytest
@@ -8,6 +8,7 @@ from kvserve.config import SpeculativeConfig
 from kvserve.core.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec.adaptive import MAX_COOLDOWN, AdaptiveDraftLength
+from kvserve.spec.step_cost import MIN_SHARE, PRIOR_SHARE, StepCostModel
 from kvserve.spec.drafter import Drafter
 from kvserve.spec.ngram import NgramIndex, NgramProposer
 
@@ -93,27 +94,42 @@ def test_sizes_are_validated():
 # ---------------------------------------------------------------- adaptive draft length
 
 
+SHARE = 0.25     # a row costs a quarter of a one-row step's throughput
+
+
 def test_full_length_while_accepted():
     a = AdaptiveDraftLength(4)
     for _ in range(10):
-        assert a.next_length() == 4
+        assert a.next_length(SHARE) == 4
         a.record(4, 4)
+
+
+def test_length_is_the_last_draft_that_pays_for_its_row():
+    """alpha^k > share: the same acceptance drafts fewer tokens where rows are dear."""
+    a = AdaptiveDraftLength(8)
+    for _ in range(30):                  # two accepted, then a rejection: alpha -> 2/3
+        a.record(3, 2)
+    assert abs(a.alpha - 2 / 3) < 0.01
+    assert a.next_length(0.16) == 4      # (2/3)^4 = 0.198 > 0.16 > (2/3)^5 = 0.132
+    assert a.next_length(0.33) == 2      # (2/3)^2 = 0.444 > 0.33 > (2/3)^3 = 0.296
+    assert a.next_length(0.0) == 8       # free rows: the whole length
+    assert a.worth(0.7) == 0             # nothing pays a row that costs more than alpha
 
 
 def test_shrinks_to_plain_decoding_then_probes_and_backs_off():
     a = AdaptiveDraftLength(4)
     lengths = []
     for _ in range(12):
-        k = a.next_length()
+        k = a.next_length(SHARE)
         lengths.append(k)
-        a.record(k, 0)
+        a.record(k, 0) if k else None
     assert lengths[0] == 4 and 0 in lengths[:8], lengths
     first_zero = lengths.index(0)
     assert lengths[:first_zero] == sorted(lengths[:first_zero], reverse=True), lengths
     # plain steps between probes, and the pause doubles after each failed probe
     pauses, run = [], 0
     for _ in range(400):
-        k = a.next_length()
+        k = a.next_length(SHARE)
         if k == 0:
             run += 1
             continue
@@ -126,17 +142,44 @@ def test_shrinks_to_plain_decoding_then_probes_and_backs_off():
 
 def test_grows_back_when_probes_are_accepted():
     a = AdaptiveDraftLength(4)
-    while a.next_length() > 0:
-        a.record(4, 0)
-    k = a.next_length()
+    while (k := a.next_length(SHARE)) > 0:
+        a.record(k, 0)
+    k = a.next_length(SHARE)
     while k == 0:
-        k = a.next_length()
+        k = a.next_length(SHARE)
     seen = []
     for _ in range(12):
         a.record(k, k)
-        k = a.next_length()
+        k = a.next_length(SHARE)
         seen.append(k)
     assert seen[-1] == 4
+
+
+# ---------------------------------------------------------------- step cost
+
+
+def test_step_cost_fits_the_fixed_and_the_per_row_time():
+    m = StepCostModel()
+    assert m.fit() is None and m.row_share(1) == PRIOR_SHARE    # nothing seen: the prior
+    for rows in [1, 5, 1, 3, 1, 5, 2, 1] * 5:
+        m.observe(rows, 0.003 + 0.0015 * rows)
+    a, b = m.fit()
+    assert abs(a - 0.003) < 1e-9 and abs(b - 0.0015) < 1e-9
+    assert abs(m.row_share(1) - 0.0015 / 0.0045) < 1e-6
+    assert m.row_share(64) > 0.95                                 # a large batch: compute-bound
+
+
+def test_step_cost_needs_spread_rows_and_never_calls_a_row_free():
+    m = StepCostModel()
+    for _ in range(50):
+        m.observe(1, 0.004)              # one row count only: the slope is unknown
+    assert m.fit() is None and m.row_share(1) == PRIOR_SHARE
+    for rows in [1, 4] * 20:
+        m.observe(rows, 0.004)           # rows that cost nothing (noise): still a minimum price
+    assert m.row_share(1) == MIN_SHARE
+    m.observe(0, 1.0)
+    m.observe(3, float("nan"))           # ignored
+    assert m.row_share(1) == MIN_SHARE
 
 
 # ---------------------------------------------------------------- drafter
