@@ -1,9 +1,9 @@
-"""`kvserve bench throughput | serve | latency | roofline | soak | structured | report`."""
+"""`kvserve bench throughput | serve | latency | roofline | soak | structured | spec | report`."""
 from __future__ import annotations
 
 import argparse
 
-from kvserve.bench import latency, report, roofline, serve, soak, structured, throughput
+from kvserve.bench import latency, report, roofline, serve, soak, spec, structured, throughput
 
 COMMANDS = {
     "throughput": (throughput, "offline throughput through kvserve.LLM, every request at once"),
@@ -13,6 +13,7 @@ COMMANDS = {
     "soak": (soak, "many requests, some dropped, some hostile: the server must stay whole (no 5xx, no leak)"),
     "structured": (structured, "structured output: JSON schemas end to end (compile, validity, truncation), "
                                "and the cost of a constraint in TPOT"),
+    "spec": (spec, "speculative decoding against plain decoding, side by side: decode tokens/s, acceptance"),
     "report": (report, "regenerate docs/benchmarks.md from docs/bench-results/*.json"),
 }
 

@@ -203,9 +203,17 @@ def section_structured(res: dict) -> list[str]:
     return out
 
 
+def section_spec(res: dict) -> list[str]:
+    from kvserve.bench.spec import TABLE_HEADERS, table_rows
+    run = res["runs"][0]
+    return [f"`{json.dumps(run['config']['speculative_config'])}`, {run['config']['steps']}; a token row costs "
+            f"{run['config']['row_share_at_batch_1']:.2f} of a one-row step here (fitted over the run)", "",
+            md_table(TABLE_HEADERS, table_rows(run["workloads"]))]
+
+
 SECTIONS = {"roofline": "Hardware limits (roofline)", "latency": "Latency", "throughput": "Offline throughput",
             "serve": "Serving load", "soak": "Soak: fault isolation under load",
-            "structured": "Structured output"}
+            "structured": "Structured output", "spec": "Speculative decoding"}
 
 
 def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
@@ -244,6 +252,8 @@ def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
                 lines += section_soak(r)
             elif kind == "structured":
                 lines += section_structured(r)
+            elif kind == "spec":
+                lines += section_spec(r)
             else:
                 lines += section_roofline(r)
     return "\n".join(lines) + "\n"

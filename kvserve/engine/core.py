@@ -320,18 +320,21 @@ class EngineCore:
         if self.drafter is not None and sched.chunks and all(
                 len(c.token_ids) == 1 + len(c.draft_token_ids) and c.start_pos >= c.request.num_prompt_tokens
                 for c in sched.chunks):
-            self.drafter.observe_step(sched.num_batched_tokens, seconds)
+            self.drafter.observe_step(sched.num_batched_tokens, seconds,
+                                      verified=any(c.draft_token_ids for c in sched.chunks))
 
     def _propose_drafts(self, sched: SchedulerOutput) -> None:
         """Drafts for every sequence that sampled this step and still runs (none under a grammar)."""
         if self.drafter is None:
             return
+        t0 = time.perf_counter()
         batch_rows = sum(1 for c in sched.chunks if c.sample)
         for c in sched.chunks:
             req = c.request
             if (c.sample and req.status == RequestStatus.RUNNING and req.request_id in self._seq_to_group
                     and not self.grammar.constrained(req.request_id)):
                 req.spec_token_ids = self.drafter.propose(req, batch_rows)
+        self.drafter.stats.draft_seconds += time.perf_counter() - t0
 
     def _forget_sequence(self, seq_id: str) -> None:
         """Per-sequence state outside the scheduler: the runner's generator, the drafter's index."""
@@ -484,7 +487,8 @@ class EngineCore:
         s = self.drafter.stats
         return {"spec_decode_num_drafts": s.num_drafts, "spec_decode_num_draft_tokens": s.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(s.accepted_per_position)}
+                "spec_decode_num_accepted_tokens_per_pos": list(s.accepted_per_position),
+                "spec_decode_draft_seconds": s.draft_seconds, "spec_decode_verify_seconds": s.verify_seconds}
 
 
 def _stem(path: str) -> str:

@@ -32,7 +32,9 @@ _COUNTER_STATS = {"prompt_tokens_total": "prompt_tokens", "generation_tokens_tot
                   "structured_masks": "structured_masks",
                   "spec_decode_num_drafts": "spec_decode_num_drafts",
                   "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
-                  "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens"}
+                  "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+                  "spec_decode_draft_seconds": "spec_decode_draft_seconds",
+                  "spec_decode_verify_seconds": "spec_decode_verify_seconds"}
 # core.stats() key of the accepted drafts by draft position (a list: [j] counts position j)
 _PER_POSITION_STAT = "spec_decode_num_accepted_tokens_per_pos"
 
@@ -88,6 +90,9 @@ class EngineMetrics:
                                               "Speculative verifications (steps of a request with draft tokens).")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_decode_draft_seconds = counter("spec_decode_draft_seconds", "Time spent proposing draft tokens.")
+        self.spec_decode_verify_seconds = counter("spec_decode_verify_seconds",
+                                                  "Time of the model steps that verified draft tokens.")
         self._accepted_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the draft (0 = first).",
                                          ["model_name", "position"], registry=reg)

@@ -9,7 +9,7 @@ No torch headers are involved (a torch C++ extension takes a minute to compile o
 takes a few seconds). Libraries are cached under $KVSERVE_CACHE_DIR (default ~/.cache/kvserve)
 in files named by the hash of the sources, flags and compiler.
 
-The ISA is the best one the CPU reports (`host_isas()`); KVSERVE_ISA=avx512|avx2|neon|portable
+The ISA is the best one the CPU reports (`host_isas()`); KVSERVE_ISA=avx512|avxvnni|avx2|neon|portable
 forces one (tests and benchmarks run every build the host can execute). Every build computes
 the same bits (see csrc/gguf_gemv.h): the ISA changes speed, never results.
 Without a compiler, when the build or load fails, or with KVSERVE_NO_C_KERNELS=1, `available()`
@@ -41,12 +41,14 @@ _BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", 
                "-shared", "-fPIC"]
 ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mf16c"],
+    "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+dotprod"],
     "portable": [],
 }
 ISAS = tuple(ISA_FLAGS)                      # best first
-_ALIASES = {"avx512": "avx512vnni", "avx512_vnni": "avx512vnni", "arm": "neon", "c": "portable"}
+_ALIASES = {"avx512": "avx512vnni", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni", "avx-vnni": "avxvnni",
+            "arm": "neon", "c": "portable"}
 MAX_GROUP = 16      # query heads per KV head the attention kernel handles (MAX_GROUP in its source)
 
 
@@ -72,7 +74,9 @@ def _cpu_flags() -> set[str]:
 
 
 def host_isas() -> list[str]:
-    """The ISA builds this CPU can execute, best first (portable always last)."""
+    """The ISA builds this CPU can execute, best first (portable always last). AVX-VNNI counts
+    only where the C compiler knows -mavxvnni (GCC 11+, clang 12+): elsewhere its CPUs take the
+    AVX2 build."""
     return list(_host_isas(platform.machine().lower()))
 
 
@@ -83,11 +87,25 @@ def _host_isas(machine: str) -> tuple[str, ...]:
     if machine in ("x86_64", "amd64", "i686", "x86"):
         if {"avx512f", "avx512bw", "avx512vl"} <= flags and ("avx512_vnni" in flags or "avx512vnni" in flags):
             isas.append("avx512vnni")
+        if {"avx2", "fma", "f16c", "avx_vnni"} <= flags and _compiler_accepts(tuple(ISA_FLAGS["avxvnni"])):
+            isas.append("avxvnni")
         if {"avx2", "fma", "f16c"} <= flags:
             isas.append("avx2")
     elif machine in ("aarch64", "arm64") and "asimddp" in flags:      # Linux; macOS: FEAT_DotProd
         isas.append("neon")
     return (*isas, "portable")
+
+
+@functools.cache
+def _compiler_accepts(flags: tuple[str, ...]) -> bool:
+    """The C compiler (if any) compiles a trivial file with these target flags."""
+    cc = _compiler()
+    if cc is None:
+        return True          # no C kernels at all: the flag does not matter
+    with tempfile.TemporaryDirectory() as tmp:
+        p = subprocess.run([cc, *flags, "-x", "c", "-c", "-", "-o", str(Path(tmp) / "probe.o")],
+                           input="int f(void) { return 0; }\n", capture_output=True, text=True)
+    return p.returncode == 0
 
 
 def selected_isa() -> str:

@@ -26,6 +26,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)   # [j]: drafts accepted at position j
+    draft_seconds: float = 0.0         # proposing drafts
+    verify_seconds: float = 0.0        # model steps that verified drafts
 
 
 class Drafter:
@@ -36,9 +38,12 @@ class Drafter:
         self.step_cost = StepCostModel()
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode-only step (no prompt token) of `rows` token rows, drafts included, took `seconds`."""
+    def observe_step(self, rows: int, seconds: float, verified: bool) -> None:
+        """A decode-only step (no prompt token) of `rows` token rows, drafts included, took
+        `seconds`; verified: some of its rows were drafts."""
         self.step_cost.observe(rows, seconds)
+        if verified:
+            self.stats.verify_seconds += seconds
 
     def propose(self, req: Request, batch_rows: int = 1) -> list[int]:
         """Draft tokens to verify after the request's last token (possibly none); batch_rows: the

@@ -141,6 +141,9 @@ ICELAKE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat ps
 SKYLAKE_X = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 popcnt aes xsave avx f16c bmi1 avx2 bmi2 avx512f avx512dq "
              "avx512cd avx512bw avx512vl")                      # AVX-512 without VNNI
 SANDY_BRIDGE = "fpu sse sse2 ssse3 cx16 sse4_1 sse4_2 popcnt aes xsave avx"
+ALDER_LAKE = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 popcnt aes xsave avx f16c bmi1 avx2 bmi2 sha_ni "
+              "gfni vaes vpclmulqdq avx_vnni movdiri movdir64b serialize")   # AVX-VNNI, no AVX-512
+ZEN5 = ICELAKE + " avx_vnni avx512_bf16"
 GRAVITON2 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs"
 CORTEX_A72 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid"
 
@@ -158,11 +161,13 @@ def fake_cpuinfo(machine, flags):
     ("AMD64", ICELAKE, ["avx512vnni", "avx2", "portable"]),
     ("x86_64", SKYLAKE_X, ["avx2", "portable"]),
     ("x86_64", SANDY_BRIDGE, ["portable"]),
+    ("x86_64", ALDER_LAKE, ["avxvnni", "avx2", "portable"]),
+    ("x86_64", ZEN5, ["avx512vnni", "avxvnni", "avx2", "portable"]),
     ("aarch64", GRAVITON2, ["neon", "portable"]),
     ("aarch64", CORTEX_A72, ["portable"]),
     ("x86_64", GRAVITON2, ["portable"]),           # Arm flags on x86: nothing
     ("aarch64", ICELAKE, ["portable"]),            # x86 flags on Arm: nothing
-], ids=["zen3", "icelake", "icelake-amd64", "skylake-x", "sandy-bridge", "graviton2", "cortex-a72",
+], ids=["zen3", "icelake", "icelake-amd64", "skylake-x", "sandy-bridge", "alder-lake", "zen5", "graviton2", "cortex-a72",
         "x86-armflags", "arm-x86flags"])
 def test_cpu_flags_map_to_isas(monkeypatch, tmp_path, machine, flags, isas):
     """The flag line of a fake /proc/cpuinfo goes through _cpu_flags' parser into host_isas()."""
@@ -181,6 +186,19 @@ def test_cpu_flags_map_to_isas(monkeypatch, tmp_path, machine, flags, isas):
     cpu_kernels._host_isas.cache_clear()
     assert cpu_kernels.host_isas() == isas
     assert cpu_kernels.selected_isa() == isas[0]
+
+
+def test_avx_vnni_cpu_with_an_old_compiler_takes_the_avx2_build(monkeypatch):
+    """No -mavxvnni in the compiler (GCC < 11): the AVX2 build, not the slow torch paths."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set(ALDER_LAKE.split()))
+    monkeypatch.setattr(cpu_kernels, "_compiler_accepts", lambda flags: "-mavxvnni" not in flags)
+    cpu_kernels._host_isas.cache_clear()
+    try:
+        assert cpu_kernels.host_isas() == ["avx2", "portable"]
+        assert cpu_kernels.selected_isa() == "avx2"
+    finally:
+        cpu_kernels._host_isas.cache_clear()
 
 
 # ---------------------------------------------------------------- a build without OpenMP

@@ -32,11 +32,14 @@ def test_spec_decode_counters_follow_the_core_stats():
     m.record_stats({"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 10,
                     "spec_decode_num_accepted_tokens": 6, "spec_decode_num_accepted_tokens_per_pos": [3, 2, 1, 0]})
     m.record_stats({"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 14,
-                    "spec_decode_num_accepted_tokens": 9, "spec_decode_num_accepted_tokens_per_pos": [4, 3, 2, 0]})
+                    "spec_decode_num_accepted_tokens": 9, "spec_decode_num_accepted_tokens_per_pos": [4, 3, 2, 0],
+                    "spec_decode_draft_seconds": 0.25, "spec_decode_verify_seconds": 1.5})
     text = m.render()[0].decode()
     assert 'kvserve:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
     assert 'kvserve:spec_decode_num_draft_tokens_total{model_name="m"} 14.0' in text
     assert 'kvserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert 'kvserve:spec_decode_draft_seconds_total{model_name="m"} 0.25' in text
+    assert 'kvserve:spec_decode_verify_seconds_total{model_name="m"} 1.5' in text
     for pos, value in enumerate([4, 3, 2, 0]):
         assert (f'kvserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} '
                 f'{value:.1f}') in text

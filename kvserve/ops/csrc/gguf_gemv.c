@@ -171,10 +171,10 @@ int64_t gguf_f32_workspace_bytes(int64_t M, int64_t N, int64_t K, int64_t thread
  * OpenMP region like gguf_gemv_team (same arguments; ws: gguf_f32_workspace_bytes(M, N, K, the
  * team's size), 64-byte aligned). Blocked as a GEMM: for each slice of GGUF_F32_KC k and chunk
  * of GGUF_F32_MC rows (their packed activations, <= 200 KB, stay in L2), each thread dequantizes
- * the slice of one of its pairs of groups (32 KB, in L1) and runs every tile of the chunk against
- * it. The sums wait in acc between slices; a pair always belongs to the same thread (static
- * schedule over the same count, the final writes included), so no barrier is needed until the
- * end. */
+ * the slice of one of its pairs of groups (GGUF_F32_KC x 32 floats, 16 KB: half of a 32 KB L1d,
+ * with room for the activation tiles) and runs every tile of the chunk against it. The sums
+ * wait in acc between slices; a pair always belongs to the same thread (static schedule over the
+ * same count, the final writes included), so no barrier is needed until the end. */
 void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                         const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
                         int64_t accumulate, void *ws) {

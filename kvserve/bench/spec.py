@@ -1,0 +1,139 @@
+"""`kvserve bench spec`: speculative decoding against plain decoding, side by side in one run.
+
+Two engines in one process, the same model and flags, one with --speculative-config (default: the
+n-gram proposer, 4 drafts). Per workload, a single greedy request (batch 1, prefix caching off)
+alternates between them --repeat times; the figure is decode tokens/s (output tokens after the
+first / time from the first token to the last), median of the repeats, and their ratio. Each pair
+of runs must give the same tokens (greedy speculation is exact), else the command fails.
+Acceptance (accepted / drafted tokens) and the mean accepted length (accepted drafts per
+verification) come from the engine's spec_decode counters.
+
+Workloads: the copy-heavy prompts in kvserve/bench/data/spec-prompts.json (repeat a notice, rename
+a function in code, answer by quoting documents) and w1, the standard open chat request.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from kvserve.bench import common
+from kvserve.bench.datasets import standard_requests
+from kvserve.bench.throughput import add_output_args
+
+PROMPTS = Path(__file__).parent / "data" / "spec-prompts.json"
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
+def add_args(p) -> None:
+    from kvserve.config import add_engine_args
+    g = p.add_argument_group("workload")
+    g.add_argument("--workloads", default="copy-text,edit-code,rag-quote,w1",
+                   help="comma-separated: names in spec-prompts.json and/or w1 (default: %(default)s)")
+    g.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
+    g.add_argument("--repeat", type=int, default=5, help="timed pairs of runs per workload (default: %(default)s)")
+    add_engine_args(p)
+    add_output_args(p)
+
+
+def workloads(names: list[str], llm) -> dict[str, list[int]]:
+    chats = json.loads(PROMPTS.read_text())["workloads"]
+    out = {}
+    for name in names:
+        if name == "w1":
+            out[name] = standard_requests("w1", None)[0].prompt_ids
+        elif name in chats:
+            out[name] = llm.chat_prompt(chats[name])
+        else:
+            raise ValueError(f"unknown workload {name!r}: choose from {sorted(chats) + ['w1']}")
+    return out
+
+
+def _decode_run(llm, ids: list[int], n: int) -> tuple[float, list[int]]:
+    from kvserve import SamplingParams
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    tokens = list(out.outputs[0].token_ids)
+    return (len(tokens) - 1) / (m.last_token_time - m.first_token_time), tokens
+
+
+def _counters(llm) -> dict:
+    s = llm.engine.stats()
+    return {k: s.get(f"spec_decode_{k}", 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+
+
+def run(args, spec_json: str) -> list[dict]:
+    from kvserve import LLM
+    from kvserve.config import engine_config_from_args
+    args.no_prefix_caching = True
+    plain = LLM(config=engine_config_from_args(args))
+    args.speculative_config = spec_json
+    spec = LLM(config=engine_config_from_args(args))
+    print(spec.engine.describe(), file=sys.stderr)
+    rows = []
+    for name, ids in workloads(args.workloads.split(","), plain).items():
+        _decode_run(plain, ids, 8), _decode_run(spec, ids, 8)   # warm-up
+        before = _counters(spec)
+        tp, ts = [], []
+        for _ in range(args.repeat):
+            a, tok_a = _decode_run(plain, ids, args.output_len)
+            b, tok_b = _decode_run(spec, ids, args.output_len)
+            if tok_a != tok_b:
+                raise RuntimeError(f"{name}: speculative decoding changed the greedy tokens")
+            tp.append(a)
+            ts.append(b)
+        after = _counters(spec)
+        d = {k: after[k] - before[k] for k in after}
+        rows.append({"workload": name, "prompt_tokens": len(ids), "output_tokens": args.output_len,
+                     "plain_decode_tok_s": statistics.median(tp), "spec_decode_tok_s": statistics.median(ts),
+                     "plain_samples": tp, "spec_samples": ts,
+                     "speedup": statistics.median(ts) / statistics.median(tp),
+                     "acceptance": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None,
+                     "mean_accepted_length": d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None,
+                     **d})
+        print(table_line(rows[-1]), file=sys.stderr)
+    share = spec.engine.drafter.step_cost.row_share(1)
+    config = {"steps": spec.engine.step_path, "speculative_config": json.loads(spec_json),
+              "row_share_at_batch_1": share}
+    del plain, spec
+    gc.collect()
+    return [{"engine": "kvserve", "mode": "offline", "config": config, "workloads": rows}]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    return [[r["workload"], r["prompt_tokens"], f(r["plain_decode_tok_s"], ".1f"), f(r["spec_decode_tok_s"], ".1f"),
+             f"x{r['speedup']:.2f}", "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%",
+             f(r["mean_accepted_length"], ".2f")] for r in rows]
+
+
+TABLE_HEADERS = ["workload", "prompt tokens", "plain decode tok/s", "speculative decode tok/s", "speed-up",
+                 "acceptance", "mean accepted / verification"]
+
+
+def table_line(r: dict) -> str:
+    return "  ".join(f"{h}: {v}" for h, v in zip(TABLE_HEADERS, table_rows([r])[0]))
+
+
+def main(args, argv: list[str]) -> int:
+    from kvserve.config import SpeculativeConfig
+    spec_json = args.speculative_config or DEFAULT_SPEC
+    try:
+        SpeculativeConfig.parse(spec_json)
+        names = args.workloads.split(",")
+        chats = json.loads(PROMPTS.read_text())["workloads"]
+        bad = [n for n in names if n != "w1" and n not in chats]
+        if bad:
+            raise ValueError(f"unknown workload(s) {bad}: choose from {sorted(chats) + ['w1']}")
+    except ValueError as e:
+        return common.die(str(e))
+    result = common.new_result("spec", argv, args)
+    result["runs"] = run(args, spec_json)
+    from kvserve.bench.report import md_table
+    print(md_table(TABLE_HEADERS, table_rows(result["runs"][0]["workloads"])))
+    common.save_result(result, args.output, args.save, "spec-ngram")
+    return 0
