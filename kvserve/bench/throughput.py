@@ -18,9 +18,9 @@ from kvserve.bench.datasets import (MULTITURN, BenchRequest, Conversation, add_d
 from kvserve.bench.metrics import percentile, throughput_report
 
 
-def add_peer_args(p, what: str) -> None:
+def add_peer_args(p, what: str, vllm: bool = False) -> None:
     g = p.add_argument_group("peers")
-    g.add_argument("--peer", action="append", choices=["hf", "llamacpp"], default=[],
+    g.add_argument("--peer", action="append", choices=["hf", "llamacpp", *(["vllm"] if vllm else [])], default=[],
                    help=f"also {what} a peer on the same workload and print ratios (repeatable)")
     g.add_argument("--only-peers", action="store_true", help="skip kvserve, run only the --peer engines")
     g.add_argument("--hf-batch-size", type=int, default=32, help="hf: static batch size (default: %(default)s)")
@@ -31,6 +31,10 @@ def add_peer_args(p, what: str) -> None:
     g.add_argument("--llamacpp-ctx", type=int, default=2048,
                    help="llama.cpp context tokens per slot (default: %(default)s)")
     g.add_argument("--llamacpp-args", default="", help="extra llama.cpp server flags, one string")
+    if vllm:
+        g.add_argument("--vllm-python", default=None,
+                       help="vllm: the Python that has vLLM's CPU build (default: this one); see kvserve/bench/vllm_peer.py")
+        g.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="vllm: VLLM_CPU_KVCACHE_SPACE (default: %(default)s)")
 
 
 def add_output_args(p) -> None:
@@ -44,7 +48,7 @@ def add_args(p) -> None:
     from kvserve.config import add_engine_args
     add_dataset_args(p, multiturn=True)
     add_engine_args(p)
-    add_peer_args(p, "run")
+    add_peer_args(p, "run", vllm=True)
     add_output_args(p)
 
 
@@ -56,6 +60,12 @@ def check_peers(args) -> str | None:
         return HF_INSTALL
     if "llamacpp" in args.peer and not llamacpp_available(args.llamacpp_bin):
         return LLAMACPP_INSTALL
+    if "vllm" in args.peer:
+        from kvserve.bench.vllm_peer import VLLM_INSTALL, vllm_available, vllm_python
+        if not hf_available():
+            return HF_INSTALL + " (the vllm peer's float32 copy of the GGUF is written by transformers)"
+        if not vllm_available(vllm_python(args.vllm_python)):
+            return VLLM_INSTALL
     return None
 
 
@@ -212,6 +222,21 @@ def run_llamacpp(args, reqs: list[BenchRequest], gguf: str) -> dict:
             "metrics": throughput_report(len(reqs), inp, sum(t.output_tokens for t in timings), useful, elapsed)}
 
 
+def run_vllm(args, reqs: list[BenchRequest], gguf: str) -> dict:
+    from kvserve.bench.vllm_peer import run_vllm as vllm_offline, vllm_python
+    r = vllm_offline(reqs, gguf, vllm_python(args.vllm_python), threads(args), args.max_num_seqs,
+                     args.vllm_kv_cache_gib)
+    inp, _ = _counts(reqs)
+    useful = sum(min(n, q.max_tokens) for n, q in zip(r["output_tokens"], reqs))
+    return {"engine": "vllm", "load_s": r["load_s"],
+            "config": {"version": r["version"], "dtype": "float32 (a copy of the GGUF, dequantized)",
+                       "max_num_seqs": args.max_num_seqs, "threads": threads(args)},
+            "metrics": throughput_report(len(reqs), inp, sum(r["output_tokens"]), useful, r["elapsed_s"])}
+
+
+PEERS = {"hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm}
+
+
 def _pct(rate: float | None) -> str:
     return "-" if rate is None else f"{rate * 100:.1f}%"
 
@@ -281,7 +306,7 @@ def main(args, argv: list[str]) -> int:
     if not args.only_peers:
         result["runs"].append(run_kvserve(args, reqs))
     for peer in args.peer:
-        result["runs"].append(run_hf(args, reqs, gguf) if peer == "hf" else run_llamacpp(args, reqs, gguf))
+        result["runs"].append(PEERS[peer](args, reqs, gguf))
     print_table(result["runs"])
     common.save_result(result, args.output, args.save, f"throughput-{args.dataset}")
     return 0
