@@ -39,6 +39,8 @@ def engine_label(run: dict) -> str:
         return "hf transformers, fp32" + (f", static batch {cfg['batch_size']}" if cfg.get("batch_size") else "")
     if run["engine"] == "llamacpp":
         return f"llama.cpp ({cfg.get('server', '?')}, {cfg.get('slots', '?')} slot(s))"
+    if run["engine"] == "vllm":
+        return f"vLLM {cfg.get('version', '?')} CPU, float32 copy, max_num_seqs {cfg.get('max_num_seqs', '?')}"
     parts = [cfg[k] for k in ("quantization", "dtype") if cfg.get(k)]
     if cfg.get("prefix_caching") is False:
         parts.append("no prefix caching")
@@ -239,7 +241,8 @@ def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
         lines += ["", f"## {title}"]
         for path, r in of_kind:
             load = r.get("load_avg_before")
-            lines += ["", f"### {path.stem}", "", f"`{r['command']}`  ",
+            isa = f"KVSERVE_ISA={r['kvserve_isa_env']} " if r.get("kvserve_isa_env") else ""
+            lines += ["", f"### {path.stem}", "", f"`{isa}{r['command']}`  ",
                       f"{r['date']}, kvserve {r['versions'].get('kvserve_commit')}"
                       + (f", load average {load:.1f} on {r['machine']['cores']} cores before the run" if load else ""), ""]
             if kind == "throughput":

