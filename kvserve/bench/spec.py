@@ -38,17 +38,20 @@ def add_args(p) -> None:
     add_output_args(p)
 
 
-def workloads(names: list[str], llm) -> dict[str, list[int]]:
+def workload_chats(names: list[str]) -> dict[str, list[dict] | None]:
+    """Each named workload's chat messages (None: w1, already token ids); ValueError names the
+    unknown ones before any model is loaded."""
     chats = json.loads(PROMPTS.read_text())["workloads"]
-    out = {}
-    for name in names:
-        if name == "w1":
-            out[name] = standard_requests("w1", None)[0].prompt_ids
-        elif name in chats:
-            out[name] = llm.chat_prompt(chats[name])
-        else:
-            raise ValueError(f"unknown workload {name!r}: choose from {sorted(chats) + ['w1']}")
-    return out
+    unknown = [n for n in names if n != "w1" and n not in chats]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}: choose from {sorted(chats) + ['w1']}")
+    return {n: None if n == "w1" else chats[n] for n in names}
+
+
+def workloads(chats: dict[str, list[dict] | None], llm) -> dict[str, list[int]]:
+    """Prompt token ids per workload: w1's from the standard file, the others through the chat template."""
+    return {name: standard_requests("w1", None)[0].prompt_ids if msgs is None else llm.chat_prompt(msgs)
+            for name, msgs in chats.items()}
 
 
 def _decode_run(llm, ids: list[int], n: int) -> tuple[float, list[int]]:
@@ -65,7 +68,7 @@ def _counters(llm) -> dict:
     return {k: s.get(f"spec_decode_{k}", 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
 
 
-def run(args, spec_json: str) -> list[dict]:
+def run(args, spec_json: str, chats: dict[str, list[dict] | None]) -> list[dict]:
     from kvserve import LLM
     from kvserve.config import engine_config_from_args
     args.no_prefix_caching = True
@@ -74,7 +77,7 @@ def run(args, spec_json: str) -> list[dict]:
     spec = LLM(config=engine_config_from_args(args))
     print(spec.engine.describe(), file=sys.stderr)
     rows = []
-    for name, ids in workloads(args.workloads.split(","), plain).items():
+    for name, ids in workloads(chats, plain).items():
         _decode_run(plain, ids, 8), _decode_run(spec, ids, 8)   # warm-up
         before = _counters(spec)
         tp, ts = [], []
@@ -124,15 +127,11 @@ def main(args, argv: list[str]) -> int:
     spec_json = args.speculative_config or DEFAULT_SPEC
     try:
         SpeculativeConfig.parse(spec_json)
-        names = args.workloads.split(",")
-        chats = json.loads(PROMPTS.read_text())["workloads"]
-        bad = [n for n in names if n != "w1" and n not in chats]
-        if bad:
-            raise ValueError(f"unknown workload(s) {bad}: choose from {sorted(chats) + ['w1']}")
+        chats = workload_chats(args.workloads.split(","))
     except ValueError as e:
         return common.die(str(e))
     result = common.new_result("spec", argv, args)
-    result["runs"] = run(args, spec_json)
+    result["runs"] = run(args, spec_json, chats)
     from kvserve.bench.report import md_table
     print(md_table(TABLE_HEADERS, table_rows(result["runs"][0]["workloads"])))
     common.save_result(result, args.output, args.save, "spec-ngram")

@@ -98,14 +98,9 @@ def _host_isas(machine: str) -> tuple[str, ...]:
 
 @functools.cache
 def _compiler_accepts(flags: tuple[str, ...]) -> bool:
-    """The C compiler (if any) compiles a trivial file with these target flags."""
+    """The C compiler (if any) builds a trivial file with these target flags."""
     cc = _compiler()
-    if cc is None:
-        return True          # no C kernels at all: the flag does not matter
-    with tempfile.TemporaryDirectory() as tmp:
-        p = subprocess.run([cc, *flags, "-x", "c", "-c", "-", "-o", str(Path(tmp) / "probe.o")],
-                           input="int f(void) { return 0; }\n", capture_output=True, text=True)
-    return p.returncode == 0
+    return cc is None or _builds(cc, flags, "int f(void) { return 0; }\n")   # no compiler: no C kernels anyway
 
 
 def selected_isa() -> str:
@@ -154,15 +149,20 @@ def _compiler() -> str | None:
 def _openmp_flags(cc: str) -> tuple[str, ...]:
     """("-fopenmp",) when the compiler builds and links OpenMP code, else () (Apple clang without
     libomp): the kernels then run single-threaded rather than not at all."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "omp.c"
-        src.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
-        res = subprocess.run([cc, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(Path(tmp) / "omp.so")],
-                             capture_output=True, text=True)
-    if res.returncode != 0:
+    if not _builds(cc, ("-fopenmp",), "#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n"):
         log.warning("%s has no OpenMP: the C kernels are built single-threaded", cc)
         return ()
     return ("-fopenmp",)
+
+
+def _builds(cc: str, flags: tuple[str, ...], source: str) -> bool:
+    """`source` compiles and links into a shared library with `cc` and these flags."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text(source)
+        res = subprocess.run([cc, *flags, "-shared", "-fPIC", str(src), "-o", str(Path(tmp) / "probe.so")],
+                             capture_output=True, text=True)
+    return res.returncode == 0
 
 
 def library(isa: str | None = None) -> ctypes.CDLL | None:

@@ -230,17 +230,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> No
 # ---------------------------------------------------------------- sampling
 
 
-def exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), vocab] Exp(1) noise; a row with a generator draws only from it."""
-    q = torch.empty(len(rows), vocab, device=device)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
-    if len(shared) == len(rows):
+def exponential_noise(generators: list[torch.Generator | None], vocab: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(generators), vocab] Exp(1) noise, one row per entry; a row with a generator draws only
+    from it (one row per sampled token: the speculative verifier draws the same way)."""
+    q = torch.empty(len(generators), vocab, device=device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if len(shared) == len(generators):
         return q.exponential_()
     if shared:
         q[torch.tensor(shared, device=device)] = torch.empty(len(shared), vocab, device=device).exponential_()
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            q[i].exponential_(generator=r.generator)
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
     return q
 
 
@@ -255,8 +257,7 @@ def _greedy_and_sample(proc: ProcessedLogits, rows: list[SamplingRow]) -> torch.
     if g_idx:
         gi = torch.tensor(g_idx, device=dev)
         tokens[gi] = logits[gi].argmax(dim=-1)
-    s_rows = [rows[i] for i in proc.sampled_rows]
-    q = exponential_noise(s_rows, logits.shape[1], dev)
+    q = exponential_noise([rows[i].generator for i in proc.sampled_rows], logits.shape[1], dev)
     tokens[torch.tensor(proc.sampled_rows, device=dev)] = proc.probs.div(q).argmax(dim=-1)
     return tokens
 

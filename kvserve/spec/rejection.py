@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.runner.sampler import SamplerOutput, SamplingRow, process_logits, token_logprobs
+from kvserve.runner.sampler import (SamplerOutput, SamplingRow, exponential_noise, process_logits,
+                                    token_logprobs)
 
 
 @dataclass
@@ -115,20 +116,6 @@ def _uniforms(drafts: Drafts, generators: list[torch.Generator | None] | None) -
     return u
 
 
-def _exponentials(num: int, vocab: int, generators: list[torch.Generator | None] | None) -> torch.Tensor:
-    """[num, vocab] Exp(1): seeded requests draw their row from their own generator."""
-    noise = torch.empty(num, vocab)
-    if generators is None or all(g is None for g in generators):
-        return noise.exponential_()
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        noise[torch.tensor(shared)] = torch.empty(len(shared), vocab).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i].exponential_(generator=g)
-    return noise
-
-
 def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
                    generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [B], next token [B]) for deterministic drafts, each position sampled as
@@ -141,7 +128,7 @@ def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
     shared = [b for b in range(b_count) if gens[b] is None]
     if shared:     # no seed: every position's race at once (how many rows it draws is free)
         rows = torch.tensor([firsts[b] + j for b in shared for j in range(counts[b] + 1)], dtype=torch.long)
-        tokens = target_probs[rows].div(torch.empty(len(rows), vocab).exponential_()).argmax(dim=-1).tolist()
+        tokens = target_probs[rows].div(exponential_noise([None] * len(rows), vocab)).argmax(dim=-1).tolist()
         at = 0
         for b in shared:
             n = counts[b]
@@ -156,8 +143,7 @@ def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
         if g is None:
             continue
         for j in range(counts[b] + 1):    # one row per emitted token, as plain decoding draws
-            noise = torch.empty(1, vocab)
-            noise[0].exponential_(generator=g)
+            noise = exponential_noise([g], vocab)
             token = int(target_probs[firsts[b] + j:firsts[b] + j + 1].div(noise).argmax(dim=-1))
             if j < counts[b] and token == int(drafts.token_ids[b, j]):
                 continue
@@ -196,7 +182,7 @@ def verify_sampled(target_probs: torch.Tensor, drafts: Drafts,
         empty = residual.sum(dim=1) <= 0
         residual[empty] = p[empty]
         dist[rejected] = residual
-    next_token = dist.div_(_exponentials(len(dist), vocab, generators)).argmax(dim=-1)
+    next_token = dist.div_(exponential_noise(generators or [None] * len(dist), vocab)).argmax(dim=-1)
     return num_accepted, next_token
 
 

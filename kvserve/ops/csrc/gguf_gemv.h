@@ -73,6 +73,13 @@ typedef struct {
     const int32_t *sq;
 } gguf_acts_t;
 
+/* The activations of rows r0.. of `a` (nb blocks a row): kernels that take fewer than
+ * GGUF_TILE_M rows per pass over a group's weights run the rest from here. */
+static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, int64_t nb) {
+    const gguf_acts_t ar = {a->xq + r0 * nb * 64, a->dx + r0 * nb, a->sx + r0 * nb, a->sq + r0 * nb};
+    return ar;
+}
+
 /* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
  * activation rows; out[r * 16 + i]. kind: 4 or 8. */
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);

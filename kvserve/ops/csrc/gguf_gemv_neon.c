@@ -128,7 +128,7 @@ static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const g
 
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     for (int r0 = 0; r0 < R; r0 += R_MAX) {
-        const gguf_acts_t ar = {a->xq + (int64_t)r0 * nb * 64, a->dx + r0 * nb, a->sx + r0 * nb, a->sq + r0 * nb};
+        const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
         group_dot_upto4(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
     }
 }
