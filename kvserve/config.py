@@ -133,6 +133,7 @@ class SchedulerConfig:
 
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32        # drafts per step; past a few the acceptance of the last ones is ~0
+MAX_PROMPT_LOOKUP = 32             # n-gram length: the proposer indexes every length up to it, per token
 SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 
@@ -158,6 +159,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens} (4 is a good start)")
+        if self.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, "
+                             f"got {self.prompt_lookup_max} (4 is a good start)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max}): lower it or raise prompt_lookup_max")

@@ -67,6 +67,8 @@ def test_speculative_config_is_parsed_like_vllms_flag():
                        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                        ('{"method": "ngram", "num_speculative_tokens": 18446744073709551616}', "at most 32"),
                        ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "prompt_lookup_max": 18446744073709551616}',
+                        "prompt_lookup_max must be at most 32"),
                        ('{"method": "ngram", "prompt_lookup_min": 5}', "prompt_lookup_min"),
                        ('{"method": "ngram", "k": 2}', "unknown field"), ('{"num_speculative_tokens": 2}', "method")]:
         with pytest.raises(ValueError, match=field):
