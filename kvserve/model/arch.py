@@ -29,6 +29,13 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: set[int] = field(default_factory=set)
     sliding_window: int | None = None
+    # Per layer, the window of its attention (None: full attention), for models that mix both
+    # (Gemma 3). Empty: every layer uses `sliding_window` (the Llama family, Mistral).
+    layer_windows: list[int | None] = field(default_factory=list)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention (None: it sees the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     def kv_shape(self, dtype_bytes: int) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)

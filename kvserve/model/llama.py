@@ -97,8 +97,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, H] (final norm applied)."""
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)     # once per step, shared by every layer
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer(rope, h, meta, k_cache, v_cache)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h = layer(rope, h, meta.for_layer(i), k_cache, v_cache)
         return self.norm(h)
 
     @torch.inference_mode()

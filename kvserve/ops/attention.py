@@ -33,6 +33,11 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """The metadata layer `layer` attends with. One KV group (every layer's blocks at the same
+        ids): this one. Models call it per layer so that KV groups can differ per layer."""
+        return self
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
