@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, args) -> FastAPI`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
-GET /version, GET /metrics, POST /tokenize, POST /detokenize.
+GET /version, GET /metrics, POST /tokenize, POST /detokenize, and the live dashboard
+(GET /dashboard, /dashboard/data: kvserve/server/dashboard.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Request, Response
 from kvserve import __version__
 from kvserve.config import parse_size
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.server.dashboard import install_dashboard
 from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_error_handlers
 from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, early_rejection
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -82,6 +84,9 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
     async def metrics():
         body, content_type = engine.metrics.render()
         return Response(body, media_type=content_type)
+
+    install_dashboard(app, engine.metrics, state.served_model_names[0],
+                      speculative=engine.core.config.speculative is not None)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):

@@ -13,7 +13,9 @@ from kvserve.server.errors import APIError, RequestTimeout, TooLarge, Unauthoriz
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20
 DEFAULT_BODY_TIMEOUT = 30.0
 DRAIN_LIMIT = 64 * 2**20  # past this much of an oversized body, stop reading and close
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+# answered without the API key (the dashboard's page and script are static: its data are not)
+OPEN_PATHS = frozenset({"/health", "/dashboard", "/dashboard/dashboard.js"})
+METRICS_PATHS = frozenset({"/metrics", "/dashboard/data"})  # open too with --metrics-public
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
@@ -43,7 +45,7 @@ class GuardMiddleware:
         self.overloaded = overloaded
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.open_paths = (OPEN_PATHS | {"/metrics"}) if metrics_public else OPEN_PATHS
+        self.open_paths = (OPEN_PATHS | METRICS_PATHS) if metrics_public else OPEN_PATHS
         self.body_timeout = body_timeout or DEFAULT_BODY_TIMEOUT
 
     async def __call__(self, scope, receive, send):
