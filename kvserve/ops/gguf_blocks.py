@@ -1,66 +1,227 @@
-"""GGUF block packing for the C GEMV (kvserve/ops/csrc/gguf_gemv.c): the file's Q4_0 / Q4_1 / Q8_0
-blocks interleaved 16 rows at a time (pack_gguf_rows), and back to float32 (unpack_gguf_rows).
+"""GGUF block packing for the C GEMV (kvserve/ops/csrc/gguf_gemv.c): the file's blocks decoded into
+integers and scales without changing a value, and interleaved 16 rows at a time in one of four
+packed kinds (pack_gguf_parts / pack_gguf_rows); back to float32 with unpack_gguf_rows.
+
+    kind  from            per block of 32 weights and row                         bytes / 16 rows
+    4     Q4_0, Q4_1      fp16 d, fp16 m, 4-bit q (0..15)            w = d q + m               320
+    8     Q8_0, Q5_0      fp16 d, 8-bit q (stored q + 128)           w = d q                   544
+    14    Q4_K            fp32 d, fp32 m, 4-bit q (0..15)            w = d q + m               384
+    18    Q5_K, Q6_K,     fp32 d0 (weights 0..15), fp32 d1 (16..31),
+          Q3_K            fp32 m, 8-bit q (stored q + 128)           w = d_half q + m          704
+
+Every value is the file's: Q5_0's q - 16 is a signed 8-bit integer with the block's fp16 d; a
+K-quant's sub-block scale (fp16 super-block d times a 4..8-bit sub-scale) and min are exact
+float32 products, and d_half q is exact in float32 (at most 24 significant bits), so the one
+rounding of d q + m is gguf's own (gguf.quants.dequantize). Formats without an offset store
+m = -0.0, which leaves every d q (signed zeros included) unchanged. K-quant sub-blocks of 32
+(Q4_K, Q5_K) have d0 = d1. Q2_K (a min per 16 weights) is not packed.
 
 `w` is any object with the GGUF tensor's `raw` blocks ([rows, bytes_per_row] uint8), `qtype` and
 `shape` (kvserve.model.quant.BlockTensor). Imports numpy, torch and gguf only.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-GROUP = 32      # weights per GGUF Q4_0 / Q4_1 / Q8_0 block
+GROUP = 32      # weights per packed block (and per GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 block)
+SUPER = 256     # weights per GGUF K-quant super-block
+
+# Bytes of one block of 32 weights of 16 rows, per kind (gguf_packed_block_bytes in gguf_gemv.h).
+BLOCK_BYTES = {4: 320, 8: 544, 14: 384, 18: 704}
 
 
-def pack_gguf_rows(w) -> tuple[torch.Tensor, int]:
-    """Q4_0 / Q4_1 / Q8_0 blocks -> (uint8 tensor, kind) in the interleaved layout of
-    kvserve/ops/csrc/gguf_gemv.c: per group of 16 rows and block of 32 weights, the 16 fp16 scales
-    d, (Q4) the 16 fp16 offsets m, then the integers, 4 weights of each row side by side. Values
-    are the file's: the same nibbles / int8 (Q8 stored + 128) and fp16 scales (Q4_0: m = -8 d,
-    exact in fp16)."""
-    from gguf.constants import GGML_QUANT_SIZES
+def _qtypes():
     from gguf.constants import GGMLQuantizationType as Q
+    return Q
+
+
+def packed_kind(qtype) -> int | None:
+    """The kind a GGUF type packs into, or None for a type the C kernels do not run."""
+    Q = _qtypes()
+    return {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 14,
+            Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18}.get(qtype)
+
+
+def packable_types() -> tuple:
+    """The GGUF types pack_gguf_rows takes."""
+    from gguf.constants import GGMLQuantizationType as Q
+    return tuple(t for t in Q if packed_kind(t) is not None)
+
+
+@dataclass
+class _Decoded:
+    """One tensor's blocks of 32, decoded: ints [N, nb, 16 | 32] uint8 as the kind stores them
+    (4-bit kinds: byte t = q[t] | q[t + 16] << 4; 8-bit kinds: q + 128), scales
+    [N, nb, parts] (fp16 for kinds 4 / 8, fp32 for 14 / 18, in the kind's order: d, then m or
+    d0, d1, m)."""
+    kind: int
+    scales: np.ndarray
+    ints: np.ndarray
+
+
+def _blocks(w, bytes_per_block):
     N, K = w.shape
-    nb, G = K // GROUP, -(-N // 16)
-    bs = GGML_QUANT_SIZES[w.qtype][1]          # bytes per block of 32
-    blocks = np.zeros((G * 16, nb, bs), np.uint8)
-    blocks[:N] = w.raw.reshape(N, nb, bs)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]                  # [G*16, nb]
+    return np.ascontiguousarray(w.raw).reshape(N, -1, bytes_per_block)
+
+
+def _half(b, at):
+    """fp16 at byte `at` of each block -> float32 [..., 1]."""
+    return b[..., at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles_of(q):
+    """q [N, nb, 32] in 0..15 -> the 4-bit kinds' bytes q[t] | q[t + 16] << 4, t = 0..15."""
+    return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+
+
+def _per_32(x, N):
+    """[N, nsuper, 8 sub-blocks, ...] -> [N, nb, ...]: super-block order is weight order."""
+    return x.reshape(N, -1, *x.shape[3:])
+
+
+def _k_scale_min(s):
+    """The 12 packed bytes of Q4_K / Q5_K -> (sc, mn) [..., 8] 6-bit sub-block scales and mins."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _decode(w) -> _Decoded:
+    Q = _qtypes()
+    N, K = w.shape
+    qt = w.qtype
+    if qt in (Q.Q4_0, Q.Q4_1):        # the file's bytes as they are: q[t] | q[t + 16] << 4
+        b = _blocks(w, 18 if qt == Q.Q4_0 else 20)
+        d = b[..., 0:2].copy().view(np.float16)
+        m = b[..., 2:4].copy().view(np.float16) if qt == Q.Q4_1 else (d.astype(np.float32) * -8).astype(np.float16)
+        return _Decoded(4, np.concatenate([d, m], axis=-1), b[..., -16:])
+    if qt == Q.Q8_0:
+        b = _blocks(w, 34)
+        return _Decoded(8, b[..., 0:2].copy().view(np.float16), b[..., 2:] ^ 0x80)
+    if qt == Q.Q5_0:                  # fp16 d, 32 high bits, 16 bytes of low nibbles; w = d (q - 16)
+        b = _blocks(w, 22)
+        qh = b[..., 2:6].copy().view(np.uint32)                                    # [N, nb, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)       # [N, nb, 32]
+        low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
+        q = (low | (high << 4)).astype(np.int16) - 16
+        return _Decoded(8, b[..., 0:2].copy().view(np.float16), (q + 128).astype(np.uint8))
+    if qt in (Q.Q4_K, Q.Q5_K):        # w = (d sc) q - (dmin mn) per sub-block of 32
+        b = _blocks(w, 144 if qt == Q.Q4_K else 176)
+        sc, mn = _k_scale_min(b[..., 4:16])
+        d = _half(b, 0) * sc.astype(np.float32)                                    # [N, ns, 8] exact
+        m = -(_half(b, 2) * mn.astype(np.float32))
+        qs = b[..., -128:].reshape(N, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        q = (qs & 15).reshape(N, -1, 8, 32)                                        # sub-block 2j + h
+        if qt == Q.Q4_K:
+            scales = np.stack([d, m], axis=-1)
+            return _Decoded(14, _per_32(scales, N), _nibbles_of(_per_32(q, N)))
+        qh = b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+        q = q | ((qh & 1) << 4)
+        scales = np.stack([d, d, m], axis=-1)
+        return _Decoded(18, _per_32(scales, N), _per_32(q + 128, N).astype(np.uint8))
+    if qt == Q.Q6_K:                  # w = (d sc_16) (q - 32), q 6 bits, a scale per 16 weights
+        b = _blocks(w, 210)
+        ql = b[..., 0:128].reshape(N, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        qh = b[..., 128:192].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = ((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4)).astype(np.int16) - 32
+        sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(N, -1, 8, 2)
+        d = _half(b, 208)[..., None] * sc                                          # [N, ns, 8, 2] exact
+        m = np.full(d.shape[:-1] + (1,), -0.0, np.float32)
+        scales = np.concatenate([d, m], axis=-1)
+        return _Decoded(18, _per_32(scales, N), _per_32(q + 128, N).astype(np.uint8))
+    if qt == Q.Q3_K:                  # w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear)
+        b = _blocks(w, 110)
+        s = b[..., 96:108]
+        low = (s[..., 0:8].reshape(N, -1, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
+        high = (s[..., 8:12].reshape(N, -1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        sc = (low.reshape(N, -1, 16) | (high.reshape(N, -1, 16) << 4)).astype(np.float32) - 32
+        d = (_half(b, 108) * sc).reshape(N, -1, 8, 2)
+        ql = (b[..., 32:96].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        hm = (b[..., 0:32].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        q = ql.reshape(N, -1, 8, 32).astype(np.int16) - 4 * (1 - hm.astype(np.int16))
+        m = np.full(d.shape[:-1] + (1,), -0.0, np.float32)
+        scales = np.concatenate([d, m], axis=-1)
+        return _Decoded(18, _per_32(scales, N), _per_32(q + 128, N).astype(np.uint8))
+    raise ValueError(f"GGUF type {getattr(qt, 'name', qt)} has no packed kind: the C kernels run "
+                     f"{[t.name for t in packable_types()]}; load it dense (dequantized) instead")
+
+
+def _check(w):
+    N, K = w.shape
+    Q = _qtypes()
+    per = SUPER if w.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K) else GROUP
+    if K % per:
+        raise ValueError(f"a {w.qtype.name} tensor needs rows of a multiple of {per} weights, "
+                         f"got shape {tuple(w.shape)}")
+
+
+def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
+    """Row blocks of one weight (fused shards: their rows one after the other), every part of a
+    type that packs into the same kind (Q5_0 and Q8_0 may share kind 8) -> (uint8 tensor, kind)
+    in the interleaved layout of kvserve/ops/csrc/gguf_gemv.h: per group of 16 rows and block of
+    32 weights, the 16 rows' scales (each scale array in turn), then the integers, 4 weights of
+    each row side by side in 64-byte chunks."""
+    kinds = {packed_kind(p.qtype) for p in parts}
+    if None in kinds or len(kinds) != 1:
+        raise ValueError(f"GGUF types {sorted({p.qtype.name for p in parts})} do not pack into one "
+                         "kind: keep such a weight dense")
+    for p in parts:
+        _check(p)
+    dec = [_decode(p) for p in parts]
+    kind = dec[0].kind
+    scales = np.concatenate([d.scales for d in dec])
+    ints = np.concatenate([d.ints for d in dec])
+    N, nb = ints.shape[:2]
+    G = -(-N // 16)
+    pad = G * 16 - N
+    if pad:
+        scales = np.concatenate([scales, np.zeros((pad, *scales.shape[1:]), scales.dtype)])
+        fill = 0 if kind in (4, 14) else 128                     # q = 0 in padding rows
+        ints = np.concatenate([ints, np.full((pad, *ints.shape[1:]), fill, np.uint8)])
 
     def by_group(a):      # [G*16, nb, ...] -> [G, nb, 16, ...] as bytes
         a = np.ascontiguousarray(a.reshape(G, 16, nb, *a.shape[2:]).swapaxes(1, 2))
         return a.view(np.uint8)
-    if w.qtype == Q.Q8_0:
-        q = blocks[..., 2:] ^ 0x80                                           # q + 128 as u8
-        q[N:] = 128                                                          # padding rows: q = 0
-        ints = by_group(q.reshape(G * 16, nb, 8, 4)).swapaxes(2, 3)          # [G, nb, 8 chunks, 16 rows, 4]
-        parts = [by_group(d), ints]
-        kind = 8
-    else:
-        m = (blocks[..., 2:4].copy().view(np.float16)[..., 0] if w.qtype == Q.Q4_1
-             else (d.astype(np.float32) * -8).astype(np.float16))
-        qs = blocks[..., -16:]                           # byte j: q[j] | q[j + 16] << 4, kept as is
-        ints = by_group(qs.reshape(G * 16, nb, 4, 4)).swapaxes(2, 3)         # [G, nb, 4 chunks, 16 rows, 4]
-        parts = [by_group(d), by_group(m), ints]
-        kind = 4
-    packed = np.concatenate([p.reshape(G, nb, -1) for p in parts], axis=-1)
+    chunks = ints.shape[-1] // 4                                   # 4 (4-bit kinds) or 8
+    ints = by_group(ints.reshape(G * 16, nb, chunks, 4)).swapaxes(2, 3)   # [G, nb, chunk, 16 rows, 4]
+    sparts = [by_group(np.ascontiguousarray(scales[..., s])) for s in range(scales.shape[-1])]
+    packed = np.concatenate([p.reshape(G, nb, -1) for p in (*sparts, ints)], axis=-1)
+    assert packed.shape[-1] == BLOCK_BYTES[kind]
     return torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1), kind
 
 
+def pack_gguf_rows(w) -> tuple[torch.Tensor, int]:
+    """One GGUF tensor's blocks -> (uint8 tensor, kind): pack_gguf_parts of a single part."""
+    return pack_gguf_parts([w])
+
+
 def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) -> torch.Tensor:
-    """The float32 [N, K] weight held by pack_gguf_rows' layout (d * q + m, exactly as the file's
-    dequantization gives it)."""
+    """The float32 [N, K] weight held by pack_gguf_parts' layout: d q + m per weight, each product
+    exact and rounded once at the add, exactly as the file's dequantization gives it."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"packed kind {kind} is not one of {sorted(BLOCK_BYTES)}")
     N, K = shape
     nb, G = K // GROUP, -(-N // 16)
-    a = packed.numpy().reshape(G, nb, -1)
-    d = a[..., 0:32].copy().view(np.float16).astype(np.float32)             # [G, nb, 16]
-    if kind == 8:
-        q = (a[..., 32:].reshape(G, nb, 8, 16, 4) ^ 0x80).view(np.int8).astype(np.float32)
-        q = q.transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 32)                # [G, row, nb, j]
-        w = q * d.transpose(0, 2, 1)[..., None]
+    a = packed.numpy().reshape(G, nb, BLOCK_BYTES[kind])
+    ftype, nscales = {4: (np.float16, 2), 8: (np.float16, 1), 14: (np.float32, 2), 18: (np.float32, 3)}[kind]
+    sbytes = 16 * np.dtype(ftype).itemsize
+    s = [a[..., i * sbytes:(i + 1) * sbytes].copy().view(ftype).astype(np.float32).transpose(0, 2, 1)[..., None]
+         for i in range(nscales)]                                                # [G, row, nb, 1]
+    ints = a[..., nscales * sbytes:]
+    if kind in (4, 14):
+        qs = ints.reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)       # j = 0..15, 16..31
+        w = q * s[0] + s[1]
     else:
-        m = a[..., 32:64].copy().view(np.float16).astype(np.float32)
-        qs = a[..., 64:].reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)   # j = 0..15, 16..31
-        w = q * d.transpose(0, 2, 1)[..., None] + m.transpose(0, 2, 1)[..., None]
-    return torch.from_numpy(w.reshape(G * 16, K)[:N].copy())
+        q = (ints.reshape(G, nb, 8, 16, 4) ^ 0x80).view(np.int8).astype(np.float32)
+        q = q.transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 32)                    # [G, row, nb, j]
+        if kind == 8:
+            w = q * s[0]
+        else:
+            d = np.concatenate([np.repeat(s[0], 16, -1), np.repeat(s[1], 16, -1)], axis=-1)
+            w = q * d + s[2]
+    return torch.from_numpy(np.ascontiguousarray(w.reshape(G * 16, K)[:N]))

@@ -1,4 +1,4 @@
-/* y = x W^T for GGUF Q4_0 / Q4_1 / Q8_0 weights packed 16 rows at a time (see gguf_gemv.h), for
+/* y = x W^T for GGUF block weights packed 16 rows at a time (the kinds of gguf_gemv.h), for
  * any number of activation rows. The per-ISA kernel (gguf_group_dot) multiplies one group of 16
  * rows by up to GGUF_TILE_M activation rows; this driver quantizes the activations, splits the
  * work and writes y.
@@ -20,10 +20,10 @@
 
 #define GGUF_CHUNK_M 64     /* activation rows whose quantized values stay in L2 */
 
-/* One row of x -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq
+/* One row of x -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq, sq0
  * (gguf_acts_t). The sum sx runs j = 0..31 in order (no reassociation: -ffp-contract=off, no
  * -ffast-math). */
-static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float *sx, int32_t *sq) {
+static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float *sx, int32_t *sq, int32_t *sq0) {
     for (int64_t b = 0; b < nb; b++) {
         const float *p = x + b * 32;
         float amax = 0.f, sum = 0.f;
@@ -36,15 +36,18 @@ static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, floa
         const float inv = amax > 0 ? 127.f / amax : 0.f;
         int8_t *qa = xq + b * 64, *qb = qa + 32;
         int32_t sa = 0, sb = 0;
-        for (int j = 0; j < 32; j++) {
-            const float v = p[j] * inv;                       /* in [-127, 127] */
-            const float a = __builtin_rintf(v);
-            float rb = __builtin_rintf((v - a) * 256.f);      /* in [-128, 128] */
-            rb = rb > 127.f ? 127.f : rb < -127.f ? -127.f : rb;
-            qa[j] = (int8_t)a;
-            qb[j] = (int8_t)rb;
-            sa += qa[j];
-            sb += qb[j];
+        for (int h = 0; h < 2; h++) {                         /* halves: sq0 after the first */
+            for (int j = 16 * h; j < 16 * h + 16; j++) {
+                const float v = p[j] * inv;                   /* in [-127, 127] */
+                const float a = __builtin_rintf(v);
+                float rb = __builtin_rintf((v - a) * 256.f);  /* in [-128, 128] */
+                rb = rb > 127.f ? 127.f : rb < -127.f ? -127.f : rb;
+                qa[j] = (int8_t)a;
+                qb[j] = (int8_t)rb;
+                sa += qa[j];
+                sb += qb[j];
+            }
+            if (h == 0) sq0[b] = 256 * sa + sb;
         }
         dx[b] = amax / (127.f * 256.f);
         sx[b] = sum;
@@ -64,7 +67,7 @@ const char *gguf_gemv_isa(void) { return gguf_kernel_isa(); }
 
 int64_t gguf_workspace_bytes(int64_t M, int64_t K) {
     const int64_t nb = K / 32;
-    return M * K * 2 + M * nb * (int64_t)(2 * sizeof(float) + sizeof(int32_t)) + 64;
+    return M * K * 2 + M * nb * (int64_t)(2 * sizeof(float) + 2 * sizeof(int32_t)) + 64;
 }
 
 /* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
@@ -78,10 +81,11 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
     int8_t *xq = (int8_t *)ws;
     float *dx = (float *)(xq + M * K * 2), *sx = dx + M * nb;
-    int32_t *sq = (int32_t *)(sx + M * nb);
+    int32_t *sq = (int32_t *)(sx + M * nb), *sq0 = sq + M * nb;
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++)
-        quantize_row(x + (rows ? rows[r] : r) * ldx, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb);
+        quantize_row(x + (rows ? rows[r] : r) * ldx, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb,
+                     sq0 + r * nb);
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
      * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to
@@ -95,7 +99,7 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
             float out[GGUF_TILE_M * GGUF_ROWS];
             for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
-                const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb};
+                const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb, sq0 + r0 * nb};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
@@ -106,9 +110,10 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     #pragma omp barrier
 }
 
-int gguf_gemv_check(int64_t kind, int64_t K) { return (kind != 4 && kind != 8) || K % 32 || K <= 0 ? -1 : 0; }
+int gguf_gemv_check(int64_t kind, int64_t K) { return !gguf_packed_block_bytes(kind) || K % 32 || K <= 0 ? -1 : 0; }
 
-/* y[r][n] (+)= sum_k x[r][k] W[n][k] (+ bias[n]) for r < M, n < N, with W packed (kind 4 or 8).
+/* y[r][n] (+)= sum_k x[r][k] W[n][k] (+ bias[n]) for r < M, n < N, with W packed (a kind of
+ * gguf_gemv.h).
  * x: M rows, leading dimension ldx; y: leading dimension ldy. Returns 0, or -1 for a bad kind /
  * K, -3 when out of memory. */
 int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -128,33 +133,35 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
 
 /* ---- The float32 GEMM for prompt tokens (gguf_gemv.h) ---- */
 
-/* One group's packed blocks -> wt[K][16] float32 (row k at wt + k ld), w = d q + m (Q8:
- * d (u - 128)); the product is exact, so each weight is rounded once, as gguf's dequantization
- * rounds it. */
+/* One group's packed blocks -> wt[K][16] float32 (row k at wt + k ld), w = d q + m (8-bit kinds:
+ * q = u - 128; kind 8: no m, kind 18: d per half); the product is exact, so each weight is rounded
+ * once (kinds 4, 14, 18) or not at all (kind 8), as gguf's dequantization rounds it. */
 static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, float *wt, int64_t ld) {
-    const int64_t pb = gguf_packed_block_bytes(kind);
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4;
     for (int64_t b = 0; b < nb; b++, wg += pb) {
-        float d[GGUF_ROWS], m[GGUF_ROWS];
-        for (int i = 0; i < GGUF_ROWS; i++) {
-            d[i] = half_to_float(gguf_load_u16(wg + 2 * i));
-            m[i] = kind == 4 ? half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
-        }
+        float d0[GGUF_ROWS], d1[GGUF_ROWS], m[GGUF_ROWS];
+        for (int i = 0; i < GGUF_ROWS; i++) gguf_row_scales(wg, kind, i, d0 + i, d1 + i, m + i);
         float *o = wt + b * 32 * ld;
-        const int chunks = kind == 4 ? 4 : 8;
+        const int chunks = nibbles ? 4 : 8;
         for (int c = 0; c < chunks; c++) {
             uint32_t u[GGUF_ROWS];                 /* row i's 4 bytes of the chunk */
-            memcpy(u, wg + (kind == 4 ? 64 : 32) + 64 * c, sizeof(u));
+            memcpy(u, wg + qo + 64 * c, sizeof(u));
             for (int t = 0; t < 4; t++) {
                 float *row = o + (4 * c + t) * ld;
-                if (kind == 4) {
+                if (nibbles) {
                     float *hi = row + 16 * ld;
                     for (int i = 0; i < GGUF_ROWS; i++) {
-                        row[i] = d[i] * (float)(int32_t)((u[i] >> (8 * t)) & 15) + m[i];
-                        hi[i] = d[i] * (float)(int32_t)((u[i] >> (8 * t + 4)) & 15) + m[i];
+                        row[i] = d0[i] * (float)(int32_t)((u[i] >> (8 * t)) & 15) + m[i];
+                        hi[i] = d0[i] * (float)(int32_t)((u[i] >> (8 * t + 4)) & 15) + m[i];
                     }
-                } else {
+                } else if (kind == GGUF_Q8) {
                     for (int i = 0; i < GGUF_ROWS; i++)
-                        row[i] = d[i] * (float)((int32_t)((u[i] >> (8 * t)) & 255) - 128);
+                        row[i] = d0[i] * (float)((int32_t)((u[i] >> (8 * t)) & 255) - 128);
+                } else {
+                    const float *d = c < 4 ? d0 : d1;
+                    for (int i = 0; i < GGUF_ROWS; i++)
+                        row[i] = d[i] * (float)((int32_t)((u[i] >> (8 * t)) & 255) - 128) + m[i];
                 }
             }
         }

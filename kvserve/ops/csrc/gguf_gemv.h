@@ -1,14 +1,24 @@
 /* The contract between the GGUF block GEMV driver (gguf_gemv.c) and its per-ISA kernels
- * (gguf_gemv_avx512vnni.c, gguf_gemv_avx2.c, gguf_gemv_neon.c, gguf_gemv_portable.c).
+ * (gguf_gemv_avx512vnni.c, gguf_gemv_avx2.c, gguf_gemv_avxvnni.c, gguf_gemv_neon.c,
+ * gguf_gemv_portable.c).
  *
- * Weights: the file's Q4_0 / Q4_1 / Q8_0 blocks (32 weights: an fp16 scale d, for Q4_1 an fp16
- * offset m, and 4- or 8-bit integers q; w = d q + m, with m = -8 d for Q4_0 and m = 0 for Q8_0)
- * interleaved at load time 16 output rows at a time (kvserve/ops/gguf_blocks.py). Values are not
- * changed. Per group of 16 rows and block of 32 weights (rows past N are zero):
- *   Q4 (kind 4):  d[16] fp16, m[16] fp16, then 4 chunks of 64 bytes: chunk c holds, for row i, the
- *                 bytes (q[4c + t] | q[4c + 16 + t] << 4), t = 0..3, at offset 4 i + t.   320 bytes
- *   Q8 (kind 8):  d[16] fp16, then 8 chunks of 64 bytes: chunk c holds q[4c + t] + 128 (as u8)
- *                 of row i at offset 4 i + t.                                              544 bytes
+ * Weights: the file's blocks, decoded without changing a value and interleaved at load time 16
+ * output rows at a time (kvserve/ops/gguf_blocks.py) into one of four kinds. Per block of 32
+ * weights each row has integers q and float scales with w = d q + m (K-quants: d per half).
+ * Per group of 16 rows and block of 32 weights (rows past N are zero):
+ *   kind 4  (Q4_0, Q4_1):  d[16] fp16, m[16] fp16, then 4 chunks of 64 bytes: chunk c holds, for
+ *           row i, the bytes (q[4c + t] | q[4c + 16 + t] << 4), t = 0..3, at offset 4 i + t,
+ *           q in 0..15 (Q4_0: m = -8 d).                                                320 bytes
+ *   kind 8  (Q8_0, Q5_0):  d[16] fp16, then 8 chunks of 64 bytes: chunk c holds q[4c + t] + 128
+ *           (as u8) of row i at offset 4 i + t, q signed (Q5_0: its 5-bit q - 16).      544 bytes
+ *   kind 14 (Q4_K):  d[16] fp32, m[16] fp32 (the sub-block's exact d sc and -dmin mn), then
+ *           kind 4's nibble chunks.                                                     384 bytes
+ *   kind 18 (Q5_K, Q6_K, Q3_K):  d0[16] fp32 (weights 0..15), d1[16] fp32 (weights 16..31),
+ *           m[16] fp32 (Q5_K: -dmin mn, d0 = d1; Q6_K, Q3_K: -0.0, their scales are per 16
+ *           weights), then kind 8's chunks of q + 128, q signed (Q6_K: q - 32; Q3_K: -4..3;
+ *           Q5_K: 0..31): chunks 0..3 are weights 0..15, chunks 4..7 weights 16..31.    704 bytes
+ * Every product d q is exact in float32 (at most 24 significant bits), so w = d q + m rounds
+ * once, as gguf's own dequantization.
  *
  * Activations: each row, per block of 32, becomes two signed 8-bit parts (gguf_gemv.c,
  * quantize_rows): v = x 127 / max|x|, xa = rint(v), xb = rint((v - xa) 256) clamped to +-127, so
@@ -19,10 +29,15 @@
  *   for each of the 16 rows i and each activation row r < R:
  *     acc = 0
  *     for each block b, in order:
- *       s   = sum_j q_ij (256 xa_rj + xb_rj)            integers, exact in int32; q signed for Q8
- *             (Q4: q in 0..15, the m term below carries the offset)
- *       acc = acc + (float)s * (d_i * dx_rb)             float32, rounded after each operation
- *       Q4 only: acc = acc + m_i * sx_rb                 sx: the float sum of the block's x
+ *       kinds 4, 8, 14:
+ *         s   = sum_j q_ij (256 xa_rj + xb_rj)          integers, exact in int32
+ *         acc = acc + (float)s * (d_i * dx_rb)           float32, rounded after each operation
+ *         kinds 4, 14: acc = acc + m_i * sx_rb           sx: the float sum of the block's x
+ *       kind 18:
+ *         s0  = sum_{j<16} q_ij (256 xa_rj + xb_rj),  s1 = the same over j >= 16
+ *         acc = acc + (float)s0 * (d0_i * dx_rb)
+ *         acc = acc + (float)s1 * (d1_i * dx_rb)
+ *         acc = acc + m_i * sx_rb
  *     out[r * 16 + i] = acc
  * No fused multiply-add: a separate multiply and add round the same way in SIMD lanes and in
  * scalar code, so builds are bit-identical (they are compiled with -ffp-contract=off).
@@ -52,7 +67,11 @@
 #define GGUF_F32_KC 128      /* k per slice of the float32 GEMM (16 KB of two groups' weights) */
 #define GGUF_F32_MC 192      /* activation rows per chunk of the float32 GEMM */
 
-static inline int64_t gguf_packed_block_bytes(int64_t kind) { return kind == 4 ? 320 : 544; }
+/* The packed kinds (above) and the bytes of one block of 32 weights of a group; 0: not a kind. */
+enum { GGUF_Q4 = 4, GGUF_Q8 = 8, GGUF_K4 = 14, GGUF_K8 = 18 };
+static inline int64_t gguf_packed_block_bytes(int64_t kind) {
+    return kind == GGUF_Q4 ? 320 : kind == GGUF_Q8 ? 544 : kind == GGUF_K4 ? 384 : kind == GGUF_K8 ? 704 : 0;
+}
 
 /* Every kernel prefetches the block GGUF_PREFETCH blocks ahead of the one it multiplies (all its
  * cache lines; a prefetch past the end of the weights never faults). Batch-1 decode streams each
@@ -65,23 +84,25 @@ static inline __attribute__((always_inline)) void gguf_prefetch_block(const uint
 }
 
 /* Activations of one pass: R rows of nb blocks each. xq holds, per (row, block), 64 s8 values:
- * the 32 xa, then the 32 xb. dx: scale; sx: sum of the block's float x (Q4's m term); sq:
- * 256 sum xa + sum xb (for kernels that store Q8 weights offset by 128). */
+ * the 32 xa, then the 32 xb. dx: scale; sx: sum of the block's float x (the m term); sq:
+ * 256 sum xa + sum xb (for kernels that store 8-bit weights offset by 128), sq0 the same over
+ * j < 16 (kind 18's first half; its second half's is sq - sq0). */
 typedef struct {
     const int8_t *xq;
     const float *dx, *sx;
-    const int32_t *sq;
+    const int32_t *sq, *sq0;
 } gguf_acts_t;
 
 /* The activations of rows r0.. of `a` (nb blocks a row): kernels that take fewer than
  * GGUF_TILE_M rows per pass over a group's weights run the rest from here. */
 static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, int64_t nb) {
-    const gguf_acts_t ar = {a->xq + r0 * nb * 64, a->dx + r0 * nb, a->sx + r0 * nb, a->sq + r0 * nb};
+    const gguf_acts_t ar = {a->xq + r0 * nb * 64, a->dx + r0 * nb, a->sx + r0 * nb, a->sq + r0 * nb,
+                            a->sq0 + r0 * nb};
     return ar;
 }
 
 /* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
- * activation rows; out[r * 16 + i]. kind: 4 or 8. */
+ * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4 or GGUF_K8. */
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);
 
 /* The per-ISA float32 tile: acc[r * 32 + i] for r < gguf_f32_tile_rows(), continued over kc
@@ -95,5 +116,27 @@ int gguf_f32_tile_rows(void);
 const char *gguf_kernel_isa(void);
 
 static inline uint16_t gguf_load_u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
+static inline float gguf_load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+
+/* Row i's scales of a packed block (kinds 4 and 8: fp16; 14 and 18: fp32): d (kind 18: d0), the
+ * second half's d1 (kind 18; others: d), and m (0 for kind 8). */
+static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int i, float *d0, float *d1, float *m) {
+    if (kind == GGUF_Q4 || kind == GGUF_Q8) {
+        *d0 = *d1 = half_to_float(gguf_load_u16(blk + 2 * i));
+        *m = kind == GGUF_Q4 ? half_to_float(gguf_load_u16(blk + 32 + 2 * i)) : 0.f;
+    } else if (kind == GGUF_K4) {
+        *d0 = *d1 = gguf_load_f32(blk + 4 * i);
+        *m = gguf_load_f32(blk + 64 + 4 * i);
+    } else {
+        *d0 = gguf_load_f32(blk + 4 * i);
+        *d1 = gguf_load_f32(blk + 64 + 4 * i);
+        *m = gguf_load_f32(blk + 128 + 4 * i);
+    }
+}
+
+/* Byte offset of a packed block's integer chunks (after its scales). */
+static inline int64_t gguf_ints_offset(int64_t kind) {
+    return kind == GGUF_Q4 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 128 : 192;
+}
 
 #endif

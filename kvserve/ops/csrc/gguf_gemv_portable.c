@@ -7,32 +7,39 @@
 const char *gguf_kernel_isa(void) { return "portable"; }
 
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    const int64_t pb = gguf_packed_block_bytes(kind);
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4;
     for (int r = 0; r < R; r++)
         for (int i = 0; i < GGUF_ROWS; i++) out[r * GGUF_ROWS + i] = 0.f;
     for (int64_t b = 0; b < nb; b++, wg += pb) {
         for (int i = 0; i < GGUF_ROWS; i++) {
-            const float d = half_to_float(gguf_load_u16(wg + 2 * i));
-            const float m = kind == 4 ? half_to_float(gguf_load_u16(wg + 32 + 2 * i)) : 0.f;
+            float d0, d1, m;
+            gguf_row_scales(wg, kind, i, &d0, &d1, &m);
             for (int r = 0; r < R; r++) {
                 const int8_t *xa = a->xq + (r * nb + b) * 64, *xb = xa + 32;
-                int32_t s = 0;
-                if (kind == 4) {
+                int32_t s[2] = {0, 0};                  /* weights 0..15, 16..31 */
+                if (nibbles) {
                     for (int c = 0; c < 4; c++)
                         for (int t = 0; t < 4; t++) {
-                            const int32_t v = wg[64 + 64 * c + 4 * i + t], j = 4 * c + t;
-                            s += (v & 15) * (256 * xa[j] + xb[j]) + (v >> 4) * (256 * xa[j + 16] + xb[j + 16]);
+                            const int32_t v = wg[qo + 64 * c + 4 * i + t], j = 4 * c + t;
+                            s[0] += (v & 15) * (256 * xa[j] + xb[j]) + (v >> 4) * (256 * xa[j + 16] + xb[j + 16]);
                         }
                 } else {
                     for (int c = 0; c < 8; c++)
                         for (int t = 0; t < 4; t++) {
-                            const int32_t j = 4 * c + t, q = (int32_t)wg[32 + 64 * c + 4 * i + t] - 128;
-                            s += q * (256 * xa[j] + xb[j]);
+                            const int32_t j = 4 * c + t, q = (int32_t)wg[qo + 64 * c + 4 * i + t] - 128;
+                            s[c >> 2] += q * (256 * xa[j] + xb[j]);
                         }
                 }
-                const float scale = d * a->dx[r * nb + b];
-                float acc = out[r * GGUF_ROWS + i] + (float)s * scale;
-                if (kind == 4) acc = acc + m * a->sx[r * nb + b];
+                const float dx = a->dx[r * nb + b];
+                float acc = out[r * GGUF_ROWS + i];
+                if (kind == GGUF_K8) {
+                    acc = acc + (float)s[0] * (d0 * dx);
+                    acc = acc + (float)s[1] * (d1 * dx);
+                } else {
+                    acc = acc + (float)(s[0] + s[1]) * (d0 * dx);
+                }
+                if (kind != GGUF_Q8) acc = acc + m * a->sx[r * nb + b];
                 out[r * GGUF_ROWS + i] = acc;
             }
         }
