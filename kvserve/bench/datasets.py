@@ -47,10 +47,25 @@ def random_requests(num: int, input_len: str | int, output_len: str | int, seed:
                          rng.randint(olo, ohi)) for _ in range(num)]
 
 
-def standard_requests(name: str, path: str | None = None) -> list[BenchRequest]:
+def standard_requests(name: str, path: str | None = None, model: str | None = None) -> list[BenchRequest]:
+    """W1 or W2. Their prompts are token ids of the default model; for a `model` whose vocabulary
+    differs (Gemma 3), each prompt is decoded to its text and encoded again by that model's
+    tokenizer (with its BOS when it adds one), output lengths unchanged: the same text everywhere."""
     data = json.loads(workloads_path(path).read_text())
     items = data[name] if isinstance(data[name], list) else [data[name]]
-    return [BenchRequest(list(it["prompt_ids"]), int(it["max_tokens"])) for it in items]
+    reqs = [BenchRequest(list(it["prompt_ids"]), int(it["max_tokens"])) for it in items]
+    return retokenized(reqs, model) if model is not None else reqs
+
+
+def retokenized(reqs: list[BenchRequest], model: str) -> list[BenchRequest]:
+    """`reqs` (default-model token ids) in `model`'s tokens; unchanged when it has the same vocabulary."""
+    from kvserve.bench.tokenize import tokenizer_of
+    from kvserve.model.loader import default_model_path
+    source, target = tokenizer_of(default_model_path()), tokenizer_of(model)
+    if target.get_vocab() == source.get_vocab():
+        return reqs
+    return [BenchRequest(target.encode(source.decode(r.prompt_ids, skip_special_tokens=False),
+                                       add_special_tokens=True), r.max_tokens) for r in reqs]
 
 
 def text_stream(path: str | None = None) -> list[int]:
@@ -210,7 +225,7 @@ def load_requests(args, model: str, encode=None, default_num: int = 64) -> list[
                          "use load_conversations (kvserve bench throughput)")
     std = args.dataset_path if d != "sharegpt" else None
     if d in ("w1", "w2"):
-        reqs = standard_requests(d, std)
+        reqs = standard_requests(d, std, model)
         return reqs[:args.num_prompts] if args.num_prompts else reqs
     if d == "random":
         vocab = args.vocab_size or gguf_vocab_size(model)

@@ -42,7 +42,7 @@ def add_args(p) -> None:
 
 def the_request(args, gguf: str) -> BenchRequest:
     if args.workload:
-        return standard_requests(args.workload, args.dataset_path)[0]
+        return standard_requests(args.workload, args.dataset_path, gguf)[0]
     vocab = gguf_vocab_size(gguf)
     rng = random.Random(args.seed)
     return BenchRequest([rng.randrange(vocab // 100, vocab) for _ in range(args.input_len)], args.output_len)

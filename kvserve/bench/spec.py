@@ -50,7 +50,8 @@ def workload_chats(names: list[str]) -> dict[str, list[dict] | None]:
 
 def workloads(chats: dict[str, list[dict] | None], llm) -> dict[str, list[int]]:
     """Prompt token ids per workload: w1's from the standard file, the others through the chat template."""
-    return {name: standard_requests("w1", None)[0].prompt_ids if msgs is None else llm.chat_prompt(msgs)
+    return {name: standard_requests("w1", None, llm.engine.model_path)[0].prompt_ids if msgs is None
+            else llm.chat_prompt(msgs)
             for name, msgs in chats.items()}
 
 

@@ -140,3 +140,15 @@ def test_the_standard_workloads_ship_in_the_package():
     data = json.loads(path.read_text())
     assert {"w1", "w2"} <= set(data)
 
+
+
+def test_standard_workloads_keep_the_default_models_ids():
+    """W1/W2 for the default model are the file's ids; retokenizing them through the same
+    vocabulary changes nothing."""
+    from kvserve.bench.datasets import standard_requests
+    from kvserve.model.loader import default_model_path
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model package is not installed")
+    assert standard_requests("w2", None, path) == standard_requests("w2")
