@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # The canonical dtype names, and every alias accepted for them (LLM(dtype=...), --dtype,
 # --kv-cache-dtype, kv-calc). Config validation canonicalizes once: everything downstream sees
@@ -79,6 +79,81 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.dtype_bytes + self.scale_bytes)
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- KV groups: layers that share a block table (one per attention window) -------------------
+
+@dataclass(frozen=True)
+class KVGroup:
+    """The layers whose KV lives in one block pool under one block table per request: those with
+    the same attention window (None: full attention). `num_blocks` is the pool's size; a layer's
+    KV tensors hold that many blocks."""
+    window: int | None
+    layers: tuple[int, ...]
+    num_blocks: int = 0
+
+
+def group_layers_by_window(layer_windows: list[int | None]) -> list[KVGroup]:
+    """One group per distinct window: the full-attention group first, then windows ascending.
+    Sizes are left 0 (kv_group_blocks fills them in)."""
+    windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
+    return [KVGroup(w, tuple(i for i, lw in enumerate(layer_windows) if lw == w)) for w in windows]
+
+
+def first_needed_block(pos: int, window: int | None, block_size: int) -> int:
+    """The first block a query at position `pos` reads: key j is visible iff pos - j < window
+    (Hugging Face's sliding mask), so every block before (pos - window + 1) // block_size is dead
+    to it and to every later query. 0 under full attention."""
+    return 0 if window is None else max(0, pos - window + 1) // block_size
+
+
+def blocks_held(num_tokens: int, window: int | None, block_size: int, last_chunk: int = 1) -> int:
+    """Blocks one sequence of `num_tokens` tokens holds in a group right after the step that
+    computed its last `last_chunk` tokens: the blocks from the first one its first query of that
+    chunk reads to the one holding its last token. Full attention: every block. A decoding
+    sequence (last_chunk 1) in a window-W group holds at most ceil(W / block_size) + 1."""
+    return cdiv(num_tokens, block_size) - first_needed_block(num_tokens - last_chunk, window, block_size)
+
+
+def sliding_group_cap(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks a window group can ever need at once: each running sequence whose step chunk has n
+    tokens holds at most ceil((W + n - 2) / B) + 1 <= ceil(W / B) + 2 + ceil((n - 1) / B) - 1
+    blocks, and the chunks of one step add up to at most max_num_batched_tokens tokens."""
+    return max_num_seqs * (cdiv(window, block_size) + 2) + cdiv(max_num_batched_tokens, block_size)
+
+
+def kv_group_blocks(budget: int, groups: list[KVGroup], layer_block_bytes: int, block_size: int,
+                    max_num_seqs: int, max_num_batched_tokens: int) -> list[KVGroup]:
+    """Split a KV memory budget between the groups (water-filling): every group gets the same
+    number of blocks x, except that a window group never gets more than it can ever need
+    (sliding_group_cap) and gives the rest back to the others. A window group's table is never
+    longer than a full group's, so it needs no more blocks than x; below its cap nothing is lost.
+    `layer_block_bytes`: K and V of one block in one layer. Returns the groups with num_blocks."""
+    if not groups:
+        raise ValueError("a model needs at least one KV group (one layer)")
+    caps = {i: sliding_group_cap(g.window, block_size, max_num_seqs, max_num_batched_tokens)
+            for i, g in enumerate(groups) if g.window is not None}
+    blocks: dict[int, int] = {}
+    left, layers_left = budget, sum(len(g.layers) for g in groups)
+    for i in sorted(caps, key=caps.get):
+        level = left // (layers_left * layer_block_bytes)
+        if caps[i] > level:
+            break
+        blocks[i] = caps[i]
+        left -= caps[i] * len(groups[i].layers) * layer_block_bytes
+        layers_left -= len(groups[i].layers)
+    level = left // (layers_left * layer_block_bytes) if layers_left else 0
+    out = [replace(g, num_blocks=blocks.get(i, level)) for i, g in enumerate(groups)]
+    if min(g.num_blocks for g in out) < 1:
+        raise ValueError(
+            f"KV cache budget {budget} bytes holds no block of {block_size} tokens "
+            f"({layer_block_bytes // block_size * sum(len(g.layers) for g in groups)} bytes/token): "
+            f"raise --kv-cache-memory")
+    return out
+
+
 @dataclass
 class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None: the default model
@@ -102,17 +177,21 @@ class CacheConfig:
     num_blocks_override: int | None = None  # tests: an exact pool size
 
     def num_blocks(self, kv: KVShape) -> int:
+        """Blocks of a model whose layers all attend the whole context (one KV group)."""
+        groups = self.kv_groups(kv, [None] * kv.num_layers, SchedulerConfig())
+        return groups[0].num_blocks
+
+    def kv_groups(self, kv: KVShape, layer_windows: list[int | None], sched: "SchedulerConfig") -> list[KVGroup]:
+        """The model's KV groups (group_layers_by_window) sized from the memory budget
+        (kv_group_blocks); num_blocks_override gives every group exactly that many blocks."""
+        groups = group_layers_by_window(layer_windows)
         if self.num_blocks_override is not None:
-            return self.num_blocks_override
+            return [replace(g, num_blocks=self.num_blocks_override) for g in groups]
         budget = self.kv_cache_memory
         if budget is None:
             budget = int(available_memory_bytes() * self.kv_cache_fraction)
-        blocks = budget // (kv.bytes_per_token * self.block_size)
-        if blocks < 1:
-            raise ValueError(
-                f"KV cache budget {budget} bytes holds no block of {self.block_size} tokens "
-                f"({kv.bytes_per_token} bytes/token): raise --kv-cache-memory")
-        return int(blocks)
+        return kv_group_blocks(budget, groups, kv.bytes_per_token // kv.num_layers * self.block_size,
+                               self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def resolved_kv_dtype(self, model_dtype: str) -> str:
         """The KV pool's element type. auto: float16 for a float32 model (half the memory and

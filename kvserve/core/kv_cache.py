@@ -1,49 +1,93 @@
-"""KVCacheManager: each request's block table on top of the BlockPool.
+"""KVCacheManager: each request's block tables on top of one BlockPool per KV group.
 
-Holds, per request, the list of blocks that hold its KV (token i lives in slot
-`table[i // block_size] * block_size + i % block_size`), the hashes of its full blocks, and
-how many of its leading blocks are already registered in the prefix cache.
+A KV group (config.KVGroup) is the set of layers that attend with the same window: a model with
+full attention everywhere has one group; Gemma 3 has a full group and a window-512 group. Each
+group has its own pool and block ids, and each request one table per group. Token i lives in
+slot `table[i // block_size] * block_size + i % block_size` of its group's layers.
+
+Sliding windows: a query at position p reads keys j with p - j < W only, and later queries read
+no older keys, so once a step's first query is at p, every block of a window-W group before
+`first_needed_block(p)` is dead. `allocate_slots` returns those blocks to the pool (keeping their
+prefix hash: they stay findable until evicted) and leaves None in the table, so positions still
+index tables by p // block_size (`block_ids` writes NULL_BLOCK there). The position p is the first
+query of the chunk being scheduled, never a later one: speculative rollback only takes back draft
+tokens of the chunk (after the first one), so a later chunk starts at p + 1 or later and needs
+nothing freed. A decoding sequence holds at most ceil(W / B) + 1 blocks of a window group; a chunk
+of n tokens at most ceil((W + n - 2) / B) + 1 (config.blocks_held).
 
 Blocks reach a table three ways: fresh from the pool, as a prefix-cache hit
 (`get_computed_blocks`), or shared with an n > 1 sibling (`get_fork_blocks`). A shared block
 may be referenced by several tables; before a request writes into a block whose refcount is
-above 1, `allocate_slots` gives it a private copy (copy-on-write) and records (src, dst) so
-the runner copies the block in every layer before the forward.
+above 1, `allocate_slots` gives it a private copy (copy-on-write) and records (group, src, dst)
+so the runner copies the block in the group's layers before the forward.
+
+Prefix hits: every group registers its full blocks under the same chain hash. A hit of k blocks
+needs the full groups' blocks 0..k-1 and, in a window group, the blocks from
+first_needed_block(k * B) to k - 1 (those a query at k * B reads); the hit is cut back to the
+longest k for which every group still holds what it needs.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from kvserve.config import KVGroup, cdiv, first_needed_block
 from kvserve.core.block_pool import Block, BlockPool, hash_block_tokens
 from kvserve.core.request import Request
 
+NULL_BLOCK = 0     # what block_ids() names for a freed (out-of-window) table entry; never read
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# Per group, the blocks of a table (None where a window group freed one).
+Tables = list[list["Block | None"]]
+
+__all__ = ["KVCacheManager", "NULL_BLOCK", "cdiv"]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(self, groups: int | Sequence[KVGroup], block_size: int = 16,
+                 enable_caching: bool = True) -> None:
+        """`groups`: the KV groups with their pool sizes, or a block count for one full-attention
+        group (every layer at the same block ids)."""
+        if isinstance(groups, int):
+            groups = [KVGroup(None, (), groups)]
+        self.groups = list(groups)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[Block]] = {}
+        self.pools = [BlockPool(g.num_blocks, enable_caching) for g in self.groups]
+        self.tables: dict[str, Tables] = {}           # request id -> one table per group
+        self.num_dropped: dict[str, list[int]] = {}   # request id -> per group, leading None entries
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # Usage weighs a group's blocks by its layers (memory); an unlabelled group counts as one.
+        self._weights = [max(1, len(g.layers)) for g in self.groups]
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return sum(p.num_free_blocks for p in self.pools)
 
     @property
     def num_total_blocks(self) -> int:
-        return self.pool.num_blocks
+        return sum(p.num_blocks for p in self.pools)
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """Referenced KV memory / all KV memory (a group's blocks weighted by its layers)."""
+        used = sum(w * (p.num_blocks - p.num_free_blocks) for w, p in zip(self._weights, self.pools))
+        return used / sum(w * p.num_blocks for w, p in zip(self._weights, self.pools))
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group, the request's table as block ids (NULL_BLOCK where a window freed one)."""
+        tables = self.tables.get(request_id)
+        if tables is None:
+            return [[] for _ in self.groups]
+        return [[NULL_BLOCK if b is None else b.block_id for b in t] for t in tables]
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        """Per group, the blocks the request's table really holds (freed entries not counted)."""
+        tables = self.tables.get(request_id)
+        if tables is None:
+            return [0] * len(self.groups)
+        return [len(t) - d for t, d in zip(tables, self.num_dropped[request_id])]
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Hashes of the request's first `num_blocks` full blocks (extended lazily)."""
@@ -56,63 +100,118 @@ class KVCacheManager:
         return hashes
 
     # ---- where a new request's KV can come from ------------------------------------------
-    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
-        """The longest run of leading full blocks already in the prefix cache, and its tokens.
+    def get_computed_blocks(self, req: Request) -> tuple[Tables, int]:
+        """The longest run of leading full blocks every group can serve from the prefix cache,
+        per group (None before a window group's first needed block), and its tokens.
 
         Stops one token short of the request's tokens, so the last one is always recomputed
         and produces logits. Takes no reference: pass the blocks to `allocate_slots`.
         """
         if not self.enable_caching:
-            return [], 0
-        hits: list[Block] = []
-        for h in self._block_hashes(req, (req.num_tokens - 1) // self.block_size):
-            block = self.pool.get_cached_block(h)
-            if block is None:
+            return [[] for _ in self.groups], 0
+        hashes = self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
+        found = [[pool.get_cached_block(h) for h in hashes] for pool in self.pools]
+        k = len(hashes)
+        while True:   # cut back until every group holds what a query at k * B needs (a fixed point)
+            cut = min(self._longest_hit(f, g.window, k) for f, g in zip(found, self.groups))
+            if cut == k:
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            k = cut
+        bs = self.block_size
+        hits = [[None] * first_needed_block(k * bs, g.window, bs)
+                + f[first_needed_block(k * bs, g.window, bs):k] for f, g in zip(found, self.groups)]
+        return hits, k * bs
 
-    def get_fork_blocks(self, parent: Request, child: Request) -> tuple[list[Block], int]:
-        """The parent's blocks that cover the child's first len(prompt) - 1 tokens.
+    def _longest_hit(self, found: list[Block | None], window: int | None, k: int) -> int:
+        """The largest j <= k whose blocks first_needed_block(j * B)..j-1 are all found."""
+        if window is None:
+            return next((i for i in range(k) if found[i] is None), k)
+        runs, run = [0], 0           # runs[j]: found blocks in a row ending at block j - 1
+        for b in found[:k]:
+            run = run + 1 if b is not None else 0
+            runs.append(run)
+        bs = self.block_size
+        return next((j for j in range(k, 0, -1) if runs[j] >= j - first_needed_block(j * bs, window, bs)), 0)
 
-        The parent must have computed at least that many tokens. The last of these blocks may
-        be partial: the child's first write into it triggers copy-on-write.
+    def get_fork_blocks(self, parent: Request, child: Request) -> tuple[Tables, int] | None:
+        """The parent's blocks that the child's first len(prompt) - 1 tokens need, per group, or
+        None when a window group of the parent has already freed one of them (the child then runs
+        on its own). The parent must have computed at least that many tokens. The last of these
+        blocks may be partial: the child's first write into it triggers copy-on-write.
         """
-        num_tokens = child.num_prompt_tokens - 1
-        return self.req_to_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)], num_tokens
+        num_tokens, bs = child.num_prompt_tokens - 1, self.block_size
+        end = cdiv(num_tokens, bs)
+        shared = []
+        for table, g in zip(self.tables[parent.request_id], self.groups):
+            first = first_needed_block(num_tokens, g.window, bs)
+            if any(b is None for b in table[first:end]):
+                return None
+            shared.append([None] * first + table[first:end])
+        return shared, num_tokens
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, copy_blocks: list[tuple[int, int]],
-                       new_computed_blocks: list[Block] = (), num_new_computed_tokens: int = 0) -> bool:
-        """Make room for `num_new_tokens` tokens after the request's computed ones.
+    def allocate_slots(self, req: Request, num_new_tokens: int, copy_blocks: list[tuple[int, int, int]],
+                       new_computed_blocks: Tables = (), num_new_computed_tokens: int = 0) -> bool:
+        """Make room in every group for `num_new_tokens` tokens after the request's computed ones.
 
-        `new_computed_blocks` (with `num_new_computed_tokens` tokens in them) are blocks of a
-        prefix hit or a fork that the request starts referencing before its own tokens. Shared
-        blocks the new tokens would be written into are replaced by private copies, each
-        appended to `copy_blocks` as (src, dst). Returns False, changing nothing, when the pool
-        has too few free blocks.
+        `new_computed_blocks` (per group, with `num_new_computed_tokens` tokens in them) are
+        blocks of a prefix hit or a fork that the request starts referencing before its own
+        tokens. Shared blocks the new tokens would be written into are replaced by private
+        copies, each appended to `copy_blocks` as (group, src, dst). Returns False when some
+        group's pool has too few free blocks; the only change then is that blocks no query can
+        read any more (before a window group's first needed block) went back to their pool.
         """
         bs = self.block_size
-        blocks = self.req_to_blocks.get(req.request_id, [])
-        table = blocks + list(new_computed_blocks)
+        rid = req.request_id
         num_computed = req.num_computed_tokens + num_new_computed_tokens
-        shared = [i for i in range(num_computed // bs, len(table))
-                  if table[i].ref_cnt + (i >= len(blocks)) > 1]
-        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, bs) - len(table))
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # leave the free queue
-        if num_new_blocks + len(shared) > self.pool.num_free_blocks - num_revived:
-            return False
+        old = self.tables.get(rid)
+        if old is not None:
+            self._free_dead_blocks(rid, num_computed)
+        plans = []
+        for g, pool in enumerate(self.pools):
+            blocks = old[g] if old is not None else []
+            new = list(new_computed_blocks[g]) if new_computed_blocks else []
+            table = blocks + new
+            shared = [i for i in range(num_computed // bs, len(table))
+                      if table[i] is not None and table[i].ref_cnt + (i >= len(blocks)) > 1]
+            num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, bs) - len(table))
+            num_revived = sum(1 for b in new if b is not None and b.ref_cnt == 0)   # leave the free queue
+            if num_new_blocks + len(shared) > pool.num_free_blocks - num_revived:
+                return False
+            plans.append((new, shared, num_new_blocks))
 
-        self.pool.touch(new_computed_blocks)
-        blocks = self.req_to_blocks.setdefault(req.request_id, blocks)
-        blocks.extend(new_computed_blocks)
-        for i in shared:
-            old, new = blocks[i], self.pool.get_new_blocks(1)[0]
-            copy_blocks.append((old.block_id, new.block_id))
-            self.pool.free_blocks([old])
-            blocks[i] = new
-        blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        if old is None:
+            old = self.tables[rid] = [[] for _ in self.groups]
+            self.num_dropped[rid] = [0] * len(self.groups)
+        dropped = self.num_dropped[rid]
+        for g, (pool, (new, shared, num_new_blocks)) in enumerate(zip(self.pools, plans)):
+            blocks = old[g]
+            if not blocks:      # a fresh table: its leading None entries are already dropped
+                dropped[g] = next((i for i, b in enumerate(new) if b is not None), len(new))
+            pool.touch(b for b in new if b is not None)
+            blocks.extend(new)
+            for i in shared:
+                src, dst = blocks[i], pool.get_new_blocks(1)[0]
+                copy_blocks.append((g, src.block_id, dst.block_id))
+                pool.free_blocks([src])
+                blocks[i] = dst
+            blocks.extend(pool.get_new_blocks(num_new_blocks))
         return True
+
+    def _free_dead_blocks(self, rid: str, first_query_pos: int) -> None:
+        """Return to their pools the window groups' blocks no query at or after
+        `first_query_pos` can read, oldest first, leaving None in the table."""
+        tables, dropped = self.tables[rid], self.num_dropped[rid]
+        for g, (group, pool) in enumerate(zip(self.groups, self.pools)):
+            if group.window is None:
+                continue
+            table = tables[g]
+            end = min(first_needed_block(first_query_pos, group.window, self.block_size), len(table))
+            if end <= dropped[g]:
+                continue
+            pool.free_blocks(b for b in table[dropped[g]:end] if b is not None)
+            table[dropped[g]:end] = [None] * (end - dropped[g])
+            dropped[g] = end
 
     def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register in the prefix cache the request's blocks that are now full of computed tokens.
@@ -122,21 +221,26 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        blocks = self.req_to_blocks.get(req.request_id)
-        if not blocks:
+        tables = self.tables.get(req.request_id)
+        if not tables:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        num_full = min(num_computed_tokens // self.block_size, max(len(t) for t in tables))
         start = self.num_cached_blocks.get(req.request_id, 0)
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        for table, pool in zip(tables, self.pools):
+            for i in range(start, min(num_full, len(table))):
+                if table[i] is not None:
+                    pool.cache_block(table[i], hashes[i])
         self.num_cached_blocks[req.request_id] = num_full
 
     def free(self, req: Request) -> None:
         """Drop the request's references, tail block first (so tail blocks are evicted first)."""
-        blocks = self.req_to_blocks.pop(req.request_id, [])
-        self.pool.free_blocks(reversed(blocks))
+        tables = self.tables.pop(req.request_id, None)
+        if tables is not None:
+            for table, pool in zip(tables, self.pools):
+                pool.free_blocks(b for b in reversed(table) if b is not None)
+            del self.num_dropped[req.request_id]
         self.req_to_hashes.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)

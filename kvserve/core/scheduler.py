@@ -23,6 +23,12 @@ runner returns the accepted drafts plus one token; `update_from_output` takes
 `num_computed_tokens` back by the rejected drafts (their KV slots are simply written again
 later) before it registers full blocks in the prefix cache, so no block holding a rejected
 token is ever found by hash.
+
+KV groups (layers with different attention windows, e.g. Gemma 3's full and window-512 layers):
+the KVCacheManager keeps one pool and one table per group; a step is admitted only when every
+group has room, and a window group's blocks that no query can read any more go back to its pool
+as the request advances (kvserve/core/kv_cache.py). An n > 1 child whose parent's window already
+freed a block the child needs runs on its own (prefix cache) instead of forking.
 """
 from __future__ import annotations
 
@@ -30,8 +36,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from kvserve.config import CacheConfig, SchedulerConfig
-from kvserve.core.kv_cache import KVCacheManager, cdiv
+from kvserve.config import CacheConfig, KVGroup, SchedulerConfig, cdiv
+from kvserve.core.kv_cache import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.sampling_params import ParamError
 
@@ -45,7 +51,8 @@ class ScheduledChunk:
     request: Request          # read-only for the runner
     token_ids: list[int]      # tokens fed this step (a prompt chunk, or the last sampled token)
     start_pos: int            # position of token_ids[0] (== num_computed_tokens before this step)
-    block_table: list[int]    # the request's whole block table after this step's allocation
+    block_tables: list[list[int]]   # per KV group, the request's whole table after this step's
+                                    # allocation (kv_cache.NULL_BLOCK where a window freed a block)
     sample: bool              # the chunk ends at the request's last known token: sample from it
     draft_token_ids: list[int] = field(default_factory=list)   # the last tokens of token_ids, to verify
 
@@ -53,7 +60,8 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
-    copy_blocks: list[tuple[int, int]]   # copy-on-write: copy block src -> dst in every layer first, in order
+    copy_blocks: list[tuple[int, int, int]]   # copy-on-write: (group, src, dst), copy block src -> dst
+                                              # in every layer of the KV group first, in order
     preempted_ids: list[str]
     num_batched_tokens: int
 
@@ -67,8 +75,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int,
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int | list[KVGroup],
                  max_model_len: int) -> None:
+        """`num_blocks`: the KV groups with their pool sizes (config.CacheConfig.kv_groups), or a
+        block count for one full-attention group."""
         self.sched = sched
         self.cache = cache
         self.max_model_len = max_model_len
@@ -98,11 +108,16 @@ class Scheduler:
         if p + req.max_tokens > self.max_model_len:
             raise ParamError("max_tokens", f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) = "
                                            f"{p + req.max_tokens} exceeds max_model_len={self.max_model_len}")
-        bs, total = self.cache.block_size, self.kv_cache_manager.num_total_blocks
-        needed = cdiv(p + max(req.max_tokens, 1) - 1, bs)
-        if needed > total:
-            raise ParamError("max_tokens", f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) needs "
-                                           f"{needed} KV blocks of {bs} tokens, but the whole cache has {total}")
+        bs, budget = self.cache.block_size, self.sched.max_num_batched_tokens
+        length = p + max(req.max_tokens, 1) - 1
+        for group in self.kv_cache_manager.groups:
+            needed = cdiv(length, bs)
+            if group.window is not None:   # a window table peaks at a chunk of n <= budget tokens
+                needed = min(needed, cdiv(group.window + min(budget, length) - 2, bs) + 1)
+            if needed > group.num_blocks:
+                raise ParamError("max_tokens", f"prompt ({p} tokens) + max_tokens ({req.max_tokens}) needs "
+                                               f"{needed} KV blocks of {bs} tokens, but the whole cache has "
+                                               f"{group.num_blocks}")
         if len(self.waiting) >= self.sched.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting "
                                  f"(max_waiting={self.sched.max_waiting}): retry later")
@@ -230,10 +245,11 @@ class Scheduler:
                 if parent.status != RequestStatus.RUNNING or computed_before < parent.num_prompt_tokens:
                     continue
             try:
-                if parent is not None:
-                    shared_blocks, num_shared = kv.get_fork_blocks(parent, req)
-                else:
-                    shared_blocks, num_shared = self._cached_prefix(req)
+                fork = kv.get_fork_blocks(parent, req) if parent is not None else None
+                if fork is None:    # no parent, or a window of the parent no longer holds the child's
+                    parent = None
+                    fork = self._cached_prefix(req)
+                shared_blocks, num_shared = fork
                 num_new = req.num_tokens - num_shared
                 if (not self.sched.chunked_prefill and num_new > budget
                         and num_new <= self.sched.max_num_batched_tokens):
@@ -331,7 +347,8 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_block_table(self, request_id: str) -> list[int]:
+    def get_block_table(self, request_id: str) -> list[list[int]]:
+        """Per KV group, the request's block ids."""
         return self.kv_cache_manager.block_ids(request_id)
 
     @property

@@ -101,10 +101,13 @@ class EngineCore:
         kv_dtype = config.cache.resolved_kv_dtype(config.model.dtype)
         self.kv_shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, DTYPE_BYTES[kv_dtype],
                                 KV_SCALE_BYTES.get(kv_dtype, 0))
-        self.num_blocks = config.cache.num_blocks(self.kv_shape)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        # One KV group per attention window (full first), each sized from the budget (config.py).
+        self.kv_groups = config.cache.kv_groups(self.kv_shape, [arch.window_of(i) for i in range(arch.num_layers)],
+                                                config.scheduler)
+        self.num_blocks = sum(g.num_blocks for g in self.kv_groups)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_groups, self.max_model_len)
         self.drafter = Drafter(config.speculative) if config.speculative is not None else None
-        self.runner = ModelRunner(loaded, config, self.num_blocks,
+        self.runner = ModelRunner(loaded, config, self.kv_groups,
                                   verifier=RejectionSampler() if self.drafter is not None else None)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or arch.eos_token_ids)
         self.grammar = GrammarManager(self.tokenizer, arch.vocab_size,
@@ -117,17 +120,35 @@ class EngineCore:
         self.last_step_tokens = 0                 # tokens the last step scheduled (for /metrics)
 
     # ---- capacity facts printed at start ----
+    @property
+    def kv_token_capacity(self) -> int:
+        """Tokens of context the cache holds: the smallest group's blocks x block size (a window
+        group's blocks are freed behind its window, so it serves longer sequences than that)."""
+        bs = self.config.cache.block_size
+        full = [g.num_blocks for g in self.kv_groups if g.window is None]
+        return (min(full) if full else min(g.num_blocks for g in self.kv_groups)) * bs
+
+    def _kv_cache_line(self) -> str:
+        bs, bpt = self.config.cache.block_size, self.kv_shape.bytes_per_token
+        layer_block = bpt // self.arch.num_layers * bs
+        total = sum(g.num_blocks * len(g.layers) * layer_block for g in self.kv_groups)
+        if len(self.kv_groups) == 1:
+            blocks = f"{self.num_blocks} blocks x {bs} tokens"
+        else:
+            blocks = " + ".join(f"{g.num_blocks} blocks ({len(g.layers)} layers, "
+                                f"{'full' if g.window is None else f'window {g.window}'})" for g in self.kv_groups)
+            blocks += f" x {bs} tokens"
+        cap = self.kv_token_capacity
+        return (f"KV cache: {bpt} bytes/token, {blocks} = {cap} tokens ({total / 2**20:.0f} MiB); "
+                f"max concurrency at {self.max_model_len} tokens: {cap / self.max_model_len:.2f}x")
+
     def describe(self) -> str:
-        bpt = self.kv_shape.bytes_per_token
-        cap = self.num_blocks * self.config.cache.block_size
         return (f"model {self.model_path}\n"
                 f"  {self.arch.num_layers} layers, {self.arch.num_heads} query / {self.arch.num_kv_heads} KV heads, "
                 f"head_dim {self.arch.head_dim}, context {self.max_model_len}, dtype {self.config.model.dtype}, "
                 f"weights {self.quantization}, "
                 f"loaded in {self.load_seconds:.2f}s\n"
-                f"  KV cache: {bpt} bytes/token, {self.num_blocks} blocks x {self.config.cache.block_size} tokens "
-                f"= {cap} tokens ({self.num_blocks * bpt * self.config.cache.block_size / 2**20:.0f} MiB); "
-                f"max concurrency at {self.max_model_len} tokens: {cap / self.max_model_len:.2f}x; "
+                f"  {self._kv_cache_line()}; "
                 f"prefix caching {'on' if self.config.cache.enable_prefix_caching else 'off'}\n"
                 f"  steps: {self.step_path}"
                 + (f"\n  speculative decoding: {self.config.speculative}" if self.config.speculative else ""))
@@ -234,7 +255,7 @@ class EngineCore:
         """Drop every request at once, after a crash of the loop driving this core: a fresh
         scheduler (every KV block free, the prefix cache empty), no per-request runner state.
         The model and the KV tensors stay; nothing is reloaded."""
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.kv_groups, self.max_model_len)
         self.runner.forget_requests()
         if self.drafter is not None:
             self.drafter.forget_requests()

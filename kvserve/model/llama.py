@@ -21,13 +21,13 @@ from kvserve.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.sliding_window = arch.sliding_window
+        self.sliding_window = arch.window_of(layer)
         self.qkv_proj = Linear(arch.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                bias=arch.attention_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype)
@@ -59,10 +59,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, rotary, dtype)
+        self.self_attn = Attention(arch, rotary, dtype, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MLP(arch, dtype)
 
@@ -80,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
                                  arch.rope_theta, arch.rope_scaling)
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, dtype, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
         self.tied_head = False    # lm_head is a packed copy of the embedding (loaded with it)

@@ -8,6 +8,14 @@ flat slot `block_table[p // block_size] * block_size + p % block_size`.
 One step's batch is every scheduled token of every request, concatenated (no padding):
 request `b` owns queries `query_start_loc[b]:query_start_loc[b + 1]`, which are the last
 `q_len` tokens of its `seq_lens[b]` context. A decode is simply a chunk of one token.
+
+Sliding windows (HF semantics: key j is visible to query i iff j <= i and i - j < W). A model
+whose layers attend with different windows keeps one KV group per window, each with its own
+pool and block tables (kvserve/core/kv_cache.py): the step's metadata holds one
+AttentionMetadata per layer (`for_layer`). A window group frees the blocks no query can read any
+more, and its tables name block 0 in their place: no path here reads those entries for a
+visible key (the C kernel starts at the window, the prompt path gathers from the window's first
+block, the batched SDPA decode path reads them under a -inf mask, and written KV is finite).
 """
 from __future__ import annotations
 
@@ -28,15 +36,17 @@ class AttentionMetadata:
     block_size: int
     # Derived once per step and reused by every layer (decode rows, masks): see decode_plan.
     plan: dict = field(default_factory=dict, repr=False, compare=False)
+    # Several KV groups: the metadata of each layer's group, by layer (None: one group, this one).
+    layers: list["AttentionMetadata"] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
     def for_layer(self, layer: int) -> "AttentionMetadata":
-        """The metadata layer `layer` attends with. One KV group (every layer's blocks at the same
-        ids): this one. Models call it per layer so that KV groups can differ per layer."""
-        return self
+        """The metadata layer `layer` attends with: its KV group's slot mapping and block tables
+        (one KV group, every layer's blocks at the same ids: this one)."""
+        return self if self.layers is None else self.layers[layer]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,10 +60,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
-    """The first `n` tokens of one request's context: [n, Hkv, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n: int, first_block: int = 0) -> torch.Tensor:
+    """Tokens first_block * block_size .. n - 1 of one request's context: [n - first_block * bs, Hkv, D]."""
     bs = cache.shape[1]
-    return cache.index_select(0, block_table[: (n + bs - 1) // bs]).flatten(0, 1)[:n]
+    return cache.index_select(0, block_table[first_block: (n + bs - 1) // bs]).flatten(0, 1)[:n - first_block * bs]
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
@@ -112,15 +122,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_len, seq_len = qsl[b + 1] - qsl[b], seq_lens[b]
         if q_len <= 1:
             continue
-        k = kv_int8.as_float(gather_kv(k_cache, meta.block_tables[b], seq_len), q.dtype)
-        v = kv_int8.as_float(gather_kv(v_cache, meta.block_tables[b], seq_len), q.dtype)
+        # Keys from the block of the chunk's first visible key on (masks depend on i - j only).
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // meta.block_size
+        k = kv_int8.as_float(gather_kv(k_cache, meta.block_tables[b], seq_len, first), q.dtype)
+        v = kv_int8.as_float(gather_kv(v_cache, meta.block_tables[b], seq_len, first), q.dtype)
         qb = q[qsl[b]:qsl[b + 1]].transpose(0, 1)[None]           # [1, Hq, q_len, D]
         kb, vb = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
         if q_len == seq_len and sliding_window is None:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            mask = causal_mask(q_len, seq_len, sliding_window, q.device)
+            mask = causal_mask(q_len, seq_len - first * meta.block_size, sliding_window, q.device)
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[qsl[b]:qsl[b + 1]] = o[0].transpose(0, 1)

@@ -12,7 +12,12 @@ past the prompt, so the C layer stack computes them as it computes decodes (inte
 a verified token has the very logits it would have had decoded alone.
 
 How a step runs is decided here: through the C layer stack (runner/layer_stack.py) when the
-model's weights allow it, else through the model's PyTorch forward.
+model's weights allow it and its layers share one KV group, else through the model's PyTorch
+forward.
+
+KV groups (config.KVGroup: the layers with one attention window): each layer's K and V pools
+hold its group's number of blocks, and each step gets one slot mapping and one set of block
+tables per group; the metadata hands every layer its group's (AttentionMetadata.for_layer).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, KVGroup
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.loader import TORCH_DTYPES as _TORCH_DTYPES   # canonical dtype name -> torch.dtype
 from kvserve.ops import kv_int8
@@ -71,23 +76,40 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, loaded, config: EngineConfig, num_blocks: int, verifier: Verifier | None = None):
+    def __init__(self, loaded, config: EngineConfig, num_blocks: int | list[KVGroup],
+                 verifier: Verifier | None = None):
+        """`num_blocks`: the KV groups with their pool sizes (config.CacheConfig.kv_groups), or a
+        block count for one group holding every layer."""
         self.model = loaded.model
         self.arch = loaded.arch
         self.block_size = config.cache.block_size
-        self.num_blocks = num_blocks
+        if isinstance(num_blocks, int):
+            num_blocks = [KVGroup(None, tuple(range(self.arch.num_layers)), num_blocks)]
+        self.kv_groups = num_blocks
+        self.layer_group = [0] * self.arch.num_layers     # layer -> its KV group
+        for g, group in enumerate(self.kv_groups):
+            for layer in group.layers:
+                self.layer_group[layer] = g
+        if sorted(l for g in self.kv_groups for l in g.layers) != list(range(self.arch.num_layers)):
+            raise ValueError(f"the KV groups must hold each of the model's {self.arch.num_layers} layers once")
+        self.num_blocks = sum(g.num_blocks for g in self.kv_groups)
         self.seed = config.seed
         self.kv_dtype = _TORCH_DTYPES[config.cache.resolved_kv_dtype(config.model.dtype)]
-        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        if self.kv_dtype == torch.int8:       # rows of int8 values + a float32 scale (ops/kv_int8.py)
-            shape = kv_int8.pool_shape(*shape)
-        # One preallocated pool per layer for K and for V, zero-filled (masked padding in the batched
-        # decode attention reads unwritten slots: garbage there could be NaN, and 0 * NaN = NaN).
-        self.kv_caches = [(_lazy_zeros(shape, self.kv_dtype), _lazy_zeros(shape, self.kv_dtype))
-                          for _ in range(self.arch.num_layers)]
+        # One preallocated pool per layer for K and for V, sized by the layer's group, zero-filled
+        # (masked padding in the batched decode attention reads unwritten slots: garbage there could
+        # be NaN, and 0 * NaN = NaN).
+        self.kv_caches = []
+        for layer in range(self.arch.num_layers):
+            shape = (self.kv_groups[self.layer_group[layer]].num_blocks, self.block_size,
+                     self.arch.num_kv_heads, self.arch.head_dim)
+            if self.kv_dtype == torch.int8:       # rows of int8 values + a float32 scale (ops/kv_int8.py)
+                shape = kv_int8.pool_shape(*shape)
+            self.kv_caches.append((_lazy_zeros(shape, self.kv_dtype), _lazy_zeros(shape, self.kv_dtype)))
         self.sampler = Sampler()
         self.verifier = verifier
-        self.layer_stack = CLayerStack.build(self.model)
+        # The C layer stack takes one block table and one window for every layer.
+        one_window = len({self.arch.window_of(i) for i in range(self.arch.num_layers)}) == 1
+        self.layer_stack = CLayerStack.build(self.model) if len(self.kv_groups) == 1 and one_window else None
         if self.layer_stack is not None:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
                      self.layer_stack.isa)
@@ -118,41 +140,51 @@ class ModelRunner:
             self._generators[request.request_id] = g
         return g
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+    def _copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy-on-write: (group, src, dst) copies block src to dst in every layer of the group."""
+        for g, group in enumerate(self.kv_groups):
+            pairs = [(s, d) for cg, s, d in copies if cg == g]
+            if not pairs:
+                continue
+            src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+            dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+            for layer in group.layers:
+                k, v = self.kv_caches[layer]
+                k[dst] = k[src]
+                v[dst] = v[src]
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled chunks into one batch; returns (input_ids, positions, meta, sample_idx):
         sample_idx holds, per chunk that samples, the rows of its last known token and its drafts."""
         bs = self.block_size
+        num_groups = len(self.kv_groups)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_idx: list[int] = []
-        max_blocks = max(len(c.block_table) for c in out.chunks)
-        tables = torch.zeros((len(out.chunks), max_blocks), dtype=torch.long)
+        tables = [torch.zeros((len(out.chunks), max(len(c.block_tables[g]) for c in out.chunks)), dtype=torch.long)
+                  for g in range(num_groups)]
         for i, c in enumerate(out.chunks):
             n = len(c.token_ids)
             end = c.start_pos + n
             input_ids.extend(c.token_ids)
             pos = range(c.start_pos, end)
             positions.extend(pos)
-            table = c.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            for g, table in enumerate(c.block_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in pos)
+                tables[g][i, :len(table)] = torch.tensor(table, dtype=torch.long)
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
             if c.sample:      # the last known token, then every draft
                 sample_idx.extend(range(query_start_loc[-1] - 1 - len(c.draft_token_ids), query_start_loc[-1]))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
-                                 query_start_loc=query_start_loc, seq_lens=seq_lens,
-                                 block_tables=tables, block_size=bs)
+        metas = [AttentionMetadata(slot_mapping=torch.tensor(slots[g], dtype=torch.long),
+                                   query_start_loc=query_start_loc, seq_lens=seq_lens,
+                                   block_tables=tables[g], block_size=bs) for g in range(num_groups)]
+        meta = metas[0]
+        if num_groups > 1:
+            meta.layers = [metas[g] for g in self.layer_group]
         return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                 meta, sample_idx)
 

@@ -24,15 +24,15 @@ def test_table_grows_with_tokens():
     kv = KVCacheManager(10, BS)
     req = make_req("a", range(20))
     assert kv.allocate_slots(req, 20, [])
-    assert kv.block_ids("a") == [0, 1]
+    assert kv.block_ids("a")[0] == [0, 1]
     req.num_computed_tokens = 20
     assert kv.allocate_slots(req, 12, [])           # 32 tokens: still 2 blocks
-    assert kv.block_ids("a") == [0, 1]
+    assert kv.block_ids("a")[0] == [0, 1]
     req.num_computed_tokens = 32
     assert kv.allocate_slots(req, 1, [])
-    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.block_ids("a")[0] == [0, 1, 2]
     kv.free(req)
-    assert kv.num_free_blocks == 10 and kv.block_ids("a") == []
+    assert kv.num_free_blocks == 10 and kv.block_ids("a")[0] == []
 
 
 def test_allocation_failure_changes_nothing():
@@ -41,7 +41,7 @@ def test_allocation_failure_changes_nothing():
     assert kv.allocate_slots(a, 40, [])
     b = make_req("b", range(100, 120))
     assert not kv.allocate_slots(b, 20, [])
-    assert kv.num_free_blocks == 0 and kv.block_ids("b") == []
+    assert kv.num_free_blocks == 0 and kv.block_ids("b")[0] == []
 
 
 def test_hits_on_shared_prefixes_of_different_lengths():
@@ -52,7 +52,7 @@ def test_hits_on_shared_prefixes_of_different_lengths():
         req = make_req(rid, base[:shared] + [7] * 30)
         blocks, n = kv.get_computed_blocks(req)
         assert n == expect, rid
-        assert [b.block_id for b in blocks] == kv.block_ids("a")[:expect // BS]
+        assert [b.block_id for b in blocks[0]] == kv.block_ids("a")[0][:expect // BS]
 
 
 def test_fully_cached_prompt_recomputes_at_least_the_last_token():
@@ -70,7 +70,7 @@ def test_partial_last_block_is_never_shared():
     kv = KVCacheManager(32, BS)
     a = make_req("a", range(40))                     # blocks: full, full, partial (8 tokens)
     compute(kv, a)
-    assert [b.block_hash is not None for b in kv.req_to_blocks["a"]] == [True, True, False]
+    assert [b.block_hash is not None for b in kv.tables["a"][0]] == [True, True, False]
     _, n = kv.get_computed_blocks(make_req("b", list(range(40)) + [99] * 20))
     assert n == 32
 
@@ -93,8 +93,8 @@ def test_hits_on_freed_blocks_take_them_out_of_the_free_queue():
     assert kv.num_free_blocks == 4
     b = make_req("b", range(33))
     assert compute(kv, b) == 32
-    assert kv.block_ids("b")[:2] == [0, 1] and kv.num_free_blocks == 1
-    assert [blk.ref_cnt for blk in kv.req_to_blocks["b"]] == [1, 1, 1]
+    assert kv.block_ids("b")[0][:2] == [0, 1] and kv.num_free_blocks == 1
+    assert [blk.ref_cnt for blk in kv.tables["b"][0]] == [1, 1, 1]
 
 
 def test_allocation_counts_revived_hits_against_free_space():
@@ -106,7 +106,7 @@ def test_allocation_counts_revived_hits_against_free_space():
     hits, n = kv.get_computed_blocks(b)
     assert n == 32
     assert not kv.allocate_slots(b, b.num_tokens - n, [], hits, n)
-    assert kv.num_free_blocks == 3 and all(blk.ref_cnt == 0 for blk in hits)
+    assert kv.num_free_blocks == 3 and all(blk.ref_cnt == 0 for blk in hits[0])
 
 
 def test_cache_salt_isolates_users():
@@ -121,7 +121,7 @@ def test_cache_salt_isolates_users():
 def test_caching_disabled():
     kv = KVCacheManager(16, BS, enable_caching=False)
     compute(kv, make_req("a", range(40)))
-    assert kv.get_computed_blocks(make_req("b", range(40))) == ([], 0)
+    assert kv.get_computed_blocks(make_req("b", range(40))) == ([[]], 0)
 
 
 def test_free_releases_tail_blocks_for_eviction_first():
@@ -129,11 +129,11 @@ def test_free_releases_tail_blocks_for_eviction_first():
     a = make_req("a", range(48))
     compute(kv, make_req("x", range(100, 101)))      # occupy block 0 so a gets 1, 2, 3
     compute(kv, a)
-    a_blocks = kv.block_ids("a")
+    a_blocks = kv.block_ids("a")[0]
     assert a_blocks == [1, 2, 3]
     kv.free(a)
     # LRU head first: a's tail block, then the middle, then its first block.
-    assert list(kv.pool.free_queue) == [3, 2, 1]
+    assert list(kv.pools[0].free_queue) == [3, 2, 1]
 
 
 def test_fork_shares_prompt_blocks_and_copies_on_write():
@@ -142,14 +142,14 @@ def test_fork_shares_prompt_blocks_and_copies_on_write():
     compute(kv, parent)
     child = make_req("c", range(20))
     shared, n = kv.get_fork_blocks(parent, child)
-    assert n == 19 and [b.block_id for b in shared] == kv.block_ids("p")
+    assert n == 19 and [b.block_id for b in shared[0]] == kv.block_ids("p")[0]
     copies = []
     assert kv.allocate_slots(child, 1, copies, shared, n)
-    p0, p1 = kv.req_to_blocks["p"]
-    c0, c1 = kv.req_to_blocks["c"]
+    p0, p1 = kv.tables["p"][0]
+    c0, c1 = kv.tables["c"][0]
     assert c0 is p0 and p0.ref_cnt == 2             # full prompt block shared
     assert c1 is not p1 and p1.ref_cnt == 1 and c1.ref_cnt == 1
-    assert copies == [(p1.block_id, c1.block_id)]
+    assert copies == [(0, p1.block_id, c1.block_id)]
     kv.free(parent)
     assert p0.ref_cnt == 1 and p1.ref_cnt == 0
     kv.free(child)
@@ -162,12 +162,12 @@ def test_fork_on_a_block_boundary_needs_no_copy():
     compute(kv, parent)
     child = make_req("c", range(17))
     shared, n = kv.get_fork_blocks(parent, child)
-    assert n == 16 and len(shared) == 1
+    assert n == 16 and len(shared[0]) == 1
     copies = []
     assert kv.allocate_slots(child, 1, copies, shared, n)
     assert copies == []
-    assert kv.block_ids("c")[0] == kv.block_ids("p")[0]
-    assert kv.block_ids("c")[1] != kv.block_ids("p")[1]
+    assert kv.block_ids("c")[0][0] == kv.block_ids("p")[0][0]
+    assert kv.block_ids("c")[0][1] != kv.block_ids("p")[0][1]
 
 
 def test_parent_writing_first_copies_and_child_then_writes_in_place():
@@ -177,12 +177,13 @@ def test_parent_writing_first_copies_and_child_then_writes_in_place():
     parent.append_output_token(500)
     child = make_req("c", range(20))
     # Share all of the parent's blocks by refcount, as a fork does.
-    kv.pool.touch(kv.req_to_blocks["p"])
-    kv.req_to_blocks["c"] = list(kv.req_to_blocks["p"])
+    kv.pools[0].touch(kv.tables["p"][0])
+    kv.tables["c"] = [list(kv.tables["p"][0])]
+    kv.num_dropped["c"] = [0]
     child.num_computed_tokens = 19
     copies = []
     assert kv.allocate_slots(parent, 1, copies)      # parent writes position 20 into shared block 1
-    assert len(copies) == 1 and copies[0][0] == kv.block_ids("c")[1]
+    assert len(copies) == 1 and copies[0][1:] == (kv.block_ids("c")[0][1], kv.block_ids("p")[0][1])
     copies.clear()
     assert kv.allocate_slots(child, 1, copies)       # now the child is the sole owner
     assert copies == []

@@ -163,11 +163,11 @@ def test_kv_cache_usage_counts_cached_free_blocks_as_free():
     r = make_req("a", 40, max_tokens=2)
     s.add_request(r)
     step(s)
-    assert s.get_block_table("a") == [0, 1, 2]
+    assert s.get_block_table("a")[0] == [0, 1, 2]
     assert s.num_free_blocks == 7 and s.kv_cache_usage == pytest.approx(0.3)
     run_all(s)
     assert s.num_free_blocks == 10 and s.kv_cache_usage == 0.0 and s.num_total_blocks == 10
-    assert s.get_block_table("a") == []
+    assert s.get_block_table("a")[0] == []
 
 
 # ---- preemption ----------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_preempts_newest_by_recompute_and_resumes_with_outputs_kept():
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and s.stats.num_preemptions == 1
     kept = list(b.output_token_ids)
-    assert len(kept) == 17 and s.get_block_table("b") == [] and s.waiting[0] is b
+    assert len(kept) == 17 and s.get_block_table("b")[0] == [] and s.waiting[0] is b
     seen_resume = False
     while s.has_unfinished_requests():
         out, _ = step(s)
@@ -285,11 +285,11 @@ def test_children_wait_for_the_parent_prompt_then_fork_with_copy_on_write():
     out, _ = step(s)
     assert summary(out) == [("p", 20, 1, True), ("p-1", 19, 1, True), ("p-2", 19, 1, True)]
     assert out.chunks[1].token_ids == [p.prompt_token_ids[-1]]
-    pt, t1, t2 = (s.get_block_table(r) for r in ("p", "p-1", "p-2"))
+    pt, t1, t2 = (s.get_block_table(r)[0] for r in ("p", "p-1", "p-2"))
     assert pt[0] == t1[0] == t2[0]                         # full prompt block shared
     assert len({pt[1], t1[1], t2[1]}) == 3                 # partial block: private copies
-    assert sorted(out.copy_blocks) == sorted([(pt[1], t1[1]), (pt[1], t2[1])])
-    assert s.kv_cache_manager.pool.blocks[pt[0]].ref_cnt == 3
+    assert sorted(out.copy_blocks) == sorted([(0, pt[1], t1[1]), (0, pt[1], t2[1])])
+    assert s.kv_cache_manager.pools[0].blocks[pt[0]].ref_cnt == 3
     assert kids[0].num_cached_tokens == 19
     assert s.stats.prefix_cache_queries == 20                # forks are not prefix lookups
     run_all(s)
@@ -343,7 +343,7 @@ def test_abort_between_schedule_and_update_is_skipped():
     s.add_request(r)
     out = s.schedule()
     s.abort_request("a")
-    assert s.get_block_table("a") == []
+    assert s.get_block_table("a")[0] == []
     finished = s.update_from_output(out, {"a": [7], "b": [7]})
     assert finished == [] and r.output_token_ids == [] and other.output_token_ids == [7]
     assert s.num_free_blocks == 64 - 1

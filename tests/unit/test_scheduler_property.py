@@ -32,18 +32,21 @@ ops = st.lists(st.one_of(add_op, add_op, step_op, step_op, step_op, abort_op, fi
 
 def check_blocks(s: Scheduler) -> None:
     kv = s.kv_cache_manager
-    holders = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
-    for blocks in kv.req_to_blocks.values():
-        assert len({b.block_id for b in blocks}) == len(blocks), "a table holds a block twice"
-    for b in kv.pool.blocks:
-        assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
-        assert (b.block_id in kv.pool.free_queue) == (b.ref_cnt == 0), b
-    for h, b in kv.pool.cached.items():
-        assert b.block_hash == h
-    for rid in kv.req_to_blocks:
+    for g, pool in enumerate(kv.pools):
+        tables = [t[g] for t in kv.tables.values()]
+        holders = Counter(b.block_id for blocks in tables for b in blocks if b is not None)
+        for blocks in tables:
+            held = [b.block_id for b in blocks if b is not None]
+            assert len(set(held)) == len(held), "a table holds a block twice"
+        for b in pool.blocks:
+            assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
+            assert (b.block_id in pool.free_queue) == (b.ref_cnt == 0), b
+        for h, b in pool.cached.items():
+            assert b.block_hash == h
+    for rid in kv.tables:
         assert s.requests[rid].status == RequestStatus.RUNNING
     for r in s.waiting:
-        assert r.num_computed_tokens == 0 and not kv.req_to_blocks.get(r.request_id)
+        assert r.num_computed_tokens == 0 and r.request_id not in kv.tables
     assert s.num_running <= s.sched.max_num_seqs
 
 
@@ -52,14 +55,17 @@ def run_step(s: Scheduler, store: dict[int, list], rng: random.Random) -> None:
     assert out.num_batched_tokens == sum(len(c.token_ids) for c in out.chunks)
     assert out.num_batched_tokens <= s.sched.max_num_batched_tokens
     assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
-    for src, dst in out.copy_blocks:
+    for g, src, dst in out.copy_blocks:
+        assert g == 0
         store[dst] = list(store.get(src, [None] * BS))
     for c in out.chunks:
+        (table,) = c.block_tables
         for i, tok in enumerate(c.token_ids):
             pos = c.start_pos + i
-            store.setdefault(c.block_table[pos // BS], [None] * BS)[pos % BS] = tok
+            store.setdefault(table[pos // BS], [None] * BS)[pos % BS] = tok
     for c in out.chunks:
-        seen = [store[c.block_table[p // BS]][p % BS] for p in range(c.start_pos + len(c.token_ids))]
+        (table,) = c.block_tables
+        seen = [store[table[p // BS]][p % BS] for p in range(c.start_pos + len(c.token_ids))]
         assert seen == c.request.all_token_ids[:len(seen)], c.request
         assert c.sample == (c.start_pos + len(c.token_ids) == c.request.num_tokens)
     sampled = {c.request.request_id: [rng.choice([EOS] + list(range(2, 32)))]
@@ -109,5 +115,5 @@ def test_random_workloads_keep_blocks_consistent(ops, num_blocks, budget, max_se
         check_blocks(s)
     assert not s.has_unfinished_requests(), "requests never finished"
     assert s.num_free_blocks == s.num_total_blocks and s.kv_cache_usage == 0.0
-    assert all(b.ref_cnt == 0 for b in s.kv_cache_manager.pool.blocks)
-    assert not s.kv_cache_manager.req_to_blocks
+    assert all(b.ref_cnt == 0 for b in s.kv_cache_manager.pools[0].blocks)
+    assert not s.kv_cache_manager.tables

@@ -84,7 +84,7 @@ def test_a_block_with_a_rejected_token_never_enters_the_prefix_cache():
     s = make_sched()
     req = make_req("a", 14, max_tokens=30)      # prompt 14 + 1 sampled = 15 known tokens
     prefill(s, req)
-    pool = s.kv_cache_manager.pool
+    pool = s.kv_cache_manager.pools[0]
     req.spec_token_ids = [21, 22, 23]            # positions 15..17: block 0 filled by a draft
     out = s.schedule()
     s.update_from_output(out, {"a": [40]})     # the draft at position 15 rejected
@@ -104,7 +104,7 @@ def test_accepted_drafts_fill_blocks_that_enter_the_prefix_cache():
     out = s.schedule()
     s.update_from_output(out, {"a": [21, 22, 23, 24]})
     assert req.num_computed_tokens == 18
-    assert list(s.kv_cache_manager.pool.cached) == [hash_block_tokens(None, req.all_token_ids[:16])]
+    assert list(s.kv_cache_manager.pools[0].cached) == [hash_block_tokens(None, req.all_token_ids[:16])]
 
 
 def test_blocks_all_return_after_speculative_runs():
