@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+from kvserve.config_file import add_config_arg, parse_args_with_config
+
 USAGE = """kvserve <command> [options]
 
 commands:
@@ -12,6 +14,7 @@ commands:
   generate   generate text for a prompt and print it
   chat       interactive chat in the terminal, streaming tokens as they come
   bench      benchmarks: throughput | serve | latency | roofline | report
+  tune       search the engine's knobs for the best goodput under an SLO; writes --config YAML
   kv-calc    KV cache memory calculator for a model or config
   eval-quality  perplexity / top-1 agreement / KL of weight formats against fp32
 
@@ -61,7 +64,8 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     _sampling_args(p, max_tokens=64)
     add_engine_args(p)
-    args = p.parse_args(argv)
+    add_config_arg(p)
+    args = parse_args_with_config(p, argv)
     t0 = time.perf_counter()
     llm = _load(args)
     params = _params(args)
@@ -94,7 +98,8 @@ def cmd_chat(argv: list[str]) -> int:
     p.add_argument("--system", default=None, help="system prompt (default: none)")
     _sampling_args(p, max_tokens=256)
     add_engine_args(p)
-    args = p.parse_args(argv)
+    add_config_arg(p)
+    args = parse_args_with_config(p, argv)
     llm = _load(args)
     params = _params(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -157,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench":
         from kvserve.bench.cli import main as bench_main
         return bench_main(rest)
+    if cmd == "tune":
+        from kvserve.bench.tune import main as tune_main
+        return tune_main(rest)
     if cmd == "kv-calc":
         from kvserve.kv_calc import main as kv_main
         return kv_main(rest)

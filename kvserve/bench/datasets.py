@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.bench.common import workloads_path
+from kvserve.bench.common import model_path, workloads_path
 
 DATASETS = ("random", "w1", "w2", "sharegpt", "prefix")
 MULTITURN = "multiturn"   # only `kvserve bench throughput` offers it (add_dataset_args(multiturn=True))
@@ -60,8 +60,7 @@ def standard_requests(name: str, path: str | None = None, model: str | None = No
 def retokenized(reqs: list[BenchRequest], model: str) -> list[BenchRequest]:
     """`reqs` (default-model token ids) in `model`'s tokens; unchanged when it has the same vocabulary."""
     from kvserve.bench.tokenize import tokenizer_of
-    from kvserve.model.loader import default_model_path
-    source, target = tokenizer_of(default_model_path()), tokenizer_of(model)
+    source, target = tokenizer_of(model_path(None)), tokenizer_of(model)
     if target.get_vocab() == source.get_vocab():
         return reqs
     return [BenchRequest(target.encode(source.decode(r.prompt_ids, skip_special_tokens=False),

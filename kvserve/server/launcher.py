@@ -19,6 +19,7 @@ import sys
 import uvicorn
 
 from kvserve.config import add_engine_args, engine_config_from_args, parse_size
+from kvserve.config_file import add_config_arg, parse_args_with_config
 from kvserve.server.connections import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, AcceptErrorHandler,
                                         ConnectionLimits, default_max_connections, protocol_class,
                                         raise_open_files_limit)
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server log verbosity (default: %(default)s)")
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request (default: log)")
     add_engine_args(p)
+    add_config_arg(p)
     return p
 
 
@@ -168,7 +170,7 @@ def bind_error(host: str, port: int) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args_with_config(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.api_key = args.api_key or os.environ.get("KVSERVE_API_KEY") or None
     if args.threads is None:

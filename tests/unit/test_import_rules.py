@@ -32,7 +32,7 @@ RULES: dict[str, set[str]] = {
     "engine": {"core", "runner", "model", "ops", "spec", "structured", "config", "sampling_params", "outputs"},
     # The HTTP server sees the engine only (errors it handles: kvserve.engine.errors), plus the
     # package itself for __version__, and the tool-call format of structured.tools.
-    "server": {"engine", "config", "sampling_params", "outputs", "kvserve",
+    "server": {"engine", "config", "config_file", "sampling_params", "outputs", "kvserve",
                "structured.tools"},   # tool-call prompts, grammars and parsing: protocol, not engine
     # The benchmarks drive kvserve as a user does: the HTTP server as a client, `kvserve.LLM` (the
     # package) offline, the engine flags of config. bench.tokenize counts tokens on the client side
@@ -43,6 +43,7 @@ RULES: dict[str, set[str]] = {
     "__main__": {"cli"},
     "cli": {"*"},                                      # `kvserve serve | generate | ...`: everything
     "kv_calc": {"config"},
+    "config_file": set(),                              # --config YAML -> argparse defaults
     # eval-quality measures weight formats and KV dtypes on the model and its kernels directly (no
     # engine, no scheduler), running each step as the runner would (runner.layer_stack).
     "eval_quality": {"config", "model", "ops", "runner.layer_stack"},
