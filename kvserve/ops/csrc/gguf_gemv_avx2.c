@@ -1,11 +1,11 @@
 /* gguf_group_dot (gguf_gemv.h) for AVX2 (Haswell and later, AMD Zen): a 256-bit register holds
  * 4 weights of 8 rows, so a group of 16 rows is two halves. AVX2 has no vpdpbusd: vpmaddubsw
  * multiplies u8 weights by s8 activations into pairs summed in int16, vpmaddwd widens to int32.
- *   Q4 (q in 0..15): a pair is at most 2 * 15 * 127 = 3810, so the 8 chunks of a block add up
- *       in int16 (<= 30480) before one widening per part.
- *   Q8: the stored u8 (q + 128) would saturate int16 (255 * 127 * 2); the weights go back to
- *       signed q and the sign moves onto the activations (|q| * (x sign q), <= 2 * 128 * 127 =
- *       32512 a pair), widened chunk by chunk.
+ *   4-bit kinds (q in 0..15): a pair is at most 2 * 15 * 127 = 3810, so the 8 chunks of a block
+ *       add up in int16 (<= 30480) before one widening per part.
+ *   8-bit kinds: the stored u8 (q + 128) would saturate int16 (255 * 127 * 2); the weights go
+ *       back to signed q and the sign moves onto the activations (|q| * (x sign q), <= 2 * 128 *
+ *       127 = 32512 a pair), widened chunk by chunk (kind 18: each half's chunks on their own).
  * Both give the exact integer s, so the results are the portable kernel's, bit for bit.
  * Build: -mavx2 -mfma -mf16c (x86-64-v3). */
 #include <immintrin.h>
@@ -25,15 +25,15 @@ static inline __attribute__((always_inline)) __m256i dot_q4(const __m256i q[8], 
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 }
 
-/* sum_j q_j xa_j and sum_j q_j xb_j for one half of a Q8 block (8 rows): w = the half's 8 chunks
- * (q + 128 as u8, 64 bytes apart), x = the block's 32 xa then 32 xb. Weights are read from L1
- * chunk by chunk (16 of them would not fit the 16 registers). */
+/* sum_j q_j xa_j and sum_j q_j xb_j over chunks c0 .. c1 - 1 of one half of an 8-bit block
+ * (8 rows): w = the half's 8 chunks (q + 128 as u8, 64 bytes apart), x = the block's 32 xa then
+ * 32 xb. Weights are read from L1 chunk by chunk (16 of them would not fit the 16 registers). */
 static inline __attribute__((always_inline)) void
-dot_q8(const uint8_t *w, const int8_t *x, __m256i *sa, __m256i *sb) {
+dot_q8(const uint8_t *w, const int8_t *x, const int c0, const int c1, __m256i *sa, __m256i *sb) {
     const int32_t *xa = (const int32_t *)x, *xb = xa + 8;
     const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
     __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {
+    for (int c = c0; c < c1; c++) {
         const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 64 * c)), bias);
         const __m256i aq = _mm256_abs_epi8(q);
         a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(xa[c]), q)), ones));
@@ -54,16 +54,18 @@ static inline __attribute__((always_inline)) void
 half_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
     __m256 acc[R_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t pb = gguf_packed_block_bytes(kind);
-    if (kind == 4) {
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+    if (kind == GGUF_Q4 || kind == GGUF_K4) {
         const __m256i low4 = _mm256_set1_epi8(0x0f);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             if (h == 0) gguf_prefetch_block(wg, pb);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)));
+            const __m256 d = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
+                                             : _mm256_loadu_ps((const float *)(wg + 32 * h));
+            const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
+                                             : _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
             __m256i q[8];
             for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 64 + 64 * c + 32 * h));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32 * h));
                 q[c] = _mm256_and_si256(v, low4);
                 q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             }
@@ -75,16 +77,33 @@ half_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, cons
                 acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
             }
         }
-    } else {
+    } else if (kind == GGUF_Q8) {
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             if (h == 0) gguf_prefetch_block(wg, pb);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
                 __m256i sa, sb;
-                dot_q8(wg + 32 + 32 * h, a->xq + rb * 64, &sa, &sb);
+                dot_q8(wg + qo + 32 * h, a->xq + rb * 64, 0, 8, &sa, &sb);
                 const __m256 s = two_parts(sa, sb);
                 acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+            }
+        }
+    } else {                                   /* GGUF_K8: a scale per half of the block, then m */
+        for (int64_t b = 0; b < nb; b++, wg += pb) {
+            if (h == 0) gguf_prefetch_block(wg, pb);
+            const __m256 d0 = _mm256_loadu_ps((const float *)(wg + 32 * h));
+            const __m256 d1 = _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
+            const __m256 m = _mm256_loadu_ps((const float *)(wg + 128 + 32 * h));
+            for (int r = 0; r < R; r++) {
+                const int64_t rb = r * nb + b;
+                const __m256 dx = _mm256_set1_ps(a->dx[rb]);
+                __m256i sa, sb;
+                dot_q8(wg + qo + 32 * h, a->xq + rb * 64, 0, 4, &sa, &sb);
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(two_parts(sa, sb), _mm256_mul_ps(d0, dx)));
+                dot_q8(wg + qo + 32 * h, a->xq + rb * 64, 4, 8, &sa, &sb);
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(two_parts(sa, sb), _mm256_mul_ps(d1, dx)));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
             }
         }
     }

@@ -1,77 +1,108 @@
 /* gguf_group_dot (gguf_gemv.h) for AVX-512 VNNI: one 512-bit vpdpbusd multiplies 4 weights of
  * all 16 rows of a group by 4 activation bytes (u8 weights x s8 activations, summed in int32),
- * so no horizontal sums are needed. Q8 weights are stored + 128 (u8); the 128 sum(x) that adds
- * is taken off with the precomputed sq. Build: -mavx512f -mavx512bw -mavx512vnni -mf16c. */
+ * so no horizontal sums are needed. 8-bit weights are stored + 128 (u8); the 128 sum(x) that
+ * adds is taken off with the precomputed sq (kind 18: sq0 and sq - sq0, one per half).
+ * Build: -mavx512f -mavx512bw -mavx512vnni -mf16c. */
 #include <immintrin.h>
 
 #include "gguf_gemv.h"
 
 const char *gguf_kernel_isa(void) { return "avx512vnni"; }
 
-/* 256 sum_j q_j xa_j + sum_j q_j xb_j for the 16 rows: q[c] holds weights 4c..4c+3 of each row,
- * x the block's 32 xa then 32 xb. */
-static inline __attribute__((always_inline)) __m512i dot_two_parts(const __m512i q[8], const int8_t *x) {
+/* 256 sum_j q_j xa_j + sum_j q_j xb_j for the 16 rows over chunks c0 .. c1 - 1: q[c] holds
+ * weights 4c..4c+3 of each row, x the block's 32 xa then 32 xb. */
+static inline __attribute__((always_inline)) __m512i
+dot_two_parts(const __m512i q[8], const int8_t *x, const int c0, const int c1) {
     const int32_t *xa = (const int32_t *)x, *xb = xa + 8;
     __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
-    for (int c = 0; c < 8; c++) {
+    for (int c = c0; c < c1; c++) {
         sa = _mm512_dpbusd_epi32(sa, q[c], _mm512_set1_epi32(xa[c]));
         sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xb[c]));
     }
     return _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb);
 }
 
+/* kind and R are constants at every call (gguf_group_dot's switch): one specialized loop each. */
 static inline __attribute__((always_inline)) void
-group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
     __m512 acc[GGUF_TILE_M];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t pb = gguf_packed_block_bytes(kind);
-    if (kind == 4) {
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+    if (kind == GGUF_Q4 || kind == GGUF_K4) {
         const __m512i low4 = _mm512_set1_epi8(0x0f);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)));
+            const __m512 d = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg))
+                                             : _mm512_loadu_ps(wg);
+            const __m512 m = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)))
+                                             : _mm512_loadu_ps(wg + 64);
             __m512i q[8];
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512(wg + 64 + 64 * c);
+                const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
                 q[c] = _mm512_and_si512(v, low4);                           /* q[4c .. 4c+3] */
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4); /* q[4c+16 .. 4c+19] */
             }
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const __m512 s = _mm512_cvtepi32_ps(dot_two_parts(q, a->xq + rb * 64));
+                const __m512 s = _mm512_cvtepi32_ps(dot_two_parts(q, a->xq + rb * 64, 0, 8));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
             }
         }
-    } else {
+    } else if (kind == GGUF_Q8) {
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg));
             __m512i q[8];
-            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + 32 + 64 * c);
+            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const __m512i si = _mm512_sub_epi32(dot_two_parts(q, a->xq + rb * 64),
+                const __m512i si = _mm512_sub_epi32(dot_two_parts(q, a->xq + rb * 64, 0, 8),
                                                     _mm512_set1_epi32(128 * a->sq[rb]));
                 const __m512 s = _mm512_cvtepi32_ps(si);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
+            }
+        }
+    } else {                                   /* GGUF_K8: a scale per half, then m */
+        for (int64_t b = 0; b < nb; b++, wg += pb) {
+            gguf_prefetch_block(wg, pb);
+            const __m512 d0 = _mm512_loadu_ps(wg), d1 = _mm512_loadu_ps(wg + 64), m = _mm512_loadu_ps(wg + 128);
+            __m512i q[8];
+            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+            for (int r = 0; r < R; r++) {
+                const int64_t rb = r * nb + b;
+                const int8_t *x = a->xq + rb * 64;
+                const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 0, 4),
+                                                                       _mm512_set1_epi32(128 * a->sq0[rb])));
+                const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 4, 8),
+                                                                       _mm512_set1_epi32(128 * (a->sq[rb] - a->sq0[rb]))));
+                const __m512 dx = _mm512_set1_ps(a->dx[rb]);
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s0, _mm512_mul_ps(d0, dx)));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s1, _mm512_mul_ps(d1, dx)));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
             }
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * GGUF_ROWS, acc[r]);
 }
 
+#define ROWS(K) switch (R) {   /* R as a constant: the accumulators stay in registers */ \
+        case 1: group_dot(wg, K, nb, a, 1, out); break;                                \
+        case 2: group_dot(wg, K, nb, a, 2, out); break;                                \
+        case 3: group_dot(wg, K, nb, a, 3, out); break;                                \
+        case 4: group_dot(wg, K, nb, a, 4, out); break;                                \
+        case 5: group_dot(wg, K, nb, a, 5, out); break;                                \
+        case 6: group_dot(wg, K, nb, a, 6, out); break;                                \
+        case 7: group_dot(wg, K, nb, a, 7, out); break;                                \
+        default: group_dot(wg, K, nb, a, 8, out); break;                               \
+    }
+
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    switch (R) {   /* R as a constant: the accumulators stay in registers */
-        case 1: group_dot(wg, kind, nb, a, 1, out); break;
-        case 2: group_dot(wg, kind, nb, a, 2, out); break;
-        case 3: group_dot(wg, kind, nb, a, 3, out); break;
-        case 4: group_dot(wg, kind, nb, a, 4, out); break;
-        case 5: group_dot(wg, kind, nb, a, 5, out); break;
-        case 6: group_dot(wg, kind, nb, a, 6, out); break;
-        case 7: group_dot(wg, kind, nb, a, 7, out); break;
-        default: group_dot(wg, kind, nb, a, 8, out); break;
+    switch (kind) {
+        case GGUF_Q4: ROWS(GGUF_Q4); break;
+        case GGUF_Q8: ROWS(GGUF_Q8); break;
+        case GGUF_K4: ROWS(GGUF_K4); break;
+        default: ROWS(GGUF_K8); break;
     }
 }
 

@@ -8,10 +8,11 @@
  *   w[c]     weights j = 4c..4c+3       (Q4: chunk c's low nibbles;  Q8: chunk c)      c = 0..3
  *   w[4 + c] weights j = 16+4c..16+4c+3 (Q4: chunk c's high nibbles; Q8: chunk 4 + c)
  * dotted with lane c of the part's x[0..15] and x[16..31]. Q4 nibbles (0..15) are valid s8 as
- * they are; Q8 bytes (q + 128) become s8 q by flipping the top bit. Both parts (xa, xb) go into
- * one exact int32: s = 256 sum q xa + sum q xb (|s| < 2^28). The float steps are the portable
- * kernel's: (float)s * (d dx), then a separate add (vmulq_f32 + vaddq_f32, never vfmaq; built
- * with -ffp-contract=off), and for Q4 + m sx. fp16 d and m: vcvt_f32_f16 is exact.
+ * they are; 8-bit kinds' bytes (q + 128) become s8 q by flipping the top bit. Both parts (xa, xb)
+ * go into one exact int32: s = 256 sum q xa + sum q xb (|s| < 2^28; kind 18: one per half). The
+ * float steps are the portable kernel's: (float)s * (d dx), then a separate add (vmulq_f32 +
+ * vaddq_f32, never vfmaq; built with -ffp-contract=off), and for kinds with m + m sx. fp16 d and
+ * m: vcvt_f32_f16 is exact; kinds 14 and 18 store them as fp32.
  *
  * Register budget (32 x 128 bit): 8 weight vectors, 4 R float accumulators, the activation parts
  * and the int32 sums. Up to R_MAX = 4 activation rows go in one pass over the group's weights;
@@ -66,47 +67,80 @@ INLINE int32x4_t block_s(const int8x16_t w[8], const int8_t *x, const int R) {
     return dot32(vshlq_n_s32(dot32(vdupq_n_s32(0), w, a0, a1), 8), w, b0, b1);
 }
 
+/* Kind 18: s0 = 256 sum q xa + sum q xb over weights 0..15 (w[0..3] with x[0..15] of each part),
+ * s1 the same over weights 16..31 (w[4..7] with x[16..31]). */
+INLINE void block_s_halves(const int8x16_t w[8], const int8_t *x, int32x4_t *s0, int32x4_t *s1) {
+    const int8x16_t a0 = vld1q_s8(x), a1 = vld1q_s8(x + 16), b0 = vld1q_s8(x + 32), b1 = vld1q_s8(x + 48);
+    int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);
+    UNROLL for (int c = 0; c < 4; c++) {
+        lo = vdotq_laneq_s32(lo, w[c], a0, c);
+        hi = vdotq_laneq_s32(hi, w[4 + c], a1, c);
+    }
+    lo = vshlq_n_s32(lo, 8);
+    hi = vshlq_n_s32(hi, 8);
+    UNROLL for (int c = 0; c < 4; c++) {
+        lo = vdotq_laneq_s32(lo, w[c], b0, c);
+        hi = vdotq_laneq_s32(hi, w[4 + c], b1, c);
+    }
+    *s0 = lo;
+    *s1 = hi;
+}
+
+/* Four float32x4 vectors of 16 row scales at p: fp16 (kinds 4, 8) or fp32 (kinds 14, 18). */
+INLINE void load_scales(const uint8_t *p, const int fp32, float32x4_t v[4]) {
+    if (fp32) {
+        UNROLL for (int i = 0; i < 4; i++) v[i] = vld1q_f32((const float *)p + 4 * i);
+    } else {
+        const float16x8_t h0 = vreinterpretq_f16_u8(vld1q_u8(p)), h1 = vreinterpretq_f16_u8(vld1q_u8(p + 16));
+        v[0] = vcvt_f32_f16(vget_low_f16(h0));
+        v[1] = vcvt_high_f32_f16(h0);
+        v[2] = vcvt_f32_f16(vget_low_f16(h1));
+        v[3] = vcvt_high_f32_f16(h1);
+    }
+}
+
 INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R,
                       float *out) {
     float32x4_t acc[R_MAX][4];
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int v = 0; v < 4; v++) acc[r][v] = vdupq_n_f32(0.f);
-    const int64_t pb = gguf_packed_block_bytes(kind);
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4, fp32 = kind == GGUF_K4 || kind == GGUF_K8;
     const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
     for (int64_t b = 0; b < nb; b++, wg += pb) {
         gguf_prefetch_block(wg, pb);
         float dx[R_MAX], sx[R_MAX];
         UNROLL for (int r = 0; r < R; r++) {
             dx[r] = a->dx[r * nb + b];
-            if (kind == 4) sx[r] = a->sx[r * nb + b];
+            if (kind != GGUF_Q8) sx[r] = a->sx[r * nb + b];
         }
-        const float16x8_t dh0 = vreinterpretq_f16_u8(vld1q_u8(wg)), dh1 = vreinterpretq_f16_u8(vld1q_u8(wg + 16));
-        const float32x4_t d[4] = {vcvt_f32_f16(vget_low_f16(dh0)), vcvt_high_f32_f16(dh0),
-                                  vcvt_f32_f16(vget_low_f16(dh1)), vcvt_high_f32_f16(dh1)};
-        float32x4_t m[4];
-        if (kind == 4) {
-            const float16x8_t mh0 = vreinterpretq_f16_u8(vld1q_u8(wg + 32)), mh1 = vreinterpretq_f16_u8(vld1q_u8(wg + 48));
-            m[0] = vcvt_f32_f16(vget_low_f16(mh0));
-            m[1] = vcvt_high_f32_f16(mh0);
-            m[2] = vcvt_f32_f16(vget_low_f16(mh1));
-            m[3] = vcvt_high_f32_f16(mh1);
-        }
+        float32x4_t d[4], d1[4], m[4];
+        load_scales(wg, fp32, d);
+        if (kind == GGUF_K8) load_scales(wg + 64, 1, d1);
+        if (kind != GGUF_Q8) load_scales(wg + (kind == GGUF_Q4 ? 32 : kind == GGUF_K4 ? 64 : 128), fp32, m);
         UNROLL for (int v = 0; v < 4; v++) {   /* rows 4v..4v+3 */
             int8x16_t w[8];
-            if (kind == 4) {
+            if (nibbles) {
                 UNROLL for (int c = 0; c < 4; c++) {
-                    const uint8x16_t p = vld1q_u8(wg + 64 + 64 * c + 16 * v);
+                    const uint8x16_t p = vld1q_u8(wg + qo + 64 * c + 16 * v);
                     w[c] = vreinterpretq_s8_u8(vandq_u8(p, low4));
                     w[c + 4] = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
                 }
             } else {
                 UNROLL for (int c = 0; c < 8; c++)
-                    w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wg + 32 + 64 * c + 16 * v), top));
+                    w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wg + qo + 64 * c + 16 * v), top));
             }
             UNROLL for (int r = 0; r < R; r++) {
-                const float32x4_t s = vcvtq_f32_s32(block_s(w, a->xq + (r * nb + b) * 64, R));
-                acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(s, vmulq_n_f32(d[v], dx[r])));
-                if (kind == 4) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
+                if (kind == GGUF_K8) {
+                    int32x4_t s0, s1;
+                    block_s_halves(w, a->xq + (r * nb + b) * 64, &s0, &s1);
+                    acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(vcvtq_f32_s32(s0), vmulq_n_f32(d[v], dx[r])));
+                    acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(vcvtq_f32_s32(s1), vmulq_n_f32(d1[v], dx[r])));
+                } else {
+                    const float32x4_t s = vcvtq_f32_s32(block_s(w, a->xq + (r * nb + b) * 64, R));
+                    acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(s, vmulq_n_f32(d[v], dx[r])));
+                }
+                if (kind != GGUF_Q8) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
             }
         }
     }
@@ -115,7 +149,9 @@ INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_
 }
 
 /* kind and R as constants: the accumulators stay in registers, the loops unroll. */
-#define KINDS(R) (kind == 4 ? group_dot(wg, 4, nb, a, R, out) : group_dot(wg, 8, nb, a, R, out))
+#define KINDS(R) (kind == GGUF_Q4 ? group_dot(wg, GGUF_Q4, nb, a, R, out) \
+                  : kind == GGUF_Q8 ? group_dot(wg, GGUF_Q8, nb, a, R, out) \
+                  : kind == GGUF_K4 ? group_dot(wg, GGUF_K4, nb, a, R, out) : group_dot(wg, GGUF_K8, nb, a, R, out))
 
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     switch (R) {

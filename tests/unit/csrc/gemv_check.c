@@ -5,15 +5,17 @@
  *
  * It packs deterministic pseudo-random weights straight into the interleaved layout of
  * gguf_gemv.h (Q4 with Q4_0-style m = -8 d and Q4_1-style m of either sign, Q8 including
- * q = -128; fp16 scales normal, subnormal and zero; rows past N zero), makes activations with an
+ * q = -128, K4 and K8 with float32 sub-block scales (K8: Q5_K-like with m, Q6_K-like with a
+ * signed scale per half and m = -0); fp16 scales normal, subnormal and zero; rows past N zero), makes activations with an
  * outlier, an all-zero block and a row small enough for subnormal d dx (compared bit for bit, not
  * with the reference below: such scales keep few significant bits), runs gguf_gemv over
  * shapes with N not a multiple of 16 and M = 1..20 (every tile size R = 1..8), and prints per
  * case a hash of the output bits and the first values' bits (all of them with --all), for the
  * integer GEMV and for the float32 GEMM of prompt tokens (gguf_gemm_f32).
  * It also checks every output against a double-precision sum of the dequantized weights times x:
- * |y - ref| <= 2^-12 sum_k |w_k x_k| (float32 GEMM: K 2^-24 sum_k |w_k x_k|) (+ 2^-20 (|bias| +
- * |y before|)); exit status 1 if not.
+ * |y - ref| <= 2^-12 sum_k |w_k x_k| + 2^-14 sum_k (|d q_k| + |m|) max|x of k's block| (the
+ * activations' rounding: about 2^-15 of the block's max |x| per weight piece; float32 GEMM:
+ * K 2^-24 sum_k |w_k x_k|) (+ 2^-20 (|bias| + |y before|)); exit status 1 if not.
  *
  * Build, e.g.: cc -O2 -ffp-contract=off -I kvserve/ops/csrc tests/unit/csrc/gemv_check.c
  *              kvserve/ops/csrc/gguf_gemv.c kvserve/ops/csrc/gguf_gemv_portable.c -o gemv_check
@@ -60,7 +62,16 @@ static double half_value(uint16_t h) {
     return h & 0x8000 ? -v : v;
 }
 
-/* Packed weights of gguf_gemv.h for N rows, K columns. Q4 variant: 0 = m = -8 d, 1 = random m. */
+static void put_f32(uint8_t *p, float f) { memcpy(p, &f, 4); }
+
+/* A K-quant sub-block scale: fp16 d times an integer sub-scale (6 bits; signed: -32..31), exact in
+ * float32 as the file's. */
+static float sub_scale(int is_signed) {
+    return (float)half_value(random_scale()) * (float)(is_signed ? (int)below(64) - 32 : (int)below(64));
+}
+
+/* Packed weights of gguf_gemv.h for N rows, K columns. Q4 variant: 0 = m = -8 d, 1 = random m;
+ * kind 18 variant: 0 = random m (Q5_K-like), 1 = m = -0 and signed sub-scales (Q6_K-like). */
 static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
     const int64_t nb = K / 32, groups = (N + 15) / 16, pb = gguf_packed_block_bytes(kind);
     uint8_t *w = calloc((size_t)(groups * nb * pb), 1);
@@ -69,6 +80,23 @@ static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
             uint8_t *p = w + (g * nb + b) * pb;
             for (int i = 0; i < 16; i++) {
                 if (g * 16 + i >= N) continue;                          /* rows past N stay zero */
+                if (kind == GGUF_K4 || kind == GGUF_K8) {
+                    const int extreme = below(16) == 0;
+                    if (kind == GGUF_K4) {
+                        put_f32(p + 4 * i, sub_scale(0));
+                        put_f32(p + 64 + 4 * i, -sub_scale(0));
+                        for (int c = 0; c < 4; c++)
+                            for (int t = 0; t < 4; t++) p[128 + 64 * c + 4 * i + t] = extreme ? 0xff : (uint8_t)below(256);
+                    } else {
+                        const float d0 = sub_scale(q4_variant), d1 = q4_variant ? sub_scale(1) : d0;
+                        put_f32(p + 4 * i, d0);
+                        put_f32(p + 64 + 4 * i, d1);
+                        put_f32(p + 128 + 4 * i, q4_variant ? -0.f : -sub_scale(0));
+                        for (int c = 0; c < 8; c++)
+                            for (int t = 0; t < 4; t++) p[192 + 64 * c + 4 * i + t] = extreme ? 0 : (uint8_t)below(256);
+                    }
+                    continue;
+                }
                 uint16_t d = random_scale(), m = 0;
                 if (kind == 4) {
                     if (q4_variant == 0) {                              /* -8 d, exact in fp16 */
@@ -93,19 +121,34 @@ static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
     return w;
 }
 
-/* Weight (n, k) of the packed layout, dequantized in double: d q + m (Q4), d (u - 128) (Q8). */
-static double weight(const uint8_t *w, int kind, int64_t K, int64_t n, int64_t k) {
+/* Weight (n, k) of the packed layout, dequantized in double: d q + m (4-bit kinds: q in 0..15;
+ * 8-bit kinds: q = u - 128; kind 18: d of the weight's half). *pieces = |d q| + |m|: the integer
+ * GEMV's activation rounding scales with the pieces, not with their sum. */
+static double weight(const uint8_t *w, int kind, int64_t K, int64_t n, int64_t k, double *pieces) {
     const int64_t nb = K / 32, pb = gguf_packed_block_bytes(kind), b = k / 32, j = k % 32, i = n % 16;
     const uint8_t *p = w + ((n / 16) * nb + b) * pb;
-    const double d = half_value(gguf_load_u16(p + 2 * i));
-    if (kind == 4) {
-        const int c = (int)(j % 16) / 4, t = (int)(j % 4);
-        const uint8_t byte = p[64 + 64 * c + 4 * i + t];
-        const int q = j < 16 ? byte & 15 : byte >> 4;
-        return d * q + half_value(gguf_load_u16(p + 32 + 2 * i));
+    double d, m = 0;
+    int q;
+    if (kind == GGUF_K4 || kind == GGUF_K8) {
+        float df, mf;
+        memcpy(&df, p + (kind == GGUF_K8 && j >= 16 ? 64 : 0) + 4 * i, 4);
+        memcpy(&mf, p + (kind == GGUF_K4 ? 64 : 128) + 4 * i, 4);
+        d = df;
+        m = mf;
+    } else {
+        d = half_value(gguf_load_u16(p + 2 * i));
+        if (kind == GGUF_Q4) m = half_value(gguf_load_u16(p + 32 + 2 * i));
     }
-    const int c = (int)j / 4, t = (int)(j % 4);
-    return d * ((int)p[32 + 64 * c + 4 * i + t] - 128);
+    if (kind == GGUF_Q4 || kind == GGUF_K4) {
+        const int c = (int)(j % 16) / 4, t = (int)(j % 4);
+        const uint8_t byte = p[gguf_ints_offset(kind) + 64 * c + 4 * i + t];
+        q = j < 16 ? byte & 15 : byte >> 4;
+    } else {
+        const int c = (int)j / 4, t = (int)(j % 4);
+        q = (int)p[gguf_ints_offset(kind) + 64 * c + 4 * i + t] - 128;
+    }
+    *pieces = fabs(d * q) + fabs(m);
+    return d * q + m;
 }
 
 static uint64_t fnv(uint64_t h, uint32_t v) {
@@ -130,11 +173,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "gemv_check: kernel %s\n", gguf_gemv_isa());
     rng_state = 20240601;
     for (size_t s = 0; s < sizeof SHAPES / sizeof SHAPES[0]; s++)
-        for (int variant = 0; variant < 3; variant++) {                 /* Q4 (m = -8 d), Q4 (m), Q8 */
+        for (int variant = 0; variant < 6; variant++) {   /* Q4 (m = -8 d), Q4 (m), Q8, K4, K8 (m), K8 (-0) */
             const shape_t sh = SHAPES[s];
-            const int kind = variant == 2 ? 8 : 4;
+            static const int kinds[6] = {GGUF_Q4, GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_K8};
+            const int kind = kinds[variant];
             const int64_t N = sh.N, K = sh.K, M = sh.M, ldx = K + sh.pad_x, ldy = N + sh.pad_y;
-            uint8_t *w = make_weights(kind, variant, N, K);
+            uint8_t *w = make_weights(kind, kind == GGUF_K8 ? variant == 5 : variant, N, K);
             float *x = malloc(sizeof(float) * (size_t)(M * ldx)), *y = malloc(sizeof(float) * (size_t)(M * ldy));
             float *y0 = malloc(sizeof(float) * (size_t)(M * ldy)), *bias = malloc(sizeof(float) * (size_t)N);
             for (int64_t r = 0; r < M; r++) {
@@ -160,16 +204,26 @@ int main(int argc, char **argv) {
                     h = fnv(h, bits(got));
                     if (n >= N) { ok &= bits(got) == bits(y0[r * ldy + n]); continue; }   /* untouched */
                     if (r == 2) continue;      /* subnormal d dx: few significant bits; compared bit for bit only */
-                    double ref = 0, mag = 0;
+                    double ref = 0, mag = 0, act = 0, bmax = 0;
                     for (int64_t k = 0; k < K; k++) {
-                        const double t = weight(w, kind, K, n, k) * x[r * ldx + k];
+                        if (k % 32 == 0) {             /* the block's max |x| */
+                            bmax = 0;
+                            for (int64_t j = k; j < k + 32; j++) {
+                                const double v = fabs(x[r * ldx + j]);
+                                if (v > bmax) bmax = v;
+                            }
+                        }
+                        double pieces;
+                        const double t = weight(w, kind, K, n, k, &pieces) * x[r * ldx + k];
                         ref += t;
                         mag += fabs(t);
+                        act += pieces * bmax;
                     }
                     double extra = 0;
                     if (sh.bias) { ref += bias[n]; extra += fabs(bias[n]); }
                     if (sh.accumulate) { ref += y0[r * ldy + n]; extra += fabs(y0[r * ldy + n]); }
-                    const double bound = (f32 ? ldexp(mag, -24) * (double)K : ldexp(mag, -12)) + ldexp(extra, -20) + 1e-37;
+                    const double bound = (f32 ? ldexp(mag, -24) * (double)K : ldexp(mag, -12) + ldexp(act, -14))
+                                         + ldexp(extra, -20) + 1e-37;
                     const double ratio = fabs(got - ref) / bound;
                     if (!(ratio <= 1)) {
                         if (ok) printf("case %d: y[%lld][%lld] = %.9g, reference %.9g, bound %.3g\n", ncase,
@@ -179,8 +233,8 @@ int main(int argc, char **argv) {
                     if (ratio > worst) worst = ratio;
                 }
             failed |= !ok;
-            printf("case %2d %s kind %d%s N %3lld K %4lld M %2lld: %016llx", ncase, f32 ? "f32 " : "gemv",
-                   kind, kind == 4 ? (variant ? "/m" : "/0") : "  ", (long long)N, (long long)K, (long long)M,
+            printf("case %2d %s kind %2d%s N %3lld K %4lld M %2lld: %016llx", ncase, f32 ? "f32 " : "gemv",
+                   kind, kind == GGUF_Q4 || kind == GGUF_K8 ? (variant == 0 || variant == 5 ? "/0" : "/m") : "  ", (long long)N, (long long)K, (long long)M,
                    (unsigned long long)h);
             for (int64_t i = 0; i < (all ? M * ldy : 4); i++) printf(" %08x", bits(y[i]));
             printf("%s\n", ok ? "" : "  REFERENCE MISMATCH");
@@ -188,7 +242,7 @@ int main(int argc, char **argv) {
             free(w); free(x); free(y); free(y0); free(bias);
             ncase++;
         }
-    printf("reference check (|y - ref| <= 2^-12 sum|w x|, float32 GEMM K 2^-24 sum|w x|): %s, worst error / bound %.3f\n",
+    printf("reference check (|y - ref| <= 2^-12 sum|w x| + 2^-14 sum (|d q| + |m|) max|x|, float32 GEMM K 2^-24 sum|w x|): %s, worst error / bound %.3f\n",
            failed ? "FAILED" : "passed", worst);
     return failed;
 }
