@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import json
 import math
 import time
 from collections import deque
@@ -265,7 +266,8 @@ def install_dashboard(app: FastAPI, metrics: EngineMetrics, model_name: str, spe
     @app.get(DATA_PATH)
     async def dashboard_data():
         """The dashboard's time series (the last few minutes of the engine's metrics)."""
-        return recorder.data(model_name, speculative)
+        # json.dumps directly: FastAPI's encoder walks the few thousand numbers ~10x slower, on the loop
+        return Response(json.dumps(recorder.data(model_name, speculative)), media_type="application/json")
 
     inner = app.router.lifespan_context
 

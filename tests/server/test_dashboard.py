@@ -3,12 +3,15 @@ from the package (no outside URL), the data need the API key, and the data follo
 the official openai client puts on the server."""
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
 
 import httpx
+import pytest
 
+from kvserve.server.guard import GuardMiddleware
 from tests.server.conftest import API_KEY
 
 SERIES_KEYS = {"time", "running", "waiting", "kv_usage_pct", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -37,6 +40,26 @@ def test_data_need_the_api_key(server):
     r = httpx.get(f"{server}/dashboard/data", timeout=10)
     assert r.status_code == 401
     assert "API key" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("metrics_public", [False, True])
+def test_guard_opens_the_page_and_the_data_only_with_metrics_public(metrics_public):
+    """The guard alone, in process: the static page and script never need the key; the data
+    follow /metrics (open with --metrics-public)."""
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = GuardMiddleware(ok, api_key=API_KEY, max_body_bytes=1024, metrics_public=metrics_public)
+
+    async def statuses():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t") as c:
+            return {path: (await c.get(path)).status_code
+                    for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/data", "/metrics", "/version")}
+
+    data = 200 if metrics_public else 401
+    assert asyncio.run(statuses()) == {"/dashboard": 200, "/dashboard/dashboard.js": 200, "/dashboard/data": data,
+                                       "/metrics": data, "/version": 401}
 
 
 def test_data_describe_the_server(server, model_name):

@@ -49,7 +49,8 @@
   function fmt(v) {
     if (v === null || v === undefined || !isFinite(v)) return "–";
     const a = Math.abs(v);
-    return a >= 100 ? v.toFixed(0) : a >= 10 ? v.toFixed(1) : a === 0 ? "0" : v.toFixed(2);
+    if (Math.abs(v - Math.round(v)) < 1e-9) return Math.round(v).toString();
+    return a >= 100 ? v.toFixed(0) : a >= 10 ? v.toFixed(1) : v.toFixed(2);
   }
 
   // ---- layout, built once ---------------------------------------------------------------------
@@ -100,7 +101,8 @@
     ctx.lineWidth = 1;
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
-    for (let v = 0; v <= top + step / 2; v += step) {   // horizontal grid and y labels
+    for (let i = 0; i * step <= top + step / 2; i++) {   // horizontal grid and y labels
+      const v = i * step;
       ctx.beginPath(); ctx.moveTo(L, Math.round(y(v)) + 0.5); ctx.lineTo(L + pw, Math.round(y(v)) + 0.5); ctx.stroke();
       ctx.fillText(fmt(v), L - 5, y(v));
     }
@@ -108,8 +110,10 @@
     ctx.textBaseline = "top";
     const xStep = historyS > 120 ? 60 : historyS > 30 ? 15 : 5;
     for (let t = 0; t <= historyS; t += xStep) {   // x labels: time before the latest point
+      ctx.textAlign = t === 0 ? "right" : "center";
       ctx.fillText(t === 0 ? "now" : (t % 60 === 0 ? `−${t / 60} min` : `−${t} s`), x(-t), T + ph + 5);
     }
+    ctx.textAlign = "center";
     if (!any) {
       ctx.textBaseline = "middle";
       ctx.fillText("no data in this window yet", L + pw / 2, T + ph / 2);
