@@ -99,6 +99,16 @@ def test_dashboard_charts_follow_a_load_in_chromium(browser, spec_server, tmp_pa
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     console_errors = []
     page.on("pageerror", lambda e: console_errors.append(str(e)))
+    outside = []   # works offline: any request leaving the server is refused and recorded
+
+    def only_the_server(route):
+        if route.request.url.startswith(spec_server.base_url + "/"):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_the_server)
     page.goto(f"{spec_server.base_url}/dashboard")
     # the data need the key: the page asks for it, then draws
     page.wait_for_selector("#auth", state="visible", timeout=15000)
@@ -126,6 +136,7 @@ def test_dashboard_charts_follow_a_load_in_chromium(browser, spec_server, tmp_pa
     assert page.eval_on_selector(canvas, "c => c.toDataURL()") != before_png
     assert any(v is not None and v > 0 for v in drawn(page, "prefix")[0])   # the shared opening hit the cache
     assert not console_errors, console_errors
+    assert not outside, outside
     assert page.evaluate("window.kvserveDashboard.errors") == 0
 
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
