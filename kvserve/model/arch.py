@@ -5,13 +5,10 @@ from dataclasses import dataclass, field
 
 from kvserve.config import KVShape
 
-# Architectures the llama module implements (names as the file states them).
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "smollm"}
-
 
 @dataclass
 class ModelArch:
-    name: str                          # "llama" | "mistral" | "qwen2"
+    name: str                          # "llama" | "mistral" | "qwen2" | "gemma3" (kvserve.model.registry)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -22,6 +19,11 @@ class ModelArch:
     max_position_embeddings: int
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None   # HF style: {"rope_type": "llama3", "factor": ...}
+    # RoPE base of the sliding-window layers when it differs from rope_theta (Gemma 3: 10k local,
+    # 1M global); rope_scaling applies to the global (full-attention) layers only.
+    rope_local_theta: float | None = None
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False       # q/k/v projections carry a bias (Qwen2)

@@ -5,7 +5,8 @@ ops here (bit-identical to gguf.quants, ~4x faster), everything else with gguf.q
 
 llama.cpp's converter permutes the rows of Q and K for the "llama" architecture (its rope pairs
 adjacent dimensions; HF's pairs i with i + head_dim/2). We undo that permutation on the raw
-rows, so every loader hands the model the same HF layout.
+rows, so every loader hands the model the same HF layout. (Its "qwen2" and "gemma3" files keep
+HF's row order.) For "gemma3" it stores every norm weight as 1 + w; we hand over HF's w.
 
 With `keep_blocks`, Q4_0/Q4_1 tensors are handed over still packed (kvserve.model.quant.BlockTensor)
 so the int4 method takes the file's nibbles and scales as they are.
@@ -17,6 +18,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
+from kvserve.model import gemma3, registry
 from kvserve.model.arch import ModelArch
 from kvserve.model.gguf_file import GGUFFile, GGUFTensor
 from kvserve.model.quant import BlockTensor
@@ -59,14 +61,10 @@ def load_tensor(g: GGUFFile, t: GGUFTensor, row_order: np.ndarray | None = None)
 
 # ---------------------------------------------------------------- hyper-parameters and names
 
-_ARCHS = {"llama", "qwen2"}   # llama.cpp arch names we build (Mistral and SmolLM convert to "llama")
-
-
 def gguf_arch(g: GGUFFile) -> ModelArch:
     md = g.metadata
     a = md.get("general.architecture")
-    if a not in _ARCHS:
-        raise ValueError(f"{g.path}: GGUF architecture {a!r} is not supported (supported: {sorted(_ARCHS)})")
+    name = registry.gguf_arch_name(a, g.path)
     hidden, heads = md[f"{a}.embedding_length"], md[f"{a}.attention.head_count"]
     head_dim = md.get(f"{a}.attention.key_length", hidden // heads)
     rope_dims = md.get(f"{a}.rope.dimension_count", head_dim)
@@ -80,11 +78,14 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
     elif md.get(f"{a}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": md[f"{a}.rope.scaling.factor"]}
     elif md.get(f"{a}.rope.scaling.type") not in (None, "none"):
-        raise NotImplementedError(f"rope scaling {md[f'{a}.rope.scaling.type']!r} is not supported")
+        raise ValueError(f"{g.path}: rope scaling {md[f'{a}.rope.scaling.type']!r} is not supported "
+                         "(supported: linear, llama3 rope_freqs)")
     eos = md.get("tokenizer.ggml.eos_token_id")
-    return ModelArch(
-        name=a,
-        num_layers=md[f"{a}.block_count"],
+    layers = md[f"{a}.block_count"]
+    window = md.get(f"{a}.attention.sliding_window")
+    arch = ModelArch(
+        name=name,
+        num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=md.get(f"{a}.attention.head_count_kv", heads),
@@ -99,28 +100,45 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
         attention_bias="blk.0.attn_q.bias" in g.tensors,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids={eos} if eos is not None else set(),
-        sliding_window=md.get(f"{a}.attention.sliding_window"),
+        sliding_window=window,
     )
+    if name == "gemma3":
+        arch.sliding_window = None
+        # Not in the file: every sixth layer global (rope.freq_base), the others local (base 10k).
+        arch.layer_windows = gemma3.layer_windows(layers, window)
+        arch.rope_local_theta = gemma3.LOCAL_ROPE_BASE
+        # llama.cpp's rule: Gemma 3 27B (62 layers) scales by hidden/heads, the others by head_dim.
+        arch.query_pre_attn_scalar = hidden // heads if layers == 62 else head_dim
+    return arch
 
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
+_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+# Per architecture, GGUF block tensor -> HF module. The norms differ: in "llama" ffn_norm is the
+# norm before the MLP, HF's post_attention_layernorm; Gemma 3 has four norms per layer and q/k norms.
+_BLOCK = {
+    "llama": {**_LINEARS, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {**_LINEARS, "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+}
+_BLOCK["qwen2"] = _BLOCK["mistral"] = _BLOCK["llama"]
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch_name: str = "llama") -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight (None: not a model weight)."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
+    block = _BLOCK[arch_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{parts[3]}"
     if gguf_name == "rope_freqs.weight":
         return None
-    raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
+    raise KeyError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch_name!r}")
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
@@ -134,8 +152,11 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
     """Yield (hf_name, float32 tensor) for every model weight in the file; tensors whose qtype is
     in `keep_blocks` come as quant.BlockTensor (the raw blocks, rows already in HF order)."""
     for name, t in g.tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, arch.name)
         if target is None:
+            continue
+        if arch.name == "gemma3" and "norm" in target:
+            yield target, load_tensor(g, t) - 1.0    # the file's 1 + w -> HF's w
             continue
         order = None
         if arch.name == "llama" and (".attn_q." in name or ".attn_k." in name):

@@ -5,9 +5,8 @@ import glob
 import json
 import os
 
+from kvserve.model import gemma3, registry
 from kvserve.model.arch import ModelArch
-
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
 def read_config(path: str) -> dict:
@@ -15,24 +14,22 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
+def _rope(cfg: dict, layer_type: str | None = None) -> tuple[float | None, dict | None]:
+    """(rope theta, scaling dict or None) from config.json: transformers >= 5 keeps both in
+    rope_parameters (per layer type for Gemma 3), older files in rope_theta / rope_scaling."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        rope = dict(rope[layer_type])
+    theta = rope.pop("rope_theta", None)
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    return theta, cfg.get("rope_scaling") or scaling
+
+
 def hf_arch(cfg: dict, path: str = "") -> ModelArch:
-    archs = cfg.get("architectures") or []
-    name = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
-    if name is None:
-        raise ValueError(f"{path}: architecture {archs} is not supported (supported: {sorted(_ARCHITECTURES)})")
-    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
-        raise NotImplementedError(f"{path}: only SwiGLU MLPs without bias are supported")
+    name = registry.hf_arch_name(cfg.get("architectures"), path)
     heads = cfg["num_attention_heads"]
-    rope = dict(cfg.get("rope_parameters") or {})     # transformers >= 5 keeps theta and scaling here
-    theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    sliding = None
-    if name == "mistral":
-        sliding = cfg.get("sliding_window")
-    elif name == "qwen2" and cfg.get("use_sliding_window"):
-        raise NotImplementedError(f"{path}: Qwen2 per-layer sliding window is not supported")
     eos = cfg.get("eos_token_id")
-    return ModelArch(
+    arch = ModelArch(
         name=name,
         num_layers=cfg["num_hidden_layers"],
         hidden_size=cfg["hidden_size"],
@@ -42,16 +39,56 @@ def hf_arch(cfg: dict, path: str = "") -> ModelArch:
         intermediate_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=name == "qwen2" or bool(cfg.get("attention_bias", False)),
-        o_proj_bias=name != "qwen2" and bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", name == "gemma3")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=set(eos) if isinstance(eos, list) else {eos} if eos is not None else set(),
-        sliding_window=sliding,
     )
+    (_gemma3_fields if name == "gemma3" else _llama_fields)(arch, cfg, path)
+    return arch
+
+
+def _llama_fields(arch: ModelArch, cfg: dict, path: str) -> None:
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+        raise ValueError(f"{path}: only SwiGLU MLPs without bias are supported "
+                         f"(hidden_act {cfg.get('hidden_act')!r}, mlp_bias {cfg.get('mlp_bias')!r})")
+    theta, arch.rope_scaling = _rope(cfg)
+    arch.rope_theta = float(cfg.get("rope_theta") or theta or 10000.0)
+    if arch.name == "mistral":
+        arch.sliding_window = cfg.get("sliding_window")
+    elif arch.name == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError(f"{path}: Qwen2 per-layer sliding window (use_sliding_window) is not supported")
+    arch.attention_bias = arch.name == "qwen2" or bool(cfg.get("attention_bias", False))
+    arch.o_proj_bias = arch.name != "qwen2" and bool(cfg.get("attention_bias", False))
+
+
+def _gemma3_fields(arch: ModelArch, cfg: dict, path: str) -> None:
+    """Gemma3ForCausalLM's config.json (model_type gemma3_text)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{path}: Gemma 3 with hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"{path}: {key}={cfg[key]} is not supported (Gemma 3 checkpoints set it to null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{path}: use_bidirectional_attention (EmbeddingGemma) is not supported")
+    theta, arch.rope_scaling = _rope(cfg, "full_attention")
+    local_theta, local_scaling = _rope(cfg, "sliding_attention")
+    if local_scaling is not None and cfg.get("rope_scaling") is None:
+        raise ValueError(f"{path}: rope scaling on the sliding-window layers is not supported")
+    arch.rope_theta = float(cfg.get("rope_theta") or theta or 1_000_000.0)
+    arch.rope_local_theta = float(cfg.get("rope_local_base_freq") or local_theta or gemma3.LOCAL_ROPE_BASE)
+    arch.query_pre_attn_scalar = cfg.get("query_pre_attn_scalar", arch.head_dim)
+    arch.attention_bias = bool(cfg.get("attention_bias", False))
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or gemma3.GLOBAL_EVERY
+        types = ["sliding_attention" if w else "full_attention" for w in gemma3.layer_windows(arch.num_layers, 1, every)]
+    if len(types) != arch.num_layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{path}: layer_types must name full_attention or sliding_attention for each of "
+                         f"the {arch.num_layers} layers, got {types}")
+    arch.layer_windows = [window if t == "sliding_attention" else None for t in types]
 
 
 def safetensors_files(path: str) -> list[str]:

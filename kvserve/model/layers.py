@@ -1,4 +1,5 @@
-"""Building blocks: Linear (owns its weight through a quant method), RMSNorm, rotary embedding.
+"""Building blocks: Linear (owns its weight through a quant method), RMSNorm (and Gemma's (1 + w)
+variant), rotary embedding.
 
 Loaders hand plain tensors (HF layout, [out, in]) to `Linear.load_weight`; a layer never parses a
 file format. How a weight is stored and multiplied lives in the layer's `quant_method`:
@@ -118,6 +119,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w), computed in float32 and cast back (Gemma): checkpoints store w, the
+    offset from 1. The layer keeps the float32 scale 1 + w, whatever the model dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__(dim, eps, torch.float32)
+
+    def load_weight(self, w: torch.Tensor) -> None:
+        if w.shape != self.weight.shape:
+            raise ValueError(f"norm weight is {tuple(self.weight.shape)}, got {tuple(w.shape)}")
+        self.weight.data.copy_(1.0 + w.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding (float32), with optional scaling:
     - {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
@@ -150,19 +167,29 @@ class RotaryEmbedding(nn.Module):
     i + head_dim/2. cos/sin are precomputed for every position up to max_positions.
 
     `tables(positions)` gathers a step's cos/sin once (every layer shares them); `apply` rotates
-    queries and keys of all heads in one pass: x * cos + cat(x2, x1) * (-sin, sin)."""
+    queries and keys of all heads in one pass: x * cos + cat(x2, x1) * (-sin, sin).
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+    `cached=False` keeps no [max_positions, head_dim] tables (for long contexts and wide heads,
+    where they would be hundreds of MB): each step computes its positions' rows, the same values
+    (float32 position x inv_freq, as the tables hold)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                 cached: bool = True):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        cos, sin = self._rows(torch.arange(max_positions)) if cached else (None, None)
+        self.register_buffer("cos", cos, persistent=False)     # [max_positions, head_dim]
+        self.register_buffer("sin", sin, persistent=False)     # sign of rotate_half folded in
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.to(torch.float32), self.inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)     # [max_positions, head_dim]
-        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)    # sign of rotate_half folded in
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin of a step's positions: [T, 1, head_dim] each, in `dtype`."""
-        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+        cos, sin = (self.cos[positions], self.sin[positions]) if self.cos is not None else self._rows(positions)
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from kvserve.config import DTYPES, MODEL_DTYPES, ModelConfig, canonical_dtype
 from kvserve.model import quant
 from kvserve.model.arch import ModelArch
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.registry import CausalLM, build_model
 from kvserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.model")
@@ -25,7 +25,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM        # the architecture's class from kvserve.model.registry
     arch: ModelArch
     tokenizer: Tokenizer
     path: str
@@ -74,7 +74,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     arch.eos_token_ids = set(tokenizer.eos_token_ids)
 
     max_positions = max(arch.max_position_embeddings, cfg.max_model_len or 0)
-    model = LlamaForCausalLM(arch, dtype, max_positions)
+    model = build_model(arch, dtype, max_positions)
     quant.apply_quantization(model, fmt)
     loaded = set()
     # Dequantizing is many small memory-bound ops: one thread is as fast, and it does not stall

@@ -1,7 +1,9 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus the model's special ids and chat template.
 
-Built from a HF `tokenizer.json`, or directly from a GGUF file's metadata (byte-level BPE:
-tokens, merges, token types, pre-tokenizer name). No transformers, no torch.
+Built from a HF `tokenizer.json`, or directly from a GGUF file's metadata: byte-level BPE
+(`tokenizer.ggml.model` "gpt2": tokens, merges, token types, pre-tokenizer name) or SentencePiece
+BPE ("llama", as Gemma's files are: tokens, scores, token types, byte fallback; the merges are
+implied by the vocabulary). No transformers, no torch.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import warnings
 from datetime import datetime
 from functools import cached_property
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 # Special tokens that end a generation wherever a model marks them special (llama.cpp's EOG list).
@@ -48,24 +50,24 @@ def _byte_level_pre_tokenizer(pre: str | None):
 
 
 def backend_from_gguf(md: dict) -> Backend:
-    """A tokenizers.Tokenizer equivalent to the GGUF's vocabulary (model 'gpt2': byte-level BPE)."""
+    """A tokenizers.Tokenizer equivalent to the GGUF's vocabulary: model 'gpt2' (byte-level BPE)
+    or 'llama' (SentencePiece BPE without a prefix space: Gemma)."""
     kind = md.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise NotImplementedError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-            "pass a tokenizer.json with --tokenizer")
     tokens = md["tokenizer.ggml.tokens"]
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    pre = md.get("tokenizer.ggml.pre")
-    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tk = Backend(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_PRE))
-    tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    tk.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        tk, pieces = _byte_level_backend(md, tokens), tokens
+    elif kind == "llama":
+        tk, pieces = _sentencepiece_backend(md, tokens)
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
+                         "'llama' SentencePiece); pass a tokenizer.json with --tokenizer")
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    # User-defined pieces (Gemma's "\n\n", "<table>", tabs) match whole in the raw text; the
+    # space runs, respelled as the vocabulary's "▁" pieces, are reached by merges instead.
     tk.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+                   for t, p, ty in zip(tokens, pieces, types) if ty == USER_DEFINED and p == t])
     bos, eos = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
     pieces, special = ["$A:0"], []
     if md.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
@@ -77,6 +79,58 @@ def backend_from_gguf(md: dict) -> Backend:
     if special:
         tk.post_processor = processors.TemplateProcessing(single=" ".join(pieces), special_tokens=special)
     return tk
+
+
+def _byte_level_backend(md: dict, tokens: list[str]) -> Backend:
+    pre = md.get("tokenizer.ggml.pre")
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tk = Backend(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_PRE))
+    tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+SPACE = "\u2581"    # SentencePiece's visible space
+
+
+def _sentencepiece_backend(md: dict, tokens: list[str]) -> tuple[Backend, list[str]]:
+    """SentencePiece BPE as a tokenizers BPE: spaces become "▁", pieces merge pairwise best-first,
+    bytes missing from the vocabulary fall back to the <0xNN> pieces. Returns the backend and the
+    pieces as its vocabulary spells them.
+
+    A GGUF lists no merges: each piece that splits into two pieces of the vocabulary gives a merge
+    (left, right), ranked by the piece's place in the file for Gemma (its scores are not the merge
+    order; the order of the file is), else by its score (higher first); among one piece's splits,
+    the longer left part first (as transformers ranks them). Runs of spaces are stored as spaces;
+    they are spelled with "▁" like every other piece here."""
+    arch = md.get("general.architecture", "")
+    if md.get("tokenizer.ggml.add_space_prefix", not arch.startswith("gemma")):
+        raise ValueError("GGUF SentencePiece tokenizers with a prefix space (Llama 2, Mistral GGUFs) are not "
+                         "supported yet; pass the model's tokenizer.json with --tokenizer")
+    pieces = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    if arch.startswith("gemma"):
+        rank = list(range(len(pieces)))
+    else:
+        scores = md.get("tokenizer.ggml.scores") or [0.0] * len(pieces)
+        order = sorted(range(len(pieces)), key=lambda i: (-scores[i], i))
+        rank = [0] * len(pieces)
+        for r, i in enumerate(order):
+            rank[i] = r
+    splits = []
+    for piece, i in vocab.items():
+        for k in range(len(piece) - 1, 0, -1):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                splits.append((rank[i], -k, left, right))
+    splits.sort(key=lambda m: (m[0], m[1]))
+    unk = md.get("tokenizer.ggml.unknown_token_id")
+    tk = Backend(models.BPE(vocab, [(left, right) for _, _, left, right in splits],
+                            unk_token=pieces[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Replace(" ", SPACE)
+    tk.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tk, pieces
 
 
 def _raise_exception(message):
