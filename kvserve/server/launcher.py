@@ -36,7 +36,7 @@ SWITCH_INTERVAL_S = 0.0005
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve serve",
                                 description="Serve a model over an OpenAI-compatible HTTP API "
-                                            "(/v1/completions, /v1/chat/completions, /metrics, ...).")
+                                            "(/v1/completions, /v1/chat/completions, /metrics, /dashboard, ...).")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind; 0.0.0.0 exposes the server to the network (default: %(default)s)")
@@ -45,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients send and see (default: the model file's name)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(and /metrics with --metrics-public) (default: $KVSERVE_API_KEY when set, else no key)")
+                        "(and /metrics, /dashboard/data with --metrics-public) (default: $KVSERVE_API_KEY when set, else no key)")
     g.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without the API key (default: /metrics needs the key when one is set)")
+                   help="serve /metrics and /dashboard/data without the API key (default: they need the key when one is set)")
     g.add_argument("--max-body-bytes", default="2MiB",
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
