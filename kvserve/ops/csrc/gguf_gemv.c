@@ -20,10 +20,11 @@
 
 #define GGUF_CHUNK_M 64     /* activation rows whose quantized values stay in L2 */
 
-/* One row of x -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq, sq0
- * (gguf_acts_t). The sum sx runs j = 0..31 in order (no reassociation: -ffp-contract=off, no
- * -ffast-math). */
-static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float *sx, int32_t *sq, int32_t *sq0) {
+/* One row of x -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq, and sq0
+ * when `halves` (kind 18 reads it; gguf_acts_t). The sum sx runs j = 0..31 in order (no
+ * reassociation: -ffp-contract=off, no -ffast-math). */
+static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float *sx, int32_t *sq, int32_t *sq0,
+                         const int halves) {
     for (int64_t b = 0; b < nb; b++) {
         const float *p = x + b * 32;
         float amax = 0.f, sum = 0.f;
@@ -35,19 +36,23 @@ static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, floa
         if (!(amax >= 1e-30f)) amax = 0.f;   /* tiny blocks count as zero: 127 / amax stays finite */
         const float inv = amax > 0 ? 127.f / amax : 0.f;
         int8_t *qa = xq + b * 64, *qb = qa + 32;
-        int32_t sa = 0, sb = 0;
-        for (int h = 0; h < 2; h++) {                         /* halves: sq0 after the first */
-            for (int j = 16 * h; j < 16 * h + 16; j++) {
-                const float v = p[j] * inv;                   /* in [-127, 127] */
-                const float a = __builtin_rintf(v);
-                float rb = __builtin_rintf((v - a) * 256.f);  /* in [-128, 128] */
-                rb = rb > 127.f ? 127.f : rb < -127.f ? -127.f : rb;
-                qa[j] = (int8_t)a;
-                qb[j] = (int8_t)rb;
-                sa += qa[j];
-                sb += qb[j];
+        int32_t sa = 0, sb = 0, sa0 = 0, sb0 = 0;
+        for (int j = 0; j < 32; j++) {
+            const float v = p[j] * inv;                       /* in [-127, 127] */
+            const float a = __builtin_rintf(v);
+            float rb = __builtin_rintf((v - a) * 256.f);      /* in [-128, 128] */
+            rb = rb > 127.f ? 127.f : rb < -127.f ? -127.f : rb;
+            qa[j] = (int8_t)a;
+            qb[j] = (int8_t)rb;
+            sa += qa[j];
+            sb += qb[j];
+        }
+        if (halves) {
+            for (int j = 0; j < 16; j++) {
+                sa0 += qa[j];
+                sb0 += qb[j];
             }
-            if (h == 0) sq0[b] = 256 * sa + sb;
+            sq0[b] = 256 * sa0 + sb0;
         }
         dx[b] = amax / (127.f * 256.f);
         sx[b] = sum;
@@ -85,7 +90,7 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++)
         quantize_row(x + (rows ? rows[r] : r) * ldx, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb,
-                     sq0 + r * nb);
+                     sq0 + r * nb, kind == GGUF_K8);
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
      * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to

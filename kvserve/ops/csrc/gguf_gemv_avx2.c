@@ -51,7 +51,7 @@ static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256
  * over the group's blocks (the second re-reads them from L1): with both at once the 2 R
  * accumulators, 8 weight registers and temporaries exceed the 16 registers and spill. */
 static inline __attribute__((always_inline)) void
-half_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
+half_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
     __m256 acc[R_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
@@ -111,17 +111,24 @@ half_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, cons
 }
 
 static inline __attribute__((always_inline)) void
-group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
     half_dot(wg, kind, nb, a, R, 0, out);
     half_dot(wg, kind, nb, a, R, 1, out);
 }
 
+#define ROWS(K) switch (R) {   /* R as a constant: the accumulators stay in registers */ \
+        case 1: group_dot(wg, K, nb, a, 1, out); break;                                \
+        case 2: group_dot(wg, K, nb, a, 2, out); break;                                \
+        case 3: group_dot(wg, K, nb, a, 3, out); break;                                \
+        default: group_dot(wg, K, nb, a, R_MAX, out); break;                           \
+    }
+
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    switch (R) {   /* R as a constant: the accumulators stay in registers */
-        case 1: group_dot(wg, kind, nb, a, 1, out); break;
-        case 2: group_dot(wg, kind, nb, a, 2, out); break;
-        case 3: group_dot(wg, kind, nb, a, 3, out); break;
-        default: group_dot(wg, kind, nb, a, R_MAX, out); break;
+    switch (kind) {   /* and the kind: one specialized loop each */
+        case GGUF_Q4: ROWS(GGUF_Q4); break;
+        case GGUF_Q8: ROWS(GGUF_Q8); break;
+        case GGUF_K4: ROWS(GGUF_K4); break;
+        default: ROWS(GGUF_K8); break;
     }
 }
 

@@ -43,7 +43,7 @@ dot_two_parts(const __m256i u[8], const int8_t *x, const int c0, const int c1) {
 }
 
 static inline __attribute__((always_inline)) void
-half_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
+half_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
     __m256 acc[R_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
@@ -99,12 +99,19 @@ half_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, cons
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r]);
 }
 
+#define ROWS(K) switch (R) {   /* R as a constant: the accumulators stay in registers */               \
+        case 1: half_dot(wg, K, nb, a, 1, 0, out); half_dot(wg, K, nb, a, 1, 1, out); break;          \
+        case 2: half_dot(wg, K, nb, a, 2, 0, out); half_dot(wg, K, nb, a, 2, 1, out); break;          \
+        case 3: half_dot(wg, K, nb, a, 3, 0, out); half_dot(wg, K, nb, a, 3, 1, out); break;          \
+        default: half_dot(wg, K, nb, a, R_MAX, 0, out); half_dot(wg, K, nb, a, R_MAX, 1, out); break; \
+    }
+
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    switch (R) {   /* R as a constant: the accumulators stay in registers */
-        case 1: half_dot(wg, kind, nb, a, 1, 0, out); half_dot(wg, kind, nb, a, 1, 1, out); break;
-        case 2: half_dot(wg, kind, nb, a, 2, 0, out); half_dot(wg, kind, nb, a, 2, 1, out); break;
-        case 3: half_dot(wg, kind, nb, a, 3, 0, out); half_dot(wg, kind, nb, a, 3, 1, out); break;
-        default: half_dot(wg, kind, nb, a, R_MAX, 0, out); half_dot(wg, kind, nb, a, R_MAX, 1, out); break;
+    switch (kind) {   /* and the kind: one specialized loop each */
+        case GGUF_Q4: ROWS(GGUF_Q4); break;
+        case GGUF_Q8: ROWS(GGUF_Q8); break;
+        case GGUF_K4: ROWS(GGUF_K4); break;
+        default: ROWS(GGUF_K8); break;
     }
 }
 
