@@ -142,6 +142,32 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# Built-in chat templates, for models that ship none (a base model's GGUF), by GGUF
+# general.architecture or HF config.json model_type. A model's own template always wins; a family
+# without an entry gets a clear error for chat requests, never some other family's format.
+#
+# Gemma (1, 2, 3): turns "<start_of_turn>{user|model}\n{text}<end_of_turn>\n" after <bos>, roles
+# alternating from the user; a system message is folded into the first user turn, followed by a
+# blank line, as Google's own Gemma template does; the generation prompt opens a model turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    "{% for m in (messages[1:] if system is not none else messages) %}"
+    "{% if (m['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Gemma conversations alternate user and assistant turns, starting with the user') }}"
+    "{% endif %}"
+    "{% set text = m['content'] if m['content'] is string else "
+    "m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else 'user') ~ '\n' }}"
+    "{% if loop.first and system is not none %}{{ system ~ '\n\n' }}{% endif %}"
+    "{{ text | trim ~ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+BUILTIN_CHAT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE, "gemma2": GEMMA_CHAT_TEMPLATE,
+                          "gemma3": GEMMA_CHAT_TEMPLATE, "gemma3_text": GEMMA_CHAT_TEMPLATE}
+
+
 GIL_FREE_CHARS = 4096     # texts at least this long are encoded with the GIL released
 GIL_FREE_TOKENS = 4096    # and token lists this long decoded so
 
@@ -150,11 +176,17 @@ class Tokenizer:
 
     def __init__(self, backend: Backend, *, bos_token_id: int | None, eos_token_id: int | None,
                  pad_token_id: int | None = None, chat_template: str | None = None,
-                 extra_eos_ids: tuple[int, ...] = ()):
+                 extra_eos_ids: tuple[int, ...] = (), family: str | None = None):
+        """`family`: the model's architecture (GGUF general.architecture or HF model_type); with
+        no `chat_template`, its built-in template (BUILTIN_CHAT_TEMPLATES) is used, if it has one."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        self.family = family
+        self.chat_template_source = "model" if chat_template else None
+        if not chat_template and family in BUILTIN_CHAT_TEMPLATES:
+            chat_template, self.chat_template_source = BUILTIN_CHAT_TEMPLATES[family], f"built-in {family}"
         self.chat_template = chat_template
         added = backend.get_added_tokens_decoder()
         self.all_special_ids = sorted(i for i, t in added.items() if t.special)
@@ -171,7 +203,8 @@ class Tokenizer:
         return cls(backend_from_gguf(md), bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
                    eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
                    pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
-                   chat_template=md.get("tokenizer.chat_template"), extra_eos_ids=extra)
+                   chat_template=md.get("tokenizer.chat_template"), extra_eos_ids=extra,
+                   family=md.get("general.architecture"))
 
     @classmethod
     def from_gguf(cls, path: str) -> "Tokenizer":
@@ -209,7 +242,7 @@ class Tokenizer:
         if eos is None and gen_eos:
             eos = gen_eos[0]
         return cls(tk, bos_token_id=token_id("bos_token"), eos_token_id=eos, pad_token_id=token_id("pad_token"),
-                   chat_template=template, extra_eos_ids=gen_eos)
+                   chat_template=template, extra_eos_ids=gen_eos, family=model_cfg.get("model_type"))
 
     # ---- the tokenizer interface ----
     # The `tokenizers` library holds the GIL in encode() and decode() but releases it in their
@@ -253,7 +286,10 @@ class Tokenizer:
     @cached_property
     def _template(self):
         if not self.chat_template:
-            raise ValueError("this model has no chat template")
+            raise ValueError(f"this model ships no chat template and kvserve has no built-in one for its family "
+                             f"({self.family or 'unknown'}; built-in: {', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}): "
+                             "send plain text to the completions API, or load a tokenizer whose "
+                             "tokenizer_config.json has a chat_template (--tokenizer)")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])

@@ -131,61 +131,6 @@ def test_mixed_batch_of_all_prompts_matches_hf(kv_model, references):
         assert tokens[i] == want[:len(tokens[i])], n
 
 
-# ---- HF directories (config.json + safetensors): tiny random Llama / Qwen2 / Mistral ----
-
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256, initializer_range=0.2)
-TINY_CONFIGS = {
-    # llama3 rope scaling, untied LM head
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    # q/k/v biases, tied embeddings
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    # sliding window shorter than the prompt
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, tie_word_embeddings=False)),
-}
-
-
-@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
-def tiny_hf_dir(request, tmp_path_factory, kv_model):
-    transformers = pytest.importorskip("transformers")
-    config_cls, model_cls, extra = TINY_CONFIGS[request.param]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**TINY, **extra)
-    model = getattr(transformers, model_cls)._from_config(config, attn_implementation="eager").eval()
-    if request.param == "qwen2":   # make the biases matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    kv_model.tokenizer.backend.save(str(path / "tokenizer.json"))
-    return request.param, str(path), model
-
-
-def test_hf_directory_model_matches_hf(tiny_hf_dir):
-    from kvserve.config import ModelConfig
-    from kvserve.model.loader import load_model
-    name, path, hf = tiny_hf_dir
-    lm = load_model(ModelConfig(model=path))
-    assert lm.arch.name == name
-    assert lm.arch.tie_word_embeddings == (name == "qwen2")
-    assert lm.arch.sliding_window == (8 if name == "mistral" else None)
-    ids = list(range(1000, 1030))
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    # chunked prefill (17 + 13) through the pool: every position's logits
-    pool = PagedPool(lm.arch, num_blocks=8, seed=3)
-    outs = []
-    for start, end in ((0, 17), (17, 30)):
-        ids_t, pos = torch.tensor(ids[start:end]), torch.arange(start, end)
-        slots = torch.tensor(pool.slots(0, start, end - start))
-        meta = AttentionMetadata(slots, [0, end - start], [end], torch.tensor([pool.tables[0]]), BLOCK)
-        outs.append(lm.model.compute_logits(lm.model(ids_t, pos, meta, pool.kv)))
-    torch.testing.assert_close(torch.cat(outs), ref, atol=1e-4, rtol=1e-4)
-
-
 def test_bfloat16_weights_and_cache(references):
     """dtype=bfloat16 loads and runs (RMSNorm in fp32, bf16 pool); greedy top-1 mostly agrees."""
     from kvserve.config import ModelConfig
