@@ -251,7 +251,8 @@ def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Te
               bias: torch.Tensor | None = None, accumulate: bool = False, isa: str | None = None,
               f32: bool = False) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
-    kvserve.ops.gguf_blocks.pack_gguf_rows (`kind` 4: Q4_0/Q4_1, 8: Q8_0): [M, n] float32, written
+    kvserve.ops.gguf_blocks.pack_gguf_parts (`kind` 4: Q4_0/Q4_1, 8: Q8_0/Q5_0, 14: Q4_K, 18:
+    Q5_K/Q6_K/Q3_K): [M, n] float32, written
     into `out` when given (added to it with accumulate=True). `isa`: a build other than the
     selected one (tests). f32: through the float32 tiles (what prompt tokens take in the layer
     stack) instead of the integer dot products. See csrc/gguf_gemv.c."""
@@ -264,7 +265,8 @@ def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Te
             out.stride(0), bias.data_ptr() if bias is not None else None, int(accumulate),
             torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"gguf_gemv failed ({rc}): kind {kind}, K={K} (K must be a multiple of 32)")
+        raise ValueError(f"gguf_gemv failed ({rc}): kind {kind}, K={K} (the kind must be one of "
+                         f"4, 8, 14, 18 from pack_gguf_parts, and K a multiple of 32)")
     return out
 
 

@@ -146,8 +146,7 @@ def _decode(w) -> _Decoded:
         m = np.full(d.shape[:-1] + (1,), -0.0, np.float32)
         scales = np.concatenate([d, m], axis=-1)
         return _Decoded(18, _per_32(scales, N), _per_32(q + 128, N).astype(np.uint8))
-    raise ValueError(f"GGUF type {getattr(qt, 'name', qt)} has no packed kind: the C kernels run "
-                     f"{[t.name for t in packable_types()]}; load it dense (dequantized) instead")
+    raise AssertionError(f"packed_kind and _decode disagree on {qt}")
 
 
 def _check(w):
@@ -165,8 +164,11 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
     in the interleaved layout of kvserve/ops/csrc/gguf_gemv.h: per group of 16 rows and block of
     32 weights, the 16 rows' scales (each scale array in turn), then the integers, 4 weights of
     each row side by side in 64-byte chunks."""
-    kinds = {packed_kind(p.qtype) for p in parts}
-    if None in kinds or len(kinds) != 1:
+    for p in parts:
+        if packed_kind(p.qtype) is None:
+            raise ValueError(f"GGUF type {getattr(p.qtype, 'name', p.qtype)} has no packed kind: the C "
+                             f"kernels run {[t.name for t in packable_types()]}; load it dense (dequantized)")
+    if len({packed_kind(p.qtype) for p in parts}) != 1:
         raise ValueError(f"GGUF types {sorted({p.qtype.name for p in parts})} do not pack into one "
                          "kind: keep such a weight dense")
     for p in parts:

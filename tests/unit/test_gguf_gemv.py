@@ -228,8 +228,9 @@ def test_gguf_method_rows_are_the_same_in_any_batch(qtype):
 
 
 def test_gguf_method_keeps_dense_weights_float32():
-    """A weight that is not Q4_0/Q4_1/Q8_0 blocks (already dequantized, another GGUF type, or
-    shards of different types) stays a dense float32 weight: no packed copy, y = x W^T."""
+    """A weight that is not blocks of a packed kind (already dequantized, a GGUF type without a
+    kind such as Q5_1, or shards whose kinds differ) stays a dense float32 weight: no packed copy,
+    y = x W^T."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(5, 64, generator=g)
     for w in (torch.randn(32, 64, generator=g) * 0.1, (torch.randn(32, 64, generator=g) * 0.1).bfloat16()):
@@ -238,16 +239,16 @@ def test_gguf_method_keeps_dense_weights_float32():
         assert lin.gguf_packed is None
         assert lin.dense_weight.dtype == torch.float32 and torch.equal(lin.dense_weight, w.float())
         assert torch.allclose(lin(x), x @ w.float().t(), atol=1e-5, rtol=1e-5)
-    # Q5_0 blocks: dequantized by the loader into the dense weight
+    # Q5_1 blocks (no packed kind): dequantized into the dense weight
     w5 = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32) * 0.1
-    raw = quantize(w5, Q.Q5_0)
+    raw = quantize(w5, Q.Q5_1)
     lin = Linear(64, 32, quant_method=GgufMethod())
-    lin.load_weight(BlockTensor(raw, Q.Q5_0, (32, 64)))
-    W5 = torch.from_numpy(dequantize(raw, Q.Q5_0)).reshape(32, 64)
+    lin.load_weight(BlockTensor(raw, Q.Q5_1, (32, 64)))
+    W5 = torch.from_numpy(dequantize(raw, Q.Q5_1)).reshape(32, 64)
     assert lin.gguf_packed is None and lin.dense_weight.dtype == torch.float32
     assert torch.equal(lin.dense_weight, W5)
     assert torch.allclose(lin(x), x @ W5.t(), atol=1e-5, rtol=1e-5)
-    # fused shards of two block types cannot share one packed layout
+    # fused shards of two kinds (4 and 8) cannot share one packed layout
     a = blocks(Q.Q4_0, 16, 64, seed=2)
     b = blocks(Q.Q8_0, 16, 64, seed=3)
     lin = Linear(64, [16, 16], quant_method=GgufMethod())

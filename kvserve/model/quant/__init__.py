@@ -12,10 +12,11 @@ per format:
            as they are (same group of 32, same 16 levels): no dequantize/requantize round trip.
            The LM head is int8.
     gguf   (gguf.py) the file's own blocks: Q4_0/Q4_1/Q8_0 (the default model's layers and its tied
-           Q8_0 LM head) interleaved 16 rows at a time (kvserve.ops.gguf_blocks) and run by our C
-           kernels (ops/csrc/gguf_gemv*.c: AVX-512 VNNI, AVX2, Arm NEON or portable C, the same
-           bits on each; activations as two 8-bit parts per block of 32) at every batch size
-           (GgufMethod). Without a C compiler: Q4 blocks in int4pack for 1-2 rows, fbgemm fp16
+           Q8_0 LM head), Q5_0 and the K-quants Q3_K/Q4_K/Q5_K/Q6_K, decoded without changing a
+           value and interleaved 16 rows at a time (kvserve.ops.gguf_blocks) and run by our C
+           kernels (ops/csrc/gguf_gemv*.c: AVX-512 VNNI, AVX2, AVX-VNNI, Arm NEON or portable C,
+           the same bits on each; activations as two 8-bit parts per block of 32) at every batch
+           size (GgufMethod). Other GGUF types (Q2_K, Q5_1, IQ*) are dequantized to float32. Without a C compiler: Q4 blocks in int4pack for 1-2 rows, fbgemm fp16
            above, and a fp16 LM head (Int4Method(batch_fp16=True), Fp16Method (fp16.py)) where
            torch has fbgemm (x86); dense float32 weights where it has not (Arm).
 
@@ -37,11 +38,11 @@ from kvserve.model.quant.int4 import Int4Method, quantize_int4_rows
 from kvserve.model.quant.int8 import Int8Method, _has_vnni, quantize_int8_rows
 from kvserve.ops import cpu_kernels
 # The block packing lives next to its kernel; re-exported for callers of the old kvserve.model.quant.
-from kvserve.ops.gguf_blocks import pack_gguf_rows, unpack_gguf_rows
+from kvserve.ops.gguf_blocks import pack_gguf_parts, pack_gguf_rows, unpack_gguf_rows
 
 __all__ = ["FORMATS", "GROUP", "KEEP_BLOCKS", "DEFAULT_GGUF", "DESCRIPTION", "BlockTensor", "is_q4",
            "Int8Method", "quantize_int8_rows", "Int4Method", "quantize_int4_rows", "Fp16Method",
-           "fp16_prepack", "GgufMethod", "pack_gguf_rows", "unpack_gguf_rows",
+           "fp16_prepack", "GgufMethod", "pack_gguf_parts", "pack_gguf_rows", "unpack_gguf_rows",
            "method_for", "head_method_for", "apply_quantization"]
 
 FORMATS = ("none", "int8", "int4", "gguf")
@@ -118,5 +119,5 @@ DESCRIPTION = {
     "none": "dense weights in the model dtype, GGUF blocks dequantized",
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, LM head included",
-    "gguf": "GGUF Q4_0/Q4_1/Q8_0 blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size",
+    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q8_0 and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size",
 }

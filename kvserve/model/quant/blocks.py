@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.ops.gguf_blocks import GROUP  # noqa: F401  (weights per GGUF block = the int4 group)
+from kvserve.ops.gguf_blocks import GROUP, packable_types  # GROUP: weights per GGUF block = the int4 group
 
 
 class BlockTensor:
@@ -46,5 +46,6 @@ def _q4_types():
 
 
 def _packable_types():
-    from gguf.constants import GGMLQuantizationType as Q
-    return (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+    """The GGUF types the gguf format keeps as blocks (kvserve.ops.gguf_blocks.packable_types:
+    Q4_0, Q4_1, Q5_0, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K)."""
+    return packable_types()

@@ -1,24 +1,27 @@
-"""gguf: the file's own Q4_0 / Q4_1 / Q8_0 blocks, run by the C kernel (ops/csrc/gguf_gemv.c)."""
+"""gguf: the file's own blocks (Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants Q3_K, Q4_K, Q5_K, Q6_K), run
+by the C kernel (ops/csrc/gguf_gemv.c)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers import dense
 from kvserve.model.quant.base import _PackedMethod
-from kvserve.model.quant.blocks import BlockTensor, _packable_types
+from kvserve.model.quant.blocks import BlockTensor
 from kvserve.ops import cpu_kernels
-from kvserve.ops.gguf_blocks import pack_gguf_rows, unpack_gguf_rows
+from kvserve.ops.gguf_blocks import pack_gguf_parts, packed_kind, unpack_gguf_rows
 
 
 class GgufMethod(_PackedMethod):
-    """The file's Q4_0 / Q4_1 / Q8_0 blocks, interleaved 16 rows at a time (pack_gguf_rows) and run
-    by the C kernel kvserve/ops/csrc/gguf_gemv.c at every batch size, on every ISA build: integer
-    dot products of the 4/8-bit weights with the activations as two 8-bit parts per block of 32
-    (~15 bits), weights read once per call for any number of rows. The values are the file's; no
-    other copy of the weights exists. A weight the loader has already dequantized (another GGUF
-    type, or a float checkpoint) stays a dense float32 tensor.
+    """The file's blocks, decoded without changing a value and interleaved 16 rows at a time
+    (kvserve.ops.gguf_blocks: Q4_0/Q4_1 as 4-bit kind 4, Q8_0/Q5_0 as 8-bit kind 8, Q4_K as 4-bit
+    kind 14, Q5_K/Q6_K/Q3_K as 8-bit kind 18) and run by the C kernel kvserve/ops/csrc/gguf_gemv.c
+    at every batch size, on every ISA build: integer dot products of the weights with the
+    activations as two 8-bit parts per block of 32 (~15 bits), weights read once per call for any
+    number of rows. No other copy of the weights exists. Fused shards (q/k/v, gate/up) pack
+    together when their types share a kind (Q5_0 with Q8_0). A weight the loader has already
+    dequantized (a type without a kind, such as Q2_K or Q5_1, or a float checkpoint), or shards
+    whose kinds differ, stays a dense float32 tensor.
 
     Used when the C kernels are built (cpu_kernels.available()); otherwise the gguf format falls
     back to torch kernels (kvserve.model.quant.method_for)."""
@@ -32,12 +35,9 @@ class GgufMethod(_PackedMethod):
             self.pack(layer, parts)
 
     def pack(self, layer, parts):
-        qtypes = {p.qtype if isinstance(p, BlockTensor) else None for p in parts}
-        qtype = qtypes.pop() if len(qtypes) == 1 else None
-        if qtype in _packable_types():
-            blocks = BlockTensor(np.concatenate([p.raw for p in parts]), qtype,
-                                 (layer.out_features, layer.in_features))
-            packed, kind = pack_gguf_rows(blocks)
+        kinds = {packed_kind(p.qtype) if isinstance(p, BlockTensor) else None for p in parts}
+        if len(kinds) == 1 and None not in kinds:
+            packed, kind = pack_gguf_parts(parts)
             layer.register_buffer("gguf_packed", packed, persistent=False)
             layer.gguf_kind = kind
             layer.dense_weight = None
