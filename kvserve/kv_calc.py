@@ -7,7 +7,10 @@ Hugging Face config.json, or a built-in preset. Figures:
   KV bytes per sequence   per layer, min(L, window) tokens on sliding-window layers, L on others
   max sequences in M      static: every sequence reserves max_seq_len tokens up front;
                           paged: every sequence holds ceil(actual length / block) blocks
-  (sliding-window layers count min(length, window) tokens throughout)
+  (sliding-window layers count min(length, window) tokens unpaged, and paged the blocks the
+  engine's allocator holds once the window's older blocks are freed: config.blocks_held)
+  engine pools            the blocks of each KV group (layers of one window) that the engine
+                          carves from M: config.kv_group_blocks, the function the engine calls
 
 `kvserve kv-calc` calls `main(argv)`.
 """
@@ -16,11 +19,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 from dataclasses import dataclass, replace
 
-from kvserve.config import DTYPE_ALIASES, DTYPE_BYTES, KV_SCALE_BYTES, KVShape, parse_size
+from kvserve.config import (DTYPE_ALIASES, DTYPE_BYTES, KV_SCALE_BYTES, KVGroup, KVShape, SchedulerConfig,
+                            blocks_held, group_layers_by_window, kv_group_blocks, parse_size)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -52,6 +55,11 @@ class KVArch:
         if not self.sliding_window:
             return False
         return self.sliding_layers is None or layer in self.sliding_layers
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, its attention window (None: full), as the engine's ModelArch.window_of."""
+        return [self.sliding_window if self.is_sliding(i) else None for i in range(self.num_layers)]
 
 
 PRESETS = {
@@ -135,21 +143,39 @@ def length_distribution(mean: int, kind: str = "fixed", cap: int | None = None) 
 
 
 def paged_bytes_per_sequence(arch: KVArch, dtype: str, seq_len: int, block_size: int = 16) -> int:
-    """KV of one sequence held in whole blocks: ceil(tokens / block_size) blocks per layer."""
+    """KV of one decoding sequence held in whole blocks, as the engine's allocator holds it:
+    ceil(tokens / block_size) blocks per full layer; on a window layer, the blocks from the
+    first one its last query reads (at most ceil(window / block_size) + 1)."""
     per_layer_block = layer_token_bytes(arch, dtype) * block_size
-    tokens = [min(seq_len, arch.sliding_window) if arch.is_sliding(i) else seq_len
-              for i in range(arch.num_layers)]
-    return per_layer_block * sum(math.ceil(t / block_size) for t in tokens)
+    return per_layer_block * sum(blocks_held(seq_len, w, block_size) for w in arch.layer_windows)
+
+
+def engine_pools(arch: KVArch, dtype: str, memory: int, block_size: int = 16,
+                 sched: SchedulerConfig | None = None) -> list[KVGroup]:
+    """The KV groups the engine builds for this model and their block counts in `memory`."""
+    sched = sched or SchedulerConfig()
+    return kv_group_blocks(memory, group_layers_by_window(arch.layer_windows),
+                           layer_token_bytes(arch, dtype) * block_size, block_size,
+                           sched.max_num_seqs, sched.max_num_batched_tokens)
 
 
 def max_seqs_paged(arch: KVArch, dtype: str, memory: int, lengths: dict[int, float],
                    block_size: int = 16) -> int:
-    """Sequences that fit, on average, when each holds blocks for its actual length only.
+    """Sequences that fit, on average, when each holds blocks for its actual length only, in the
+    pools the engine carves from `memory` (one per KV group, engine_pools): the group that runs
+    out first decides.
 
     `lengths` maps a sequence length (prompt + output) to its probability.
     """
-    mean_bytes = sum(q * paged_bytes_per_sequence(arch, dtype, n, block_size) for n, q in lengths.items())
-    return int(memory // mean_bytes)
+    try:
+        pools = engine_pools(arch, dtype, memory, block_size)
+    except ValueError:      # not one block of each group fits
+        return 0
+    fits = []
+    for g in pools:
+        mean_blocks = sum(q * blocks_held(n, g.window, block_size) for n, q in lengths.items())
+        fits.append(g.num_blocks / mean_blocks)
+    return int(min(fits) + 1e-9)
 
 
 # ---- loaders -------------------------------------------------------------------------------
@@ -309,6 +335,12 @@ def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
     ]
     if static:
         lines.append(f"paged / static   {paged / static:.1f}x")
+    if arch.sliding_window:
+        pools = engine_pools(arch, dtype, memory, block_size)
+        lines.append("engine pools     " + " + ".join(
+            f"{g.num_blocks:,} blocks x {len(g.layers)} layers ({'full' if g.window is None else f'window {g.window}'})"
+            for g in pools) + f" (max_num_seqs {SchedulerConfig.max_num_seqs}, "
+            f"{SchedulerConfig.max_num_batched_tokens} batched tokens)")
     return "\n".join(lines)
 
 

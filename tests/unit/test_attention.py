@@ -107,6 +107,41 @@ def test_paged_sliding_window(seed):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_sliding_window_never_reads_freed_table_entries(kv):
+    """A window KV group frees the blocks before a chunk's first visible key and names a null
+    block there (core/kv_cache.py): pointing those entries at a poisoned block (large finite
+    values, as any written KV is finite) must not change the output."""
+    rng = random.Random(7)
+    chunks = [(0, 30), (25, 7), (40, 1), (13, 1), (0, 1), (17, 9)]
+    q, _, _, kc, vc, meta = make_batch(rng, chunks, 4, 64, 4, 2, 8)
+    if kv == "int8":
+        kc, vc = _int8_pools(kc, vc)
+    for window in (1, 5, 8):
+        want = paged_attention(q, kc, vc, meta, 0.3, sliding_window=window)
+        poison = 63                     # a block no table uses (make_batch leaves spares)
+        assert poison not in meta.block_tables.tolist()
+        kp, vp = kc.clone(), vc.clone()
+        kp[poison], vp[poison] = (30, 30) if kv == "float32" else (kp[poison] * 0 + 100, vp[poison] * 0 + 100)
+        tables = meta.block_tables.clone()
+        for b in range(meta.num_seqs):
+            first_query = meta.seq_lens[b] - (meta.query_start_loc[b + 1] - meta.query_start_loc[b])
+            tables[b, :max(0, first_query - window + 1) // 4] = poison
+        freed = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, tables, 4)
+        assert not torch.equal(tables, meta.block_tables)
+        got = paged_attention(q, kp, vp, freed, 0.3, sliding_window=window)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_for_layer_hands_each_layer_its_groups_metadata():
+    rng = random.Random(3)
+    *_, full = make_batch(rng, [(4, 2)], 4, 8, 2, 1, 8)
+    *_, window = make_batch(rng, [(4, 2)], 4, 8, 2, 1, 8)
+    assert full.for_layer(5) is full                     # one group: the step's metadata itself
+    full.layers = [window, full, window]
+    assert [full.for_layer(i) for i in range(3)] == [window, full, window]
+
+
 def test_chunked_equals_whole_prefill():
     """The same prompt run whole, or as two chunks plus a decode, gives the same outputs."""
     hq, hkv, d, bs = 4, 2, 8, 4

@@ -127,3 +127,25 @@ def test_config_torch_dtype_sizes_the_weights_line():
     line = next(ln for ln in format_report(arch, "float32", 2048, 2**30, 256, 64).splitlines()
                 if ln.startswith("weights"))
     assert f"{arch.num_params * 2:,} bytes" in line
+
+
+def test_window_figures_are_the_engine_allocators():
+    """kv-calc's paged sizes and pools come from the functions the engine's allocator uses."""
+    from kvserve.config import CacheConfig, SchedulerConfig
+    gemma = KVArch("gemma3-270m", 18, 1, 256, num_heads=4, sliding_window=512,
+                   sliding_layers=[i for i in range(18) if (i + 1) % 6 != 0])
+    per_layer_block = 2 * 256 * 4 * 16
+    # 8192 tokens decoding: 512 blocks on each of 3 full layers, 32 on each of 15 window layers
+    # (the count the KV manager holds, tests/unit/test_sliding_window_kv.py).
+    assert kv_calc.paged_bytes_per_sequence(gemma, "fp32", 8192) == (3 * 512 + 15 * 32) * per_layer_block
+    assert kv_calc.paged_bytes_per_sequence(gemma, "fp32", 8192) * 4 <= 18 * 512 * per_layer_block
+    # A misaligned window spans one more block: 1000 tokens hold blocks 30..62.
+    assert kv_calc.paged_bytes_per_sequence(gemma, "fp32", 1000) == (3 * 63 + 15 * 33) * per_layer_block
+    memory = 2**30
+    pools = kv_calc.engine_pools(gemma, "fp32", memory)
+    engine = CacheConfig(kv_cache_memory=memory).kv_groups(gemma.kv_shape("fp32"), gemma.layer_windows,
+                                                           SchedulerConfig())
+    assert pools == engine
+    lengths = kv_calc.length_distribution(768)
+    assert kv_calc.max_seqs_paged(gemma, "fp32", memory, lengths) == pools[0].num_blocks // 48
+    assert kv_calc.max_seqs_paged(gemma, "fp32", 1000, lengths) == 0
