@@ -118,9 +118,10 @@ def blocks_held(num_tokens: int, window: int | None, block_size: int, last_chunk
 
 
 def sliding_group_cap(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """Blocks a window group can ever need at once: each running sequence whose step chunk has n
-    tokens holds at most ceil((W + n - 2) / B) + 1 <= ceil(W / B) + 2 + ceil((n - 1) / B) - 1
-    blocks, and the chunks of one step add up to at most max_num_batched_tokens tokens."""
+    """Blocks a window group can ever need at once. A running sequence whose last chunk had n
+    tokens holds at most ceil((W + n - 2) / B) + 1 <= ceil(W / B) + 1 + ceil((n - 2) / B) blocks;
+    summed over at most max_num_seqs sequences whose chunks add up to at most
+    max_num_batched_tokens tokens, that is at most S (ceil(W / B) + 2) + ceil(T / B)."""
     return max_num_seqs * (cdiv(window, block_size) + 2) + cdiv(max_num_batched_tokens, block_size)
 
 
