@@ -131,10 +131,14 @@ def step_hidden(lm, pool, toks, start):
 
 
 @torch.no_grad()
-def hf_greedy(hf, ids, n):
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                      pad_token_id=0, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
+def hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF generate's greedy n tokens for each prompt, in one left-padded batch."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[:, width:].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +151,10 @@ def dense_llm(gguf_path):
 def test_greedy_64_tokens_on_8_prompts_match_hf(dense_llm, hf):
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outs = dense_llm.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        ids = dense_llm.tokenizer.encode(prompt, add_special_tokens=True)
+    prompts = [dense_llm.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
+    for prompt, ids, out, want in zip(PROMPTS, prompts, outs, hf_greedy(hf, prompts, 64)):
         assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 64), prompt
+        assert out.outputs[0].token_ids == want, prompt
 
 
 def test_long_prompt_through_the_engine(dense_llm, long_reference):
