@@ -16,8 +16,9 @@ per format:
            value and interleaved 16 rows at a time (kvserve.ops.gguf_blocks) and run by our C
            kernels (ops/csrc/gguf_gemv*.c: AVX-512 VNNI, AVX2, AVX-VNNI, Arm NEON or portable C,
            the same bits on each; activations as two 8-bit parts per block of 32) at every batch
-           size (GgufMethod). Other GGUF types (Q2_K, Q5_1, IQ*) are dequantized to float32. Without a C compiler: Q4 blocks in int4pack for 1-2 rows, fbgemm fp16
-           above, and a fp16 LM head (Int4Method(batch_fp16=True), Fp16Method (fp16.py)) where
+           size (GgufMethod). Other GGUF types (Q2_K, Q5_1, IQ*) are dequantized to float32.
+           Without a C compiler: Q4 blocks in int4pack for 1-2 rows, fbgemm fp16 above, and a
+           fp16 LM head (Int4Method(batch_fp16=True), Fp16Method (fp16.py)) where
            torch has fbgemm (x86); dense float32 weights where it has not (Arm).
 
 blocks.py holds BlockTensor (GGUF blocks not dequantized), base.py the shard staging all packed
