@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_N = 128
+MAX_BEAM_WIDTH = 32         # beams of one request (each offers 2-3x this many candidates a step)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
@@ -47,6 +48,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: "StructuredOutputs | None" = None   # constrain the output (JSON schema, regex, ...)
+    # Beam search instead of sampling: the n best of `best_of` (default n) beams, scored as
+    # transformers scores them (kvserve/core/beam.py); temperature and seed do not apply.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0        # a finished beam's score: logprob / length ** length_penalty
+    early_stopping: bool | str = False  # True: stop once best_of beams finished; False: heuristic; "never"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +134,40 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad("structured_outputs", "must be a StructuredOutputs")
             self.structured_outputs.check()
+        self._check_beam_search(bad, integer, number)
+
+    def _check_beam_search(self, bad, integer, number) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            bad("use_beam_search", "must be true or false")
+        if not number("length_penalty", -100, 100):
+            bad("length_penalty", "must be a number in [-100, 100]")
+        if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
+            bad("early_stopping", 'must be true, false or "never"')
+        if self.best_of is not None:
+            limit = MAX_BEAM_WIDTH if self.use_beam_search else self.n
+            if not integer("best_of") or not self.n <= self.best_of <= limit:
+                bad("best_of", f"must be an integer in [n, {MAX_BEAM_WIDTH}] with use_beam_search"
+                    if self.use_beam_search else "must equal n (more than n needs use_beam_search)")
+        if not self.use_beam_search:
+            return
+        if self.n > MAX_BEAM_WIDTH:
+            bad("n", f"must be at most {MAX_BEAM_WIDTH} with use_beam_search")
+        defaults = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None,
+                    "structured_outputs": None}
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                bad(name, f"does not apply to beam search (use_beam_search ranks beams by the model's own "
+                          f"logprobs): leave it at {'unset' if default is None else default}")
+        if self.stop:
+            bad("stop", "stop strings are not supported with use_beam_search (stop_token_ids are)")
+        if self.max_tokens == 0:
+            bad("max_tokens", "must be >= 1 with use_beam_search")
+
+    @property
+    def beam_width(self) -> int:
+        """Beams searched with use_beam_search."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def greedy(self) -> bool:

@@ -39,7 +39,8 @@ class Request:
 
     `max_tokens` is the resolved output cap (the engine resolves `SamplingParams.max_tokens=None`
     to the room left in the context; the scheduler does so too when handed None).
-    `fork_of` names the n > 1 sibling whose prompt blocks this request shares.
+    `fork_of` names the sequence whose blocks this request shares: an n > 1 sibling (the prompt's
+    blocks), or the beam it branches from (every block before its last token).
     `stop_reason` is the stop token id that finished it, when one did.
 `spec_token_ids` are draft tokens the engine proposed to follow its known tokens; the scheduler
 feeds them (after the last sampled token) for verification at its next decode step.
@@ -74,11 +75,23 @@ feeds them (after the last sampled token) for verification at its next decode st
         self.num_preemptions = 0
         self.stop_reason: int | None = None
         self.spec_token_ids: list[int] = []   # draft tokens to verify next step (speculative decoding)
+        # Beam search (kvserve/engine/beam_search.py): a held request is not scheduled (its beam
+        # waits for the others of its request); beam_candidates top tokens come back per step.
+        self.held = False
+        self.beam_candidates = 0
         self._all_token_ids = list(self.prompt_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+    def replace_last_output_token(self, token_id: int) -> None:
+        """Swap the last output token for another (beam search picks a token other than the one
+        sampled). Only while that token is not computed: its KV is not in the cache yet."""
+        if not self.output_token_ids or self.num_computed_tokens >= self.num_tokens:
+            raise ValueError(f"{self.request_id}: no uncomputed output token to replace")
+        self.output_token_ids[-1] = token_id
+        self._all_token_ids[-1] = token_id
 
     @property
     def all_token_ids(self) -> list[int]:

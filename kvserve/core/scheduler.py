@@ -176,6 +176,18 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self._enqueue(req, front=True)
 
+    def _preempt_held(self, scheduled: dict[str, int], preempted: list[str]) -> bool:
+        """Free the blocks of a held beam (one that waits for the others of its request, not
+        scheduled this step) so that a waiting sequence fits: held beams filling the cache
+        would otherwise wait forever for sequences that cannot get blocks. False: none held."""
+        held = [r for r in self.running if r.held and r.request_id not in scheduled]
+        if not held:
+            return False
+        victim = max(held, key=self._victim_key)
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        return True
+
     def _victim_key(self, req: Request) -> tuple:
         """max() of this is the request to preempt: lowest priority (largest value), then newest."""
         return req.priority, req.arrival_time, self._arrival_seq[req.request_id]
@@ -188,10 +200,12 @@ class Scheduler:
         return self.kv_cache_manager.get_computed_blocks(req)
 
     def _fork_parent(self, req: Request) -> Request | None:
-        """The sibling an n > 1 child shares its prompt with, or None to run it on its own."""
+        """The sequence a child shares its blocks with (an n > 1 sibling, or the beam it continues),
+        or None to run it on its own: the child's tokens before its last must lead the parent's."""
         parent = self.requests.get(req.fork_of) if req.fork_of is not None else None
+        n = req.num_prompt_tokens - 1
         if (parent is None or parent.status == RequestStatus.PREEMPTED
-                or parent.prompt_token_ids != req.prompt_token_ids):
+                or parent.all_token_ids[:n] != req.prompt_token_ids[:n]):
             return None
         return parent
 
@@ -208,7 +222,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING or req.held:  # preempted earlier in this loop, or held
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
@@ -234,15 +248,20 @@ class Scheduler:
                 if victim is req:
                     break
 
-        # 2. Waiting and preempted requests, unless this step already had to preempt.
+        # 2. Waiting and preempted requests, unless this step already had to preempt. Held beams
+        # do not count against max_num_seqs: they wait for the very sequences queued here.
+        active = sum(1 for r in self.running if not r.held)
         for req in [] if preempted else list(self.waiting):
-            if budget == 0 or len(self.running) >= self.sched.max_num_seqs:
+            if budget == 0 or active >= self.sched.max_num_seqs:
                 break
+            if req.held:
+                continue
             parent = self._fork_parent(req)
             if parent is not None:
-                # Fork only from a prompt computed in an earlier step: its KV is written.
+                # Fork only from tokens computed in an earlier step: their KV is written.
                 computed_before = parent.num_computed_tokens - scheduled.get(parent.request_id, 0)
-                if parent.status != RequestStatus.RUNNING or computed_before < parent.num_prompt_tokens:
+                if (parent.status != RequestStatus.RUNNING
+                        or computed_before < max(parent.num_prompt_tokens, req.num_prompt_tokens - 1)):
                     continue
             try:
                 fork = kv.get_fork_blocks(parent, req) if parent is not None else None
@@ -256,6 +275,13 @@ class Scheduler:
                     break  # whole prompts only; one longer than the whole budget is still chunked
                 num_new = min(num_new, budget)
                 allocated = kv.allocate_slots(req, num_new, copy_blocks, shared_blocks, num_shared)
+                while not allocated and self._preempt_held(scheduled, preempted):
+                    # Held beams filled the cache and one of them gave its blocks back (it will
+                    # recompute): find this request's prefix hits again, as its parent may be it.
+                    parent = None
+                    shared_blocks, num_shared = self._cached_prefix(req)
+                    num_new = min(req.num_tokens - num_shared, budget)
+                    allocated = kv.allocate_slots(req, num_new, copy_blocks, shared_blocks, num_shared)
             except Exception as e:  # this request's own data (e.g. its hash inputs): it fails alone
                 self._fail(req, e)
                 continue
@@ -270,6 +296,7 @@ class Scheduler:
             self._queue_key.pop(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            active += 1
             scheduled[req.request_id] = num_new
             req.num_computed_tokens = num_shared + num_new
             budget -= num_new

@@ -34,6 +34,7 @@ import torch
 from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, EngineConfig, KVShape
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.beam_search import BeamRun
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.grammar import GrammarManager
 from kvserve.model.loader import load_model
@@ -71,6 +72,7 @@ class _Group:
     first_token_seen: bool = field(default=False)
     prompt_logprobs: list[Logprob | None] | None = None   # by prompt position; [0] is always None
     prompt_logprobs_missing: int = 0                      # positions still to come
+    beam: BeamRun | None = None                           # use_beam_search: its beams (samples fill at the end)
 
     def record_prompt_logprobs(self, start: int, entries: list[Logprob]) -> None:
         """Keep the first value of each position (a preempted request computes them again)."""
@@ -114,6 +116,7 @@ class EngineCore:
                                       overlap=config.num_threads < len(os.sched_getaffinity(0)))
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, _Sample]] = {}
+        self._beam_seqs: dict[str, _Group] = {}   # beam sequence id -> its request (kvserve/engine/beam_search.py)
         self._pending: list[RequestOutput] = []   # outputs produced outside step() (aborts)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -177,6 +180,9 @@ class EngineCore:
             raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) is more than the "
                                            f"{max_tokens} tokens this request can generate")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.use_beam_search:
+            self._add_beam_request(request_id, prompt_token_ids, params, priority, cache_salt, arrival, max_tokens)
+            return
         seqs = []
         for i in range(params.n):
             seq_params = params.child(i) if params.n > 1 else params
@@ -207,6 +213,24 @@ class EngineCore:
             if params.structured_outputs is not None:
                 self.grammar.add(r.request_id, params.structured_outputs)
         self._groups[request_id] = group
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def _add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int, cache_salt: str | None, arrival: float, max_tokens: int) -> None:
+        def new_request(seq_id, tokens, seq_params, seq_max_tokens, fork_of):
+            return Request(request_id=seq_id, prompt_token_ids=tokens, sampling_params=seq_params,
+                           max_tokens=seq_max_tokens, arrival_time=arrival, priority=priority,
+                           cache_salt=cache_salt, fork_of=fork_of)
+        run = BeamRun(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, new_request)
+        (first,) = run.seqs
+        self.scheduler.add_request(first)
+        group = _Group(request_id, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=arrival), beam=run)
+        for i in range(params.n):
+            group.samples.append(_Sample(f"{request_id}#{i}", i, first,
+                                         IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                                         CompletionOutput(index=i)))
+        self._groups[request_id] = group
+        self._beam_seqs[first.request_id] = group
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def _checked_prompt(self, prompt_token_ids) -> list[int]:
@@ -244,6 +268,11 @@ class EngineCore:
         group = self._groups.get(request_id)
         if group is None:
             return
+        if group.beam is not None:
+            for seq in group.beam.seqs:
+                self.scheduler.abort_request(seq.request_id)
+                self._beam_seqs.pop(seq.request_id, None)
+            group.beam.seqs = []
         for s in group.samples:
             if not s.out.finished:
                 self.scheduler.abort_request(s.seq_id)
@@ -262,6 +291,7 @@ class EngineCore:
         self.grammar.clear()
         self._groups.clear()
         self._seq_to_group.clear()
+        self._beam_seqs.clear()
         self._pending.clear()
 
     def has_unfinished_requests(self) -> bool:
@@ -278,7 +308,7 @@ class EngineCore:
         self._fail_scheduler_rejects()
         now = time.monotonic()
         for c in sched.chunks:
-            group, _ = self._seq_to_group[c.request.request_id]
+            group = self._group_of(c.request.request_id)
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
         grammar = self.grammar.start_bitmask([c.request.request_id for c in sched.chunks if c.sample])
@@ -292,11 +322,12 @@ class EngineCore:
                 entry[0].record_prompt_logprobs(plp.start, [self._to_logprob(t) for t in plp.entries])
         outputs_before = {c.request.request_id: c.request.num_output_tokens for c in sched.chunks}
         finished = self.scheduler.update_from_output(sched, {k: [t.token_id for t in v] for k, v in sampled.items()
-                                                            if k in self._seq_to_group})
+                                                            if k in self._seq_to_group or k in self._beam_seqs})
         self._fail_scheduler_rejects()
         self._record_verifications(sched, sampled)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
+        self._advance_beams(sampled, now, touched)
         for seq_id, toks in sampled.items():
             entry = self._seq_to_group.get(seq_id)
             if entry is None:
@@ -324,6 +355,58 @@ class EngineCore:
         self._pending = []
         self._propose_drafts(sched)
         return outputs
+
+    # ---- beam search ----
+    def _group_of(self, seq_id: str) -> _Group:
+        entry = self._seq_to_group.get(seq_id)
+        return entry[0] if entry is not None else self._beam_seqs[seq_id]
+
+    def _advance_beams(self, sampled: dict[str, list[SampledToken]], now: float, touched: dict[str, _Group]) -> None:
+        """Hand each beam's candidates to its request; a request whose beams all reported takes
+        its next beams (forks, continuations, aborts), or finishes when its search is done."""
+        ready: dict[str, _Group] = {}
+        for seq_id, toks in sampled.items():
+            group = self._beam_seqs.get(seq_id)
+            if group is None or group.request_id not in self._groups:
+                continue
+            req = self.scheduler.requests.get(seq_id)
+            if req is None:          # the scheduler finished it (its last round): the search is done too
+                req = next(s for s in group.beam.seqs if s.request_id == seq_id)
+            if group.beam.report(req, toks[0].logprobs.top):
+                ready[group.request_id] = group
+        for group in ready.values():
+            run = group.beam
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+                group.first_token_seen = True
+            group.metrics.last_token_time = now
+            added, dropped = run.advance()
+            for seq in dropped:
+                self.scheduler.abort_request(seq.request_id)
+                self._beam_seqs.pop(seq.request_id, None)
+                self._forget_sequence(seq.request_id)
+            for seq in added:
+                self.scheduler.add_request(seq)
+                self._beam_seqs[seq.request_id] = group
+            if run.search.done:
+                self._finish_beams(group)
+            touched[group.request_id] = group
+
+    def _finish_beams(self, group: _Group) -> None:
+        """The best n hypotheses become the request's completions."""
+        for sample, hyp in zip(group.samples, group.beam.results(group.params.n)):
+            out = sample.out
+            out.token_ids = list(hyp.tokens)
+            out.delta_token_ids = list(hyp.tokens)
+            delta, _ = sample.detok.add_tokens(hyp.tokens)
+            out.text = out.delta_text = delta + sample.detok.flush()
+            out.cumulative_logprob = hyp.logprob
+            out.finish_reason = hyp.finish_reason
+            if hyp.finish_reason == "stop" and hyp.tokens and hyp.tokens[-1] in group.params.stop_token_ids:
+                out.stop_reason = hyp.tokens[-1]
+            sample.changed = True
+            self.generation_tokens_total += len(hyp.tokens)
+            group.metrics.num_generation_tokens = max(group.metrics.num_generation_tokens, len(hyp.tokens))
 
     # ---- speculative decoding ----
     def _record_verifications(self, sched: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> None:
@@ -408,9 +491,9 @@ class EngineCore:
     def _fail_sequence(self, seq_id: str, cause: str) -> None:
         """Fail the user request that `seq_id` belongs to (all its samples), with `cause`."""
         entry = self._seq_to_group.get(seq_id)
-        if entry is None:
+        group = entry[0] if entry is not None else self._beam_seqs.get(seq_id)
+        if group is None:
             return
-        group, _ = entry
         group.error = cause
         self.abort_request(group.request_id)
 

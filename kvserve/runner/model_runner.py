@@ -257,7 +257,8 @@ class ModelRunner:
     def _sampling_row(self, req, constrained: bool = False) -> SamplingRow:
         return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=req.output_token_ids, generator=self._generator(req),
-                           eos_token_ids=req.eos_token_ids, constrained=constrained)
+                           eos_token_ids=req.eos_token_ids, constrained=constrained,
+                           beam_candidates=req.beam_candidates)
 
     def _position_rows(self, chunk) -> list[SamplingRow]:
         """One SamplingRow per fed position of a chunk with drafts: position j sees the drafts

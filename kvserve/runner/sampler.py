@@ -45,6 +45,12 @@ class SamplingRow:
     generator: torch.Generator | None  # seeded per request by the runner when params.seed is set
     eos_token_ids: set[int]
     constrained: bool = False          # a grammar masks this row: it decides when EOS may come
+    beam_candidates: int = 0           # a beam: how many top tokens to return with their logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top-N logprobs to return for this row (None: none)."""
+        return self.beam_candidates or self.params.logprobs
 
 
 @dataclass
@@ -112,8 +118,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         proc = process_logits(logits, rows)
         tokens = _greedy_and_sample(proc, rows)
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
-        logprobs = _logprobs(proc.logits, [r.params for r in rows], tokens) if want_logprobs else [None] * len(rows)
+        want_logprobs = any(r.num_logprobs is not None for r in rows)
+        logprobs = _logprobs(proc.logits, [r.num_logprobs for r in rows], tokens) if want_logprobs else [None] * len(rows)
         return SamplerOutput(tokens.tolist(), logprobs)
 
 
@@ -288,13 +294,13 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> li
                                           top_lp.tolist())]
 
 
-def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
-    """Chosen-token logprob, its rank and the top-N for every row that asked for logprobs."""
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    use = [i for i, p in enumerate(params) if p.logprobs is not None]
+def _logprobs(logits: torch.Tensor, num_top: list[int | None], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Chosen-token logprob, its rank and the top-N (num_top[i]) for every row that asked for logprobs."""
+    out: list[TokenLogprobs | None] = [None] * len(num_top)
+    use = [i for i, n in enumerate(num_top) if n is not None]
     idx = torch.tensor(use, device=logits.device)
-    n_top = max(params[i].logprobs for i in use)
+    n_top = min(max(num_top[i] for i in use), logits.shape[-1])
     for i, entry in zip(use, token_logprobs(logits[idx], tokens[idx].tolist(), n_top)):
-        entry.top = entry.top[:params[i].logprobs]
+        entry.top = entry.top[:num_top[i]]
         out[i] = entry
     return out

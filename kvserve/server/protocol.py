@@ -120,6 +120,10 @@ class _SamplingRequest(_Model):
     user: Text | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: JSONObject | None = None   # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    # Beam search (vLLM's extension): the n best of best_of (completions) or n beams.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     def check(self) -> None:
         """Rules across fields and values kvserve does not support: BadRequest naming the field."""
@@ -172,7 +176,9 @@ class _SamplingRequest(_Model):
                  "skip_special_tokens": self.skip_special_tokens,
                  "include_stop_str_in_output": self.include_stop_str_in_output,
                  "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-                 "structured_outputs": self.constraint()[0]}
+                 "structured_outputs": self.constraint()[0], "use_beam_search": self.use_beam_search,
+                 "length_penalty": self.length_penalty, "early_stopping": self.early_stopping,
+                 "best_of": getattr(self, "best_of", None)}
         kwargs = {k: v for k, v in given.items() if v is not None or k == "max_tokens"}
         try:
             return SamplingParams(**kwargs)
@@ -215,8 +221,6 @@ class CompletionRequest(_SamplingRequest):
         super().check()
         if self.suffix:
             raise BadRequest("suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise BadRequest("best_of is not supported (other than best_of == n)", "best_of")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise BadRequest("max_tokens must be >= 1 (0 is for scoring a prompt: with echo or "
                              "prompt_logprobs)", "max_tokens")

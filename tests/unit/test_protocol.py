@@ -128,7 +128,6 @@ def test_chat_unsupported_values(body, param):
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
 ])
@@ -137,6 +136,23 @@ def test_completion_unsupported_values(body, param):
     with pytest.raises(BadRequest) as e:
         req.check()
     assert e.value.param == param
+
+
+def test_beam_search_fields():
+    """best_of above n needs use_beam_search; with it, the n best of best_of beams."""
+    req = CompletionRequest.model_validate({"prompt": "x", "best_of": 3})
+    req.check()
+    with pytest.raises(BadRequest) as e:
+        req.to_sampling_params()
+    assert e.value.param == "best_of" and "use_beam_search" in str(e.value)
+    p = CompletionRequest.model_validate({"prompt": "x", "n": 2, "best_of": 3, "use_beam_search": True,
+                                          "length_penalty": 0.5, "early_stopping": "never"}).to_sampling_params()
+    assert (p.use_beam_search, p.n, p.beam_width, p.length_penalty, p.early_stopping) == (True, 2, 3, 0.5, "never")
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                 "use_beam_search": True, "top_p": 0.5})
+    with pytest.raises(BadRequest) as e:
+        chat.to_sampling_params()
+    assert e.value.param == "top_p"
 
 
 def test_accepted_and_ignored():
