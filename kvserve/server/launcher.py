@@ -141,7 +141,8 @@ def banner(core, host: str, port: int, model_name: str, api_key: str | None) -> 
     return (f"kvserve listening on {url}\n"
             f"  model {model_name} ({core.model_path}), dtype {core.config.model.dtype}, "
             f"context {core.max_model_len} tokens\n"
-            f"  KV cache capacity {core.num_blocks * block} tokens ({core.num_blocks} blocks x {block})\n"
+            f"  KV cache capacity {core.kv_token_capacity} tokens ({core.num_blocks} blocks x {block}"
+            f"{'' if len(core.kv_groups) == 1 else f' in {len(core.kv_groups)} window groups'})\n"
             f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
             f"\"max_tokens\": 32}}'")
