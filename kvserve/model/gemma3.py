@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArch
-from kvserve.model.layers import Embedding, Linear, OffsetRMSNorm, RotaryEmbedding
+from kvserve.model.layers import Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding
 from kvserve.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 # The family's defaults where a file does not say (llama.cpp's GGUFs never store them; HF's
@@ -70,17 +70,8 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
-class GeGLU(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused in one matmul."""
-
-    def __init__(self, arch: ModelArch, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, [arch.intermediate_size] * 2, dtype=dtype)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -92,7 +83,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(arch, layer, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(arch.hidden_size, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(arch.hidden_size, eps)
-        self.mlp = GeGLU(arch, dtype)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, gelu_tanh, dtype)  # GeGLU
         self.post_feedforward_layernorm = OffsetRMSNorm(arch.hidden_size, eps)
 
     def forward(self, rope, h, meta, k_cache, v_cache):

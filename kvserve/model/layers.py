@@ -119,6 +119,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused in one matmul: SwiGLU with act = silu (Llama),
+    GeGLU with act = gelu_tanh (Gemma)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act, dtype: torch.dtype):
+        super().__init__()
+        self.act = act
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
 class OffsetRMSNorm(RMSNorm):
     """x / rms(x) * (1 + w), computed in float32 and cast back (Gemma): checkpoints store w, the
     offset from 1. The layer keeps the float32 scale 1 + w, whatever the model dtype."""

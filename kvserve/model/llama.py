@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArch
-from kvserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from kvserve.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from kvserve.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -45,17 +45,9 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
-
-    def __init__(self, arch: ModelArch, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, [arch.intermediate_size] * 2, dtype=dtype)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+def swiglu_mlp(arch: ModelArch, dtype: torch.dtype) -> GatedMLP:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return GatedMLP(arch.hidden_size, arch.intermediate_size, F.silu, dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -64,7 +56,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = Attention(arch, rotary, dtype, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype)
+        self.mlp = swiglu_mlp(arch, dtype)
 
     def forward(self, rope, h, meta, k_cache, v_cache):
         h = h + self.self_attn(rope, self.input_layernorm(h), meta, k_cache, v_cache)

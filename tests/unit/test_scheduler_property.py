@@ -30,6 +30,24 @@ ops = st.lists(st.one_of(add_op, add_op, step_op, step_op, step_op, abort_op, fi
                min_size=5, max_size=60)
 
 
+def add_requests(s: Scheduler, op: tuple, ids: list[str]) -> None:
+    """An add_op: a request (n > 1: its forked siblings too), its ids appended to `ids`; ones the
+    scheduler refuses (too long, queue full) are left out."""
+    _, length, base, suffix, max_tokens, priority, n, salted = op
+    prompt = BASES[base][:length] + [60 + i for i in range(suffix)]
+    rid = f"r{len(ids)}"
+    for i in range(n):
+        req = Request(f"{rid}-{i}" if i else rid, prompt,
+                      SamplingParams(max_tokens=max_tokens, min_tokens=min(2, max_tokens)),
+                      eos_token_ids={EOS}, priority=priority, arrival_time=float(len(ids)),
+                      cache_salt="salt" if salted else None, fork_of=rid if i else None)
+        try:
+            s.add_request(req)
+            ids.append(req.request_id)
+        except (ValueError, QueueFullError):
+            pass
+
+
 def check_blocks(s: Scheduler) -> None:
     kv = s.kv_cache_manager
     for g, pool in enumerate(kv.pools):
@@ -84,19 +102,7 @@ def test_random_workloads_keep_blocks_consistent(ops, num_blocks, budget, max_se
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
-            _, length, base, suffix, max_tokens, priority, n, salted = op
-            prompt = BASES[base][:length] + [60 + i for i in range(suffix)]
-            rid = f"r{len(ids)}"
-            for i in range(n):
-                req = Request(f"{rid}-{i}" if i else rid, prompt,
-                              SamplingParams(max_tokens=max_tokens, min_tokens=min(2, max_tokens)),
-                              eos_token_ids={EOS}, priority=priority, arrival_time=float(len(ids)),
-                              cache_salt="salt" if salted else None, fork_of=rid if i else None)
-                try:
-                    s.add_request(req)
-                    ids.append(req.request_id)
-                except (ValueError, QueueFullError):
-                    pass
+            add_requests(s, op, ids)
         elif op[0] == "step":
             run_step(s, store, random.Random(op[1]))
         elif ids:

@@ -15,7 +15,6 @@ after every step:
 and at the end every block of every pool is free (nothing leaked).
 """
 import random
-from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,12 +24,9 @@ from kvserve.config import (CacheConfig, KVGroup, KVShape, SchedulerConfig, bloc
                             first_needed_block, group_layers_by_window, kv_group_blocks, sliding_group_cap)
 from kvserve.core.kv_cache import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import QueueFullError, Scheduler
+from kvserve.core.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams
-
-BS = 4
-EOS = 1
-BASES = [[random.Random(i).randrange(2, 50) for _ in range(64)] for i in range(3)]
+from test_scheduler_property import BASES, BS, EOS, add_requests, check_blocks
 
 
 def make_req(rid, tokens, max_tokens=8, **kw):
@@ -232,17 +228,7 @@ class Checker:
 
     def check_blocks(self) -> None:
         s, kv = self.s, self.s.kv_cache_manager
-        for g, pool in enumerate(kv.pools):
-            tables = [t[g] for t in kv.tables.values()]
-            holders = Counter(b.block_id for t in tables for b in t if b is not None)
-            for t in tables:
-                held = [b.block_id for b in t if b is not None]
-                assert len(set(held)) == len(held), "a table holds a block twice"
-            for b in pool.blocks:
-                assert b.ref_cnt == holders[b.block_id], (g, b, holders[b.block_id])
-                assert (b.block_id in pool.free_queue) == (b.ref_cnt == 0), b
-            for h, b in pool.cached.items():
-                assert b.block_hash == h
+        check_blocks(s)
         for rid in kv.tables:
             assert s.requests[rid].status == RequestStatus.RUNNING
         for r in s.waiting:
@@ -307,19 +293,7 @@ def test_random_schedules_keep_window_groups_tight_correct_and_leak_free(
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
-            _, length, base, suffix, max_tokens, priority, n, salted = op
-            prompt = BASES[base][:length] + [60 + i for i in range(suffix)]
-            rid = f"r{len(ids)}"
-            for i in range(n):
-                req = Request(f"{rid}-{i}" if i else rid, prompt,
-                              SamplingParams(max_tokens=max_tokens, min_tokens=min(2, max_tokens)),
-                              eos_token_ids={EOS}, priority=priority, arrival_time=float(len(ids)),
-                              cache_salt="salt" if salted else None, fork_of=rid if i else None)
-                try:
-                    s.add_request(req)
-                    ids.append(req.request_id)
-                except (ValueError, QueueFullError):
-                    pass
+            add_requests(s, op, ids)
         elif op[0] == "step":
             check.run_step(random.Random(op[1]))
         elif ids:
