@@ -8,8 +8,9 @@ adjacent dimensions; HF's pairs i with i + head_dim/2). We undo that permutation
 rows, so every loader hands the model the same HF layout. (Its "qwen2" and "gemma3" files keep
 HF's row order.) For "gemma3" it stores every norm weight as 1 + w; we hand over HF's w.
 
-With `keep_blocks`, Q4_0/Q4_1 tensors are handed over still packed (kvserve.model.quant.BlockTensor)
-so the int4 method takes the file's nibbles and scales as they are.
+With `keep_blocks` (the qtypes the chosen weight format keeps packed: quant.KEEP_BLOCKS, e.g. the
+`gguf` format's Q4_0/Q4_1/Q5_0/Q8_0/Q3_K-Q6_K), matrices of those types are handed over still
+packed (kvserve.model.quant.BlockTensor): the weight format takes the file's blocks as they are.
 """
 from __future__ import annotations
 
