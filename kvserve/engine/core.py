@@ -268,14 +268,15 @@ class EngineCore:
         group = self._groups.get(request_id)
         if group is None:
             return
-        if group.beam is not None:
+        if group.beam is not None:    # its sequences are the beams; its samples are only outputs
             for seq in group.beam.seqs:
                 self.scheduler.abort_request(seq.request_id)
                 self._beam_seqs.pop(seq.request_id, None)
             group.beam.seqs = []
         for s in group.samples:
             if not s.out.finished:
-                self.scheduler.abort_request(s.seq_id)
+                if group.beam is None:
+                    self.scheduler.abort_request(s.seq_id)
                 s.out.finish_reason = "abort"
                 s.changed = True
         self._pending.append(self._emit(group))
@@ -357,9 +358,10 @@ class EngineCore:
         return outputs
 
     # ---- beam search ----
-    def _group_of(self, seq_id: str) -> _Group:
+    def _group_of(self, seq_id: str) -> _Group | None:
+        """The user request a scheduler sequence (a sample or a beam) belongs to."""
         entry = self._seq_to_group.get(seq_id)
-        return entry[0] if entry is not None else self._beam_seqs[seq_id]
+        return entry[0] if entry is not None else self._beam_seqs.get(seq_id)
 
     def _advance_beams(self, sampled: dict[str, list[SampledToken]], now: float, touched: dict[str, _Group]) -> None:
         """Hand each beam's candidates to its request; a request whose beams all reported takes
@@ -388,9 +390,9 @@ class EngineCore:
             for seq in added:
                 self.scheduler.add_request(seq)
                 self._beam_seqs[seq.request_id] = group
-            if run.search.done:
+            if run.search.done:      # the only output of a beam request: its n best hypotheses
                 self._finish_beams(group)
-            touched[group.request_id] = group
+                touched[group.request_id] = group
 
     def _finish_beams(self, group: _Group) -> None:
         """The best n hypotheses become the request's completions."""
@@ -490,8 +492,7 @@ class EngineCore:
 
     def _fail_sequence(self, seq_id: str, cause: str) -> None:
         """Fail the user request that `seq_id` belongs to (all its samples), with `cause`."""
-        entry = self._seq_to_group.get(seq_id)
-        group = entry[0] if entry is not None else self._beam_seqs.get(seq_id)
+        group = self._group_of(seq_id)
         if group is None:
             return
         group.error = cause
@@ -560,7 +561,7 @@ class EngineCore:
         if finished:
             group.metrics.finished_time = time.monotonic()
             del self._groups[group.request_id]
-            for s in group.samples:
+            for s in group.samples if group.beam is None else ():    # beam samples are no sequences
                 self._seq_to_group.pop(s.seq_id, None)
                 self._forget_sequence(s.seq_id)
                 self.grammar.remove(s.seq_id)

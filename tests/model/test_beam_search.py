@@ -95,6 +95,21 @@ def test_beams_share_full_blocks_and_abort_frees_every_beam(llm):
     assert eng.scheduler.num_free_blocks == free_before and not eng._beam_seqs
 
 
+def test_aborting_a_beam_request_leaves_a_request_named_like_its_outputs(llm):
+    """A beam request's completions are not scheduler sequences: aborting it touches only its beams."""
+    eng = llm.engine
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    eng.add_request("b", ids, SamplingParams(n=2, use_beam_search=True, max_tokens=20))
+    eng.add_request("b#0", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    eng.step()
+    eng.abort_request("b")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    (other,) = [o for o in outs if o.request_id == "b#0" and o.finished]
+    assert other.outputs[0].finish_reason == "length" and len(other.outputs[0].token_ids) == 6
+
+
 @pytest.mark.parametrize("kwargs,param", [
     (dict(top_p=0.5), "top_p"), (dict(logprobs=2), "logprobs"), (dict(stop=["x"]), "stop"),
     (dict(n=2, best_of=1), "best_of"), (dict(n=40), "n"), (dict(best_of=3, use_beam_search=False, n=1), "best_of"),
