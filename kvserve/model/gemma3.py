@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArch
-from kvserve.model.layers import Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding
+from kvserve.model.layers import Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding, TiedHeadMixin
 from kvserve.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 # The family's defaults where a file does not say (llama.cpp's GGUFs never store them; HF's
@@ -91,7 +91,7 @@ class Gemma3DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(TiedHeadMixin, nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
         super().__init__()
         if not arch.tie_word_embeddings:
@@ -113,12 +113,6 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = None        # tied: the embedding, or a packed copy of it (tie_quantized_head)
         self.tied_head = False
 
-    def tie_quantized_head(self, head: Linear) -> None:
-        """Use `head` (a quantized Linear) as the LM head; it is loaded from the embedding's
-        weight, while the embedding lookup keeps its dense rows."""
-        self.lm_head = head
-        self.tied_head = True
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -130,13 +124,6 @@ class Gemma3ForCausalLM(nn.Module):
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h = layer(local if layer.is_local else glob, h, meta.for_layer(i), k_cache, v_cache)
         return self.norm(h)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in float32."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
 
     # ---- weights (HF Gemma3ForCausalLM names) ----
     _LINEAR = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")

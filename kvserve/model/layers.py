@@ -99,6 +99,26 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+class TiedHeadMixin:
+    """The LM head of a causal LM with an `embed_tokens` Embedding and an `lm_head` (None: tied,
+    logits from the embedding's rows). A tied model may take a packed copy of the embedding as
+    its head (`tie_quantized_head`): it is loaded from the embedding's weight, while the lookup
+    keeps the dense rows."""
+    lm_head: "Linear | None"
+    tied_head: bool = False
+
+    def tie_quantized_head(self, head: Linear) -> None:
+        self.lm_head = head
+        self.tied_head = True
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in float32."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * w, computed in float32 (as Llama's reference does)."""
 

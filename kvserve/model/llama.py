@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArch
-from kvserve.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from kvserve.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, TiedHeadMixin
 from kvserve.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(TiedHeadMixin, nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
         super().__init__()
         self.arch = arch
@@ -77,12 +77,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
         self.tied_head = False    # lm_head is a packed copy of the embedding (loaded with it)
 
-    def tie_quantized_head(self, head: Linear) -> None:
-        """Use `head` (a quantized Linear) as the LM head of a tied model; it is loaded from the
-        embedding's weight, while the embedding lookup keeps its dense rows."""
-        self.lm_head = head
-        self.tied_head = True
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -92,13 +86,6 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h = layer(rope, h, meta.for_layer(i), k_cache, v_cache)
         return self.norm(h)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in float32."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
 
     # ---- weights (HF names) ----
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -48,6 +48,24 @@ def add_requests(s: Scheduler, op: tuple, ids: list[str]) -> None:
             pass
 
 
+def run_ops(s: Scheduler, ops: list[tuple], step, check) -> None:
+    """Apply hypothesis ops in order: add (add_requests), step (`step(rng)` seeded by the op),
+    abort / finish a request added so far; `check()` after each."""
+    ids: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            add_requests(s, op, ids)
+        elif op[0] == "step":
+            step(random.Random(op[1]))
+        elif ids:
+            rid = ids[op[1] % len(ids)]
+            if op[0] == "abort":
+                s.abort_request(rid)
+            else:
+                s.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        check()
+
+
 def check_blocks(s: Scheduler) -> None:
     kv = s.kv_cache_manager
     for g, pool in enumerate(kv.pools):
@@ -99,19 +117,7 @@ def test_random_workloads_keep_blocks_consistent(ops, num_blocks, budget, max_se
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_waiting=12),
                   CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks, max_model_len=64)
     store: dict[int, list] = {}
-    ids: list[str] = []
-    for op in ops:
-        if op[0] == "add":
-            add_requests(s, op, ids)
-        elif op[0] == "step":
-            run_step(s, store, random.Random(op[1]))
-        elif ids:
-            rid = ids[op[1] % len(ids)]
-            if op[0] == "abort":
-                s.abort_request(rid)
-            else:
-                s.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        check_blocks(s)
+    run_ops(s, ops, lambda rng: run_step(s, store, rng), lambda: check_blocks(s))
 
     rng = random.Random(0)
     for _ in range(2000):

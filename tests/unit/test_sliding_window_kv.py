@@ -26,7 +26,7 @@ from kvserve.core.kv_cache import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams
-from test_scheduler_property import BASES, BS, EOS, add_requests, check_blocks
+from test_scheduler_property import BASES, BS, EOS, check_blocks, run_ops
 
 
 def make_req(rid, tokens, max_tokens=8, **kw):
@@ -290,19 +290,7 @@ def test_random_schedules_keep_window_groups_tight_correct_and_leak_free(
                   CacheConfig(block_size=BS, enable_prefix_caching=caching),
                   two_groups(window, full_blocks, window_blocks), max_model_len=64)
     check = Checker(s, window, drafts)
-    ids: list[str] = []
-    for op in ops:
-        if op[0] == "add":
-            add_requests(s, op, ids)
-        elif op[0] == "step":
-            check.run_step(random.Random(op[1]))
-        elif ids:
-            rid = ids[op[1] % len(ids)]
-            if op[0] == "abort":
-                s.abort_request(rid)
-            else:
-                s.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        check.check_blocks()
+    run_ops(s, ops, check.run_step, check.check_blocks)
 
     rng = random.Random(0)
     for _ in range(3000):
