@@ -194,6 +194,13 @@ class CacheConfig:
         return kv_group_blocks(budget, groups, kv.bytes_per_token // kv.num_layers * self.block_size,
                                self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens)
 
+    def share(self, fraction: float) -> "CacheConfig":
+        """This configuration with `fraction` of its memory budget (a draft model's KV cache
+        takes the rest); an exact pool size (num_blocks_override) stays as it is."""
+        if self.kv_cache_memory is not None:
+            return replace(self, kv_cache_memory=int(self.kv_cache_memory * fraction))
+        return replace(self, kv_cache_fraction=self.kv_cache_fraction * fraction)
+
     def resolved_kv_dtype(self, model_dtype: str) -> str:
         """The KV pool's element type. auto: float16 for a float32 model (half the memory and
         the memory traffic of float32 KV; the C kernels convert half rows to float32 exactly,
@@ -211,22 +218,40 @@ class SchedulerConfig:
     chunked_prefill: bool = True
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_speculative")
 MAX_SPECULATIVE_TOKENS = 32        # drafts per step; past a few the acceptance of the last ones is ~0
 MAX_PROMPT_LOOKUP = 32             # n-gram length: the proposer indexes every length up to it, per token
 SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+SPECULATIVE_FIELDS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    "draft_model": {"method", "num_speculative_tokens", "model", "quantization"},
+    "self_speculative": {"method", "num_speculative_tokens", "draft_layers"},
+}
+SPECULATIVE_EXAMPLES = {
+    "ngram": SPECULATIVE_EXAMPLE,
+    "draft_model": '{"method": "draft_model", "model": "/path/to/small.gguf", "num_speculative_tokens": 4}',
+    "self_speculative": '{"method": "self_speculative", "draft_layers": 8, "num_speculative_tokens": 4}',
+}
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding, as vLLM's --speculative-config: `method` "ngram" drafts by prompt
-    lookup (kvserve/spec/ngram.py): the longest suffix of prompt_lookup_max down to
-    prompt_lookup_min tokens found earlier in the request's context proposes up to
-    num_speculative_tokens tokens per step (fewer while a request's drafts get rejected)."""
+    """Speculative decoding, as vLLM's --speculative-config. `method`:
+    - "ngram" drafts by prompt lookup (kvserve/spec/ngram.py): the longest suffix of
+      prompt_lookup_max down to prompt_lookup_min tokens found earlier in the request's context
+      proposes up to num_speculative_tokens tokens per step;
+    - "draft_model" drafts greedily with the model at `model` (a GGUF file or HF directory with
+      the target's vocabulary; `quantization` as for the target), on its own paged KV cache;
+    - "self_speculative" drafts greedily with the target's first `draft_layers` layers plus its
+      final norm and LM head (no extra weights; None: a third of the layers).
+    Every method drafts fewer tokens while a request's drafts get rejected (kvserve/spec/adaptive.py)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None              # draft_model: the draft's GGUF file or HF directory
+    quantization: str | None = None       # draft_model: its weight format (None: the loader's default)
+    draft_layers: int | None = None       # self_speculative: the target's layers the draft runs
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -245,6 +270,16 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max}): lower it or raise prompt_lookup_max")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model must name the draft model (a GGUF file or HF "
+                                 f"directory) for method draft_model, e.g. {SPECULATIVE_EXAMPLES['draft_model']}")
+            if self.quantization is not None and not isinstance(self.quantization, str):
+                raise ValueError(f"speculative_config.quantization must be a string, got {self.quantization!r}")
+        if self.draft_layers is not None and (isinstance(self.draft_layers, bool) or not isinstance(
+                self.draft_layers, int) or self.draft_layers < 1):
+            raise ValueError(f"speculative_config.draft_layers must be an integer >= 1, got {self.draft_layers!r} "
+                             f"(fewer than the model's layers), e.g. {SPECULATIVE_EXAMPLES['self_speculative']}")
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -260,12 +295,16 @@ class SpeculativeConfig:
                                  f"{SPECULATIVE_EXAMPLE}") from None
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object, like {SPECULATIVE_EXAMPLE}")
-        unknown = sorted(set(spec) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
-        if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {unknown}: the fields are method, "
-                             f"num_speculative_tokens, prompt_lookup_max, prompt_lookup_min")
         if "method" not in spec:
             raise ValueError(f"speculative_config.method is missing: write it like {SPECULATIVE_EXAMPLE}")
+        method = spec["method"]
+        if not isinstance(method, str) or method not in SPECULATIVE_FIELDS:
+            raise ValueError(f"speculative_config.method {method!r} is not supported: use one of "
+                             f"{list(SPECULATIVE_METHODS)}, e.g. {SPECULATIVE_EXAMPLE}")
+        unknown = sorted(set(spec) - SPECULATIVE_FIELDS[method])
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown} for method {method}: its fields are "
+                             f"{sorted(SPECULATIVE_FIELDS[method])}, e.g. {SPECULATIVE_EXAMPLES[method]}")
         return cls(**spec)
 
 
@@ -318,8 +357,10 @@ def add_engine_args(parser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM takes it, e.g. '" + SPECULATIVE_EXAMPLE.replace("%", "%%")
-                        + "' (prompt lookup: drafts copied from the request's own context, verified in "
-                          "one step; outputs follow the same distribution). Default: off")
+                        + "' (prompt lookup: drafts copied from the request's own context), or method "
+                          "draft_model with \"model\": PATH (a small model with the same tokenizer), or "
+                          "self_speculative with \"draft_layers\": L (the model's first L layers). Drafts are "
+                          "verified in one step; outputs follow the same distribution. Default: off")
 
 
 def engine_config_from_args(args) -> EngineConfig:

@@ -42,7 +42,7 @@ from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
 from kvserve.runner.sampler import TokenLogprobs
 from kvserve.sampling_params import ParamError, SamplingParams, is_text
-from kvserve.spec.drafter import Drafter
+from kvserve.spec.drafter import Drafter, load_draft
 from kvserve.spec.rejection import RejectionSampler
 
 log = logging.getLogger("kvserve")
@@ -103,12 +103,21 @@ class EngineCore:
         kv_dtype = config.cache.resolved_kv_dtype(config.model.dtype)
         self.kv_shape = KVShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, DTYPE_BYTES[kv_dtype],
                                 KV_SCALE_BYTES.get(kv_dtype, 0))
+        # A draft model's KV cache (speculative decoding) takes its share of the budget, in
+        # proportion to its bytes per token: it holds as many blocks as the target's.
+        draft = load_draft(config.speculative, loaded, config) if config.speculative is not None else None
+        cache = config.cache
+        if draft is not None:
+            draft_bytes = KVShape(draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim,
+                                  DTYPE_BYTES[kv_dtype], KV_SCALE_BYTES.get(kv_dtype, 0)).bytes_per_token
+            cache = cache.share(self.kv_shape.bytes_per_token / (self.kv_shape.bytes_per_token + draft_bytes))
         # One KV group per attention window (full first), each sized from the budget (config.py).
-        self.kv_groups = config.cache.kv_groups(self.kv_shape, [arch.window_of(i) for i in range(arch.num_layers)],
-                                                config.scheduler)
+        self.kv_groups = cache.kv_groups(self.kv_shape, [arch.window_of(i) for i in range(arch.num_layers)],
+                                         config.scheduler)
         self.num_blocks = sum(g.num_blocks for g in self.kv_groups)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_groups, self.max_model_len)
-        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
+        self.drafter = (Drafter.create(config.speculative, draft, config, max(g.num_blocks for g in self.kv_groups))
+                        if config.speculative is not None else None)
         self.runner = ModelRunner(loaded, config, self.kv_groups,
                                   verifier=RejectionSampler() if self.drafter is not None else None)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or arch.eos_token_ids)
@@ -154,7 +163,7 @@ class EngineCore:
                 f"  {self._kv_cache_line()}; "
                 f"prefix caching {'on' if self.config.cache.enable_prefix_caching else 'off'}\n"
                 f"  steps: {self.step_path}"
-                + (f"\n  speculative decoding: {self.config.speculative}" if self.config.speculative else ""))
+                + (f"\n  speculative decoding: {self.drafter.describe()}" if self.drafter else ""))
 
     @property
     def step_path(self) -> str:
@@ -435,11 +444,17 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         batch_rows = sum(1 for c in sched.chunks if c.sample)
-        for c in sched.chunks:
-            req = c.request
-            if (c.sample and req.status == RequestStatus.RUNNING and req.request_id in self._seq_to_group
-                    and not self.grammar.constrained(req.request_id)):
-                req.spec_token_ids = self.drafter.propose(req, batch_rows)
+        reqs = [c.request for c in sched.chunks
+                if c.sample and c.request.status == RequestStatus.RUNNING and c.request.request_id in self._seq_to_group
+                and not self.grammar.constrained(c.request.request_id)]
+        if reqs:
+            try:
+                proposed = self.drafter.propose_batch(reqs, batch_rows)
+            except Exception:        # a draft is only a guess: these requests decode without one
+                log.exception("drafting failed for %d request(s); they decode without drafts this step", len(reqs))
+                proposed = [[] for _ in reqs]
+            for req, drafts in zip(reqs, proposed):
+                req.spec_token_ids = drafts
         self.drafter.stats.draft_seconds += time.perf_counter() - t0
 
     def _forget_sequence(self, seq_id: str) -> None:

@@ -202,11 +202,7 @@ class ModelRunner:
         spans = self._prompt_logprob_spans(out, meta.query_start_loc)
         rows = torch.tensor(sample_idx + [r for _, first, n, _ in spans for r in range(first, first + n)],
                             dtype=torch.long)
-        if self.layer_stack is not None and self.layer_stack.runs(self.kv_caches):
-            hidden = self.layer_stack(input_ids, positions, meta, self.kv_caches, rows,
-                                      [c.request.num_prompt_tokens for c in out.chunks])
-        else:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)[rows]
+        hidden = self._hidden(out, input_ids, positions, meta, rows)
         if rows.numel() == 0:
             return StepOutput()
         logits = self.model.compute_logits(hidden)
@@ -253,6 +249,28 @@ class ModelRunner:
                 g.set_state(state)
             raise
         return step
+
+    def _hidden(self, out: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """The model's final hidden states at the flat rows `rows`: the C layer stack or the
+        PyTorch forward (the one place that chooses)."""
+        if self.layer_stack is not None and self.layer_stack.runs(self.kv_caches):
+            return self.layer_stack(input_ids, positions, meta, self.kv_caches, rows,
+                                    [c.request.num_prompt_tokens for c in out.chunks])
+        return self.model(input_ids, positions, meta, self.kv_caches)[rows]
+
+    @torch.inference_mode()
+    def greedy_tokens(self, out: SchedulerOutput) -> list[int]:
+        """The argmax token after the last token of every chunk (a draft model's step: no
+        sampler, no drafts to verify, every chunk samples)."""
+        if out.copy_blocks:
+            self._copy_blocks(out.copy_blocks)
+        if not out.chunks:
+            return []
+        input_ids, positions, meta, _ = self.prepare(out)
+        rows = torch.tensor(meta.query_start_loc[1:], dtype=torch.long) - 1
+        logits = self.model.compute_logits(self._hidden(out, input_ids, positions, meta, rows))
+        return logits.argmax(dim=-1).tolist()
 
     def _sampling_row(self, req, constrained: bool = False) -> SamplingRow:
         return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,

@@ -1,7 +1,8 @@
 """The engine's side of speculative decoding: drafts per request, acceptance per request, counters.
 
-After each step the engine asks `Drafter.propose(request)` for the drafts of every request that
-just sampled and still runs; the scheduler feeds them with the request's last token next step
+After each step the engine asks `Drafter.propose_batch(requests)` for the drafts of every request
+that just sampled and still runs (n-gram lookup, kvserve/spec/ngram.py, or a draft model,
+kvserve/spec/draft_model.py); the scheduler feeds them with the request's last token next step
 (kvserve/core/scheduler.py), the runner verifies them (kvserve/spec/rejection.py), and the
 engine reports the outcome with `record` and the duration of every decode-only step with
 `observe_step`. The draft length adapts per request to its acceptance and to what a token row
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.config import SpeculativeConfig
+from kvserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from kvserve.core.request import Request
+from kvserve.model.early_exit import first_layers
+from kvserve.model.loader import load_model
 from kvserve.spec.adaptive import AdaptiveDraftLength
+from kvserve.spec.draft_model import DraftModelProposer
 from kvserve.spec.ngram import NgramProposer
 from kvserve.spec.step_cost import StepCostModel
 
@@ -31,12 +35,32 @@ class SpecDecodeStats:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer=None) -> None:
+        """`proposer`: NgramProposer (default) or DraftModelProposer (see `create`)."""
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer if proposer is not None else NgramProposer(config.prompt_lookup_min,
+                                                                            config.prompt_lookup_max)
         self._lengths: dict[str, AdaptiveDraftLength] = {}
         self.step_cost = StepCostModel()
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    @classmethod
+    def create(cls, config: SpeculativeConfig, draft, engine_config: EngineConfig, num_blocks: int) -> Drafter:
+        """The drafter for `config.method`; `draft`: the draft model (load_draft; None for ngram),
+        `num_blocks`: the blocks of its KV cache."""
+        if draft is None:
+            return cls(config)
+        return cls(config, DraftModelProposer(draft, engine_config, num_blocks))
+
+    def describe(self) -> str:
+        """One line for the start-up banner."""
+        if not isinstance(self.proposer, DraftModelProposer):
+            return f"n-gram prompt lookup, up to {self.config.num_speculative_tokens} drafts"
+        p = self.proposer
+        what = (f"the model's first {p.arch.num_layers} layers" if self.config.method == "self_speculative"
+                else f"draft model {self.config.model} ({p.arch.num_layers} layers)")
+        return (f"{what}, up to {self.config.num_speculative_tokens} greedy drafts, "
+                f"its own KV cache {p.kv_cache_bytes / 2**20:.0f} MiB")
 
     def observe_step(self, rows: int, seconds: float, verified: bool) -> None:
         """A decode-only step (no prompt token) of `rows` token rows, drafts included, took
@@ -45,17 +69,32 @@ class Drafter:
         if verified:
             self.stats.verify_seconds += seconds
 
-    def propose(self, req: Request, batch_rows: int = 1) -> list[int]:
-        """Draft tokens to verify after the request's last token (possibly none); batch_rows: the
+    def token_price(self, batch_rows: int) -> float:
+        """What one draft token costs, as a share of a step's throughput: its row in the
+        verifying step, plus, for a draft model, its share of a drafting round."""
+        share = self.step_cost.row_share(batch_rows)
+        round_cost = getattr(self.proposer, "round_cost", None)
+        if round_cost is not None:
+            step, draft = self.step_cost.seconds(batch_rows), round_cost.seconds(batch_rows)
+            if step and draft:
+                share += draft / step
+        return share
+
+    def propose_batch(self, reqs: list[Request], batch_rows: int = 1) -> list[list[int]]:
+        """Draft tokens to verify after each request's last token (possibly none); batch_rows: the
         decoding requests of the step, each one row without drafts (the price of a draft row)."""
-        room = req.max_tokens - req.num_output_tokens - 1   # the step emits the drafts accepted + 1 token
-        if room <= 0:
-            return []
-        length = self._lengths.get(req.request_id)
-        if length is None:
-            length = self._lengths[req.request_id] = AdaptiveDraftLength(self.config.num_speculative_tokens)
-        k = min(length.next_length(self.step_cost.row_share(batch_rows)), room)
-        return self.proposer.propose(req.request_id, req.all_token_ids, k) if k > 0 else []
+        price = self.token_price(batch_rows)
+        items = []
+        for req in reqs:
+            room = req.max_tokens - req.num_output_tokens - 1   # the step emits the drafts accepted + 1 token
+            length = self._lengths.get(req.request_id)
+            if length is None:
+                length = self._lengths[req.request_id] = AdaptiveDraftLength(self.config.num_speculative_tokens)
+            items.append((req, min(length.next_length(price), room) if room > 0 else 0))
+        return self.proposer.propose_batch(items)
+
+    def propose(self, req: Request, batch_rows: int = 1) -> list[int]:
+        return self.propose_batch([req], batch_rows)[0]
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """One verification's outcome: `num_accepted` of `num_drafts` draft tokens were accepted."""
@@ -78,4 +117,31 @@ class Drafter:
     def forget_requests(self) -> None:
         """Drop every request's state (the engine reset); the counters stay monotone."""
         self._lengths.clear()
-        self.proposer = NgramProposer(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        self.proposer.forget()
+
+
+def load_draft(config: SpeculativeConfig, target, engine_config: EngineConfig):
+    """The draft model of a model-drafting method (a LoadedModel), None for ngram: the target's
+    first draft_layers layers (default: a third), or the model at config.model, which must share
+    the target's tokenizer."""
+    if config.method == "ngram":
+        return None
+    if config.method == "self_speculative":
+        return first_layers(target, config.draft_layers or max(1, target.arch.num_layers // 3))
+    draft = load_model(ModelConfig(model=config.model, dtype=engine_config.model.dtype,
+                                   quantization=config.quantization))
+    check_same_vocabulary(target, draft)
+    return draft
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """A draft model must speak the target's tokens: same vocabulary size and the same ids for a
+    probe text; ValueError says which differs."""
+    if draft.arch.vocab_size != target.arch.vocab_size:
+        raise ValueError(f"speculative_config.model {draft.path} has a vocabulary of {draft.arch.vocab_size} "
+                         f"tokens, the target {target.path} {target.arch.vocab_size}: a draft model must share "
+                         f"the target's tokenizer")
+    probe = "Speculative decoding: the quick brown fox, 12345 {\"json\": [1, 2]}\n\tdef f(x): return x"
+    if draft.tokenizer.encode(probe) != target.tokenizer.encode(probe):
+        raise ValueError(f"speculative_config.model {draft.path} tokenizes text differently from the target "
+                         f"{target.path}: a draft model must share the target's tokenizer")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.core.request import Request
+
 
 class NgramIndex:
     """The latest start position of every n-gram of one growing token sequence, for n in
@@ -75,8 +77,15 @@ class NgramProposer:
             index = self._indexes[request_id] = NgramIndex(self.min_n, self.max_n)
         return index.propose(tokens, k)
 
+    def propose_batch(self, items: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to k drafts for each (request, k)."""
+        return [self.propose(req.request_id, req.all_token_ids, k) if k > 0 else [] for req, k in items]
+
     def free(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
+
+    def forget(self) -> None:
+        self._indexes.clear()
 
     def __len__(self) -> int:
         return len(self._indexes)

@@ -46,6 +46,17 @@ class StepCostModel:
         b = (self._xy / self._w - mx * my) / var
         return my - b * mx, b
 
+    def seconds(self, rows: int) -> float | None:
+        """The expected seconds of a step of `rows` rows: the fit, or the mean step while the
+        slope is unknown; None before any step."""
+        if self._w <= 0:
+            return None
+        ab = self.fit()
+        if ab is None:
+            return self._y / self._w
+        a, b = ab
+        return max(a + b * max(1, rows), 1e-9)
+
     def row_share(self, batch_rows: int) -> float:
         """The share of a step's throughput one more row costs, in a step of `batch_rows` rows."""
         B = max(1, batch_rows)

@@ -70,6 +70,20 @@ def test_speculative_config_is_parsed_like_vllms_flag():
                        ('{"method": "ngram", "prompt_lookup_max": 18446744073709551616}',
                         "prompt_lookup_max must be at most 32"),
                        ('{"method": "ngram", "prompt_lookup_min": 5}', "prompt_lookup_min"),
-                       ('{"method": "ngram", "k": 2}', "unknown field"), ('{"num_speculative_tokens": 2}', "method")]:
+                       ('{"method": "ngram", "k": 2}', "unknown field"), ('{"num_speculative_tokens": 2}', "method"),
+                       ('{"method": "draft_model"}', "must name the draft model"),
+                       ('{"method": "draft_model", "model": ""}', "must name the draft model"),
+                       ('{"method": "draft_model", "model": "m.gguf", "prompt_lookup_max": 3}',
+                        r"unknown field\(s\) \['prompt_lookup_max'\] for method draft_model"),
+                       ('{"method": "self_speculative", "draft_layers": 0}', "draft_layers"),
+                       ('{"method": "self_speculative", "draft_layers": true}', "draft_layers"),
+                       ('{"method": "self_speculative", "model": "m.gguf"}', "unknown field"),
+                       ('{"method": ["ngram"]}', "method")]:
         with pytest.raises(ValueError, match=field):
             make_engine_config(speculative_config=bad)
+    cfg = make_engine_config(speculative_config='{"method": "draft_model", "model": "small.gguf", '
+                                                '"num_speculative_tokens": 3}')
+    assert (cfg.speculative.method, cfg.speculative.model, cfg.speculative.num_speculative_tokens) == \
+        ("draft_model", "small.gguf", 3)
+    cfg = make_engine_config(speculative_config='{"method": "self_speculative", "draft_layers": 8}')
+    assert (cfg.speculative.method, cfg.speculative.draft_layers) == ("self_speculative", 8)

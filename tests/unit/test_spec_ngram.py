@@ -206,3 +206,50 @@ def test_drafter_counts_acceptance_by_position():
     s = d.stats
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 5, 2)
     assert s.accepted_per_position == [1, 1, 0]
+
+
+def test_step_cost_predicts_seconds():
+    m = StepCostModel()
+    assert m.seconds(1) is None
+    m.observe(2, 0.004)
+    assert m.seconds(7) == 0.004                  # one row count seen: the mean step
+    for rows in [1, 5, 1, 3] * 5:
+        m.observe(rows, 0.003 + 0.0015 * rows)
+    assert abs(m.seconds(4) - 0.009) < 1e-4     # the fit, the first step weighing in
+
+
+class _ModelProposer:
+    """A draft model's proposer, as the Drafter sees it: drafts and the cost of its rounds."""
+
+    def __init__(self):
+        self.round_cost = StepCostModel()
+        self.asked = []
+
+    def propose_batch(self, items):
+        self.asked.append([k for _, k in items])
+        return [[7] * k for _, k in items]
+
+
+def test_a_draft_models_rounds_raise_the_price_of_a_draft():
+    proposer = _ModelProposer()
+    d = Drafter(SpeculativeConfig(num_speculative_tokens=4), proposer)
+    for rows in [1, 2, 1, 3] * 10:
+        d.observe_step(rows, 0.004 + 0.001 * rows, verified=False)
+    row_share = d.step_cost.row_share(1)
+    assert d.token_price(1) == row_share          # no round measured yet: the row alone
+    for _ in range(10):
+        proposer.round_cost.observe(1, 0.004)      # a round costs 0.8 of a one-row step
+    assert abs(d.token_price(1) - (row_share + 0.8)) < 1e-6
+    assert d.propose_batch([make_request([1, 2, 3])]) == [[]]
+    # alpha 0.8 (the prior) does not pay for a price of 1.0: the request decodes plainly
+    assert proposer.asked[-1] == [0]
+    cheap = Drafter(SpeculativeConfig(num_speculative_tokens=4), _ModelProposer())
+    assert cheap.propose_batch([make_request([1, 2, 3])]) == [[7] * 4]     # rows at the prior price
+
+
+def test_a_draft_models_cache_takes_its_share_of_the_budget():
+    from kvserve.config import CacheConfig
+    c = CacheConfig(kv_cache_memory=1000)
+    assert c.share(0.6).kv_cache_memory == 600 and c.kv_cache_memory == 1000
+    assert CacheConfig(kv_cache_fraction=0.5).share(0.5).kv_cache_fraction == 0.25
+    assert CacheConfig(num_blocks_override=9).share(0.1).num_blocks_override == 9
