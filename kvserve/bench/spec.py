@@ -127,7 +127,7 @@ def main(args, argv: list[str]) -> int:
     from kvserve.config import SpeculativeConfig
     spec_json = args.speculative_config or DEFAULT_SPEC
     try:
-        SpeculativeConfig.parse(spec_json)
+        method = SpeculativeConfig.parse(spec_json).method
         chats = workload_chats(args.workloads.split(","))
     except ValueError as e:
         return common.die(str(e))
@@ -135,5 +135,5 @@ def main(args, argv: list[str]) -> int:
     result["runs"] = run(args, spec_json, chats)
     from kvserve.bench.report import md_table
     print(md_table(TABLE_HEADERS, table_rows(result["runs"][0]["workloads"])))
-    common.save_result(result, args.output, args.save, "spec-ngram")
+    common.save_result(result, args.output, args.save, f"spec-{method}")
     return 0
