@@ -11,6 +11,7 @@ USAGE = """kvserve <command> [options]
 
 commands:
   serve      start the OpenAI-compatible HTTP server (default model, 127.0.0.1:8000)
+  router     one endpoint over data-parallel replicas, routing by prompt prefix (--data-parallel-size N)
   generate   generate text for a prompt and print it
   chat       interactive chat in the terminal, streaming tokens as they come
   bench      benchmarks: throughput | serve | latency | roofline | report
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "serve":
         from kvserve.server.launcher import main as serve_main
         return serve_main(rest)
+    if cmd == "router":
+        from kvserve.router.launcher import main as router_main
+        return router_main(rest)
     if cmd == "bench":
         from kvserve.bench.cli import main as bench_main
         return bench_main(rest)

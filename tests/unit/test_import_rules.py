@@ -34,6 +34,8 @@ RULES: dict[str, set[str]] = {
     # package itself for __version__, and the tool-call format of structured.tools.
     "server": {"engine", "config", "config_file", "sampling_params", "outputs", "kvserve",
                "structured.tools"},   # tool-call prompts, grammars and parsing: protocol, not engine
+    # The router sees replicas over HTTP only: no engine, no torch; the OpenAI error body of server.errors.
+    "router": {"server.errors"},
     # The benchmarks drive kvserve as a user does: the HTTP server as a client, `kvserve.LLM` (the
     # package) offline, the engine flags of config. bench.tokenize counts tokens on the client side
     # with the served model's tokenizer (model.tokenizer only: no torch, no weights).
@@ -48,7 +50,7 @@ RULES: dict[str, set[str]] = {
     # engine, no scheduler), running each step as the runner would (runner.layer_stack).
     "eval_quality": {"config", "model", "ops", "runner.layer_stack"},
 }
-NO_TORCH = {"core", "config", "sampling_params", "outputs"}
+NO_TORCH = {"core", "config", "sampling_params", "outputs", "router"}
 
 
 def module_name(path: Path, root: Path = KVSERVE) -> str:

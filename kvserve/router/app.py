@@ -1,0 +1,194 @@
+"""The router's HTTP app: one OpenAI-compatible endpoint in front of data-parallel replicas.
+
+POST /v1/completions and /v1/chat/completions go to the replica the policy picks
+(kvserve/router/policy.py), streamed or not, with the client's headers (the API key is the
+replicas' to check); a client that disconnects closes the upstream stream, so the replica aborts
+the request. GET /v1/models is answered by a healthy replica. GET /health is 200 while a replica is
+healthy; GET /router/stats shows the replicas, their load and the routing counts.
+
+Health: every replica's /health is polled every `health_interval` seconds; a replica that fails it
+is out of rotation until it passes again. A request whose replica cannot be reached (connection
+refused, before anything was sent) goes to the next one; a replica that drops a request it was
+serving fails that request at once with a 502 (or, mid-stream, a final error event) naming the
+replica, and is out of rotation until its health check passes. With no healthy replica left, the
+answer is 503 at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.router.policy import Replica, Router, routing_key
+from kvserve.server.errors import error_body
+
+log = logging.getLogger("kvserve.router")
+
+FORWARD_HEADERS = ("authorization", "content-type", "accept", "user-agent")
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def build_router_app(router: Router, health_interval: float = 2.0, request_timeout: float = 600.0,
+                     api_key: str | None = None) -> FastAPI:
+    """`api_key`: when set, every route but /health needs 'Authorization: Bearer KEY' (checked
+    here, then passed on: replicas may check their own)."""
+    client: httpx.AsyncClient | None = None
+
+    async def check(replica: Replica) -> None:
+        try:
+            r = await client.get(f"{replica.url}/health", timeout=max(1.0, health_interval))
+            ok = r.status_code == 200
+            error = None if ok else f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, error = False, f"/health failed: {type(e).__name__}: {e}"
+        if ok != replica.healthy:
+            log.warning("replica %s is %s%s", replica.url, "healthy" if ok else "down", f" ({error})" if error else "")
+        replica.healthy = ok
+        if error:
+            replica.last_error = error
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.gather(*(check(r) for r in router.replicas))
+            await asyncio.sleep(health_interval)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        nonlocal client
+        client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0),
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        await asyncio.gather(*(check(r) for r in router.replicas))
+        task = asyncio.create_task(health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                              "invalid_request_error", code="invalid_api_key")
+        return await call_next(request)
+
+    def replica_lost(replica: Replica, e: Exception) -> None:
+        replica.healthy = False
+        replica.failures += 1
+        replica.last_error = f"{type(e).__name__}: {e}"
+        log.error("replica %s lost a request (%s); out of rotation until its health check passes",
+                  replica.url, replica.last_error)
+
+    def lost_message(replica: Replica) -> str:
+        return (f"replica {replica.url} failed while serving this request ({replica.last_error}); "
+                f"it is out of rotation until its health check passes: retry the request")
+
+    async def route(request: Request, path: str) -> Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(413, f"request body of {len(raw)} bytes is over the router's limit of {MAX_BODY_BYTES}",
+                          "invalid_request_error", code="request_too_large")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"We could not parse the JSON body of your request ({e}). The body must be a "
+                          "JSON object.", "invalid_request_error", code="invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_request_error", code="invalid_json")
+        key = routing_key(path, body)
+        stream = body.get("stream") is True
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        tried: tuple[Replica, ...] = ()
+        while True:
+            replica, _ = router.choose(key, exclude=tried)
+            if replica is None:
+                down = "; ".join(f"{r.url}: {r.last_error or 'not checked yet'}" for r in router.replicas)
+                return _error(503, f"no healthy replica can take the request ({down})", "service_unavailable",
+                              code="no_healthy_replica")
+            upstream = client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
+            replica.in_flight += 1
+            try:
+                response = await client.send(upstream, stream=True)
+            except httpx.ConnectError as e:       # nothing reached the replica: the next one may take it
+                replica.in_flight -= 1
+                replica_lost(replica, e)
+                tried += (replica,)
+                continue
+            except httpx.HTTPError as e:
+                replica.in_flight -= 1
+                replica_lost(replica, e)
+                return _error(502, lost_message(replica), "server_error", code="replica_failed")
+            break
+        passed = {k: v for k, v in response.headers.items()
+                  if k.lower() in ("content-type", "retry-after", "x-request-id")}
+        passed["x-kvserve-replica"] = replica.url
+        if not stream or response.status_code != 200:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError as e:
+                replica_lost(replica, e)
+                return _error(502, lost_message(replica), "server_error", code="replica_failed")
+            finally:
+                replica.in_flight -= 1
+                await response.aclose()
+            return Response(content, status_code=response.status_code, headers=passed)
+
+        async def relay():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                replica_lost(replica, e)
+                yield f"data: {json.dumps(error_body(lost_message(replica), 'server_error', code='replica_failed'))}\n\n".encode()
+            finally:                 # also when the client went away: closing upstream aborts the request there
+                replica.in_flight -= 1
+                await response.aclose()
+
+        return StreamingResponse(relay(), status_code=200, headers=passed)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await route(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await route(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        for replica in router.healthy():
+            try:
+                r = await client.get(f"{replica.url}/v1/models", headers=headers, timeout=10)
+            except httpx.HTTPError as e:
+                replica_lost(replica, e)
+                continue
+            return Response(r.content, status_code=r.status_code, headers={"content-type": r.headers.get(
+                "content-type", "application/json")})
+        return _error(503, "no healthy replica", "service_unavailable", code="no_healthy_replica")
+
+    @app.get("/health")
+    async def health():
+        n = len(router.healthy())
+        return JSONResponse({"healthy_replicas": n, "replicas": len(router.replicas)}, status_code=200 if n else 503)
+
+    @app.get("/router/stats")
+    async def stats():
+        return router.stats()
+
+    return app
