@@ -71,15 +71,20 @@ async def drive(url: str, args) -> tuple[list[float], float]:
             await conversation(client, model, i, args.turns, ttfts)
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(args.conversations)))
-    return ttfts, time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    await client.close()
+    return ttfts, wall
 
 
 def run_policy(policy: str, args) -> dict:
+    """`policy`: a --policy name, for prefix optionally with its balance slack: prefix:2."""
+    policy, _, slack = policy.partition(":")
     urls, procs = start_replicas(args.replicas, ["--max-model-len", "2048", "--no-access-log", "--log-level", "warning"],
                                  None)
     port = 18500 + os.getpid() % 1000
     router = subprocess.Popen([sys.executable, "-m", "kvserve", "router", "--port", str(port), "--policy", policy,
-                               "--log-level", "warning"] + [a for u in urls for a in ("--replica", u)])
+                               "--log-level", "warning"] + (["--balance-slack", slack] if slack else [])
+                              + [a for u in urls for a in ("--replica", u)])
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(200):
@@ -100,7 +105,7 @@ def run_policy(policy: str, args) -> dict:
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queries = sum(a[1] - b[1] for a, b in zip(after, before))
     ttfts.sort()
-    return {"policy": policy, "hit_rate": hits / queries if queries else 0.0, "prompt_tokens": queries,
+    return {"policy": policy + (f" (slack {slack})" if slack else ""), "hit_rate": hits / queries if queries else 0.0, "prompt_tokens": queries,
             "ttft_mean_s": statistics.mean(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
             "wall_s": wall, "routed": [r["routed"] for r in stats["replicas"]]}
 

@@ -208,9 +208,16 @@ def section_structured(res: dict) -> list[str]:
 def section_spec(res: dict) -> list[str]:
     from kvserve.bench.spec import TABLE_HEADERS, table_rows
     run = res["runs"][0]
-    return [f"`{json.dumps(run['config']['speculative_config'])}`, {run['config']['steps']}; a token row costs "
-            f"{run['config']['row_share_at_batch_1']:.2f} of a one-row step here (fitted over the run)", "",
-            md_table(TABLE_HEADERS, table_rows(run["workloads"]))]
+    out = [f"`{json.dumps(run['config']['speculative_config'])}`, {run['config']['steps']}; a token row costs "
+           f"{run['config']['row_share_at_batch_1']:.2f} of a one-row step here (fitted over the run)", "",
+           md_table(TABLE_HEADERS, table_rows(run["workloads"]))]
+    peer = next((r for r in res["runs"][1:] if r["engine"] == "llamacpp"), None)
+    if peer is not None:
+        from kvserve.bench.spec import PEER_HEADERS, peer_table
+        out += ["", f"llama.cpp's llama-server in the same command, plain and with `{peer['config']['spec_args']}`:", "",
+                md_table(TABLE_HEADERS[:5], [row[:5] for row in table_rows(peer["workloads"])]), "",
+                md_table(PEER_HEADERS, peer_table([run, peer]))]
+    return out
 
 
 SECTIONS = {"roofline": "Hardware limits (roofline)", "latency": "Latency", "throughput": "Offline throughput",

@@ -10,21 +10,28 @@ verification) come from the engine's spec_decode counters.
 
 Workloads: the copy-heavy prompts in kvserve/bench/data/spec-prompts.json (repeat a notice, rename
 a function in code, answer by quoting documents) and w1, the standard open chat request.
+
+`--peer llamacpp --llamacpp-bin llama-server`: in the same command, llama.cpp's server on the same
+GGUF and the same prompt token ids (1 slot, prompt cache off, ignore_eos, greedy), started once
+plain and once with --llamacpp-spec-args (default: its prompt-lookup mode, `--spec-type
+ngram-simple`), each workload streamed --repeat times; decode tok/s as above, from the stream.
 """
 from __future__ import annotations
 
 import gc
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
 from kvserve.bench import common
 from kvserve.bench.datasets import standard_requests
-from kvserve.bench.throughput import add_output_args
+from kvserve.bench.throughput import add_output_args, add_peer_args, threads
 
 PROMPTS = Path(__file__).parent / "data" / "spec-prompts.json"
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+DEFAULT_LLAMACPP_SPEC = "--spec-type ngram-simple"
 
 
 def add_args(p) -> None:
@@ -35,6 +42,9 @@ def add_args(p) -> None:
     g.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
     g.add_argument("--repeat", type=int, default=5, help="timed pairs of runs per workload (default: %(default)s)")
     add_engine_args(p)
+    add_peer_args(p, "run")
+    p.add_argument("--llamacpp-spec-args", default=DEFAULT_LLAMACPP_SPEC,
+                   help="llama-server flags of its speculative run (default: %(default)s)")
     add_output_args(p)
 
 
@@ -78,7 +88,8 @@ def run(args, spec_json: str, chats: dict[str, list[dict] | None]) -> list[dict]
     spec = LLM(config=engine_config_from_args(args))
     print(spec.engine.describe(), file=sys.stderr)
     rows = []
-    for name, ids in workloads(chats, plain).items():
+    prompts = workloads(chats, plain)
+    for name, ids in prompts.items():
         _decode_run(plain, ids, 8), _decode_run(spec, ids, 8)   # warm-up
         before = _counters(spec)
         tp, ts = [], []
@@ -104,7 +115,46 @@ def run(args, spec_json: str, chats: dict[str, list[dict] | None]) -> list[dict]
               "row_share_at_batch_1": share}
     del plain, spec
     gc.collect()
-    return [{"engine": "kvserve", "mode": "offline", "config": config, "workloads": rows}]
+    return [{"engine": "kvserve", "mode": "offline", "config": config, "workloads": rows, "prompt_ids": prompts}]
+
+
+def run_llamacpp(args, prompts: dict[str, list[int]], gguf: str) -> dict:
+    """llama-server plain, then with --llamacpp-spec-args, on the same prompt token ids."""
+    from kvserve.bench.datasets import BenchRequest
+    from kvserve.bench.latency import server_samples
+    from kvserve.bench.servers import llamacpp_server
+    kw = {"extra": {"cache_prompt": False}}
+    tok_s: dict[str, dict[str, list[float]]] = {name: {} for name in prompts}
+    for label, extra in (("plain", []), ("spec", shlex.split(args.llamacpp_spec_args))):
+        server = llamacpp_server(gguf, threads(args), 1, args.llamacpp_ctx, args.llamacpp_bin,
+                                 shlex.split(args.llamacpp_args) + extra)
+        with server as url:
+            for name, ids in prompts.items():
+                samples = server_samples(url, BenchRequest(ids, args.output_len), args.repeat, kw, flush=False)
+                tok_s[name][label] = [s["decode_tok_s"] for s in samples]
+                print(f"llama.cpp {label} {name}: decode {statistics.median(tok_s[name][label]):.1f} tok/s",
+                      file=sys.stderr)
+    rows = [{"workload": name, "prompt_tokens": len(ids), "output_tokens": args.output_len,
+             "plain_decode_tok_s": statistics.median(tok_s[name]["plain"]),
+             "spec_decode_tok_s": statistics.median(tok_s[name]["spec"]),
+             "plain_samples": tok_s[name]["plain"], "spec_samples": tok_s[name]["spec"],
+             "speedup": statistics.median(tok_s[name]["spec"]) / statistics.median(tok_s[name]["plain"]),
+             "acceptance": None, "mean_accepted_length": None} for name, ids in prompts.items()]
+    return {"engine": "llamacpp", "mode": "server", "config": {"binary": args.llamacpp_bin, "threads": threads(args),
+            "spec_args": args.llamacpp_spec_args, "extra_args": args.llamacpp_args}, "workloads": rows}
+
+
+def peer_table(runs: list[dict]) -> list[list]:
+    """Per workload: speculative decode tok/s of kvserve and llama.cpp, each engine's speed-up, and
+    the ratio of the two speculative figures."""
+    ours, peer = runs[0]["workloads"], runs[1]["workloads"]
+    return [[a["workload"], f"{a['spec_decode_tok_s']:.1f}", f"x{a['speedup']:.2f}", f"{b['spec_decode_tok_s']:.1f}",
+             f"x{b['speedup']:.2f}", f"x{a['spec_decode_tok_s'] / b['spec_decode_tok_s']:.2f}"]
+            for a, b in zip(ours, peer)]
+
+
+PEER_HEADERS = ["workload", "kvserve speculative tok/s", "kvserve speed-up", "llama.cpp speculative tok/s",
+                "llama.cpp speed-up", "kvserve / llama.cpp"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -131,9 +181,18 @@ def main(args, argv: list[str]) -> int:
         chats = workload_chats(args.workloads.split(","))
     except ValueError as e:
         return common.die(str(e))
+    if set(args.peer) - {"llamacpp"}:
+        return common.die("bench spec compares with llama.cpp only: --peer llamacpp --llamacpp-bin PATH")
+    from kvserve.bench.servers import llamacpp_available
+    if args.peer and not (args.llamacpp_bin and llamacpp_available(args.llamacpp_bin)):
+        return common.die("--peer llamacpp needs --llamacpp-bin PATH: llama.cpp's own llama-server "
+                          "(llama-cpp-python's server has no speculative modes)")
     result = common.new_result("spec", argv, args)
     result["runs"] = run(args, spec_json, chats)
     from kvserve.bench.report import md_table
     print(md_table(TABLE_HEADERS, table_rows(result["runs"][0]["workloads"])))
+    if args.peer:
+        result["runs"].append(run_llamacpp(args, result["runs"][0]["prompt_ids"], common.model_path(args.model)))
+        print(md_table(PEER_HEADERS, peer_table(result["runs"])))
     common.save_result(result, args.output, args.save, f"spec-{method}")
     return 0

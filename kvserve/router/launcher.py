@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="prefix",
                    help="prefix: the replica holding the longest prefix, within a load slack; least_loaded; "
                         "random (default: %(default)s)")
-    p.add_argument("--balance-slack", type=int, default=4,
-                   help="prefix policy: requests in flight a replica may have above the least loaded one and "
-                        "still get a prefix it holds (default: %(default)s)")
+    p.add_argument("--balance-slack", type=int, default=1,
+                   help="prefix policy: requests in flight a replica may have above the least loaded one (L) and "
+                        "still get a prefix it holds: max(this, --balance-ratio x L) (default: %(default)s)")
+    p.add_argument("--balance-ratio", type=float, default=0.25,
+                   help="prefix policy: the slack as a share of L under load (default: %(default)s)")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between health checks of every replica (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
@@ -120,7 +122,8 @@ def main(argv: list[str]) -> int:
             started, procs = start_replicas(args.data_parallel_size, engine_args, args.api_key)
             urls += started
         try:
-            router = Router(urls, args.policy, balance_slack=args.balance_slack)
+            router = Router(urls, args.policy, balance_slack=args.balance_slack,
+                            balance_ratio=args.balance_ratio)
         except ValueError as e:
             print(f"kvserve router: {e}", file=sys.stderr)
             return 2

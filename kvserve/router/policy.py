@@ -10,13 +10,16 @@ Each replica remembers the block hashes of the prompts it was sent (an LRU of at
 
 `prefix` policy: among healthy replicas, the one that remembers the longest run of the request's
 leading blocks wins when that run is at least `min_match_blocks` long and the replica's load
-(requests in flight) is at most the least loaded replica's plus `balance_slack`; otherwise the
-least loaded replica wins (ties go round robin). The `least_loaded` and `random` policies exist to
+(requests in flight) is at most the least loaded replica's, L, plus max(balance_slack,
+balance_ratio x L); otherwise the least loaded replica wins (ties go round robin). A prefix every
+request shares (a system prompt) must not pull all traffic to the first replica that saw it: the
+slack is small, so the second replica soon takes a request and holds that prefix too. The `least_loaded` and `random` policies exist to
 compare against. Pure Python: no I/O, no locks (the router calls it from one event loop).
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -68,7 +71,8 @@ class Replica:
 
 class Router:
     def __init__(self, urls: list[str], policy: str = "prefix", min_match_blocks: int = 1,
-                 balance_slack: int = 4, max_blocks: int = 100_000, seed: int = 0) -> None:
+                 balance_slack: int = 1, balance_ratio: float = 0.25, max_blocks: int = 100_000,
+                 seed: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {list(POLICIES)}")
         if not urls:
@@ -79,6 +83,7 @@ class Router:
         self.policy = policy
         self.min_match_blocks = min_match_blocks
         self.balance_slack = balance_slack
+        self.balance_ratio = balance_ratio
         self.max_blocks = max_blocks
         self._rng = random.Random(seed)
         self._next = 0
@@ -108,7 +113,8 @@ class Router:
             low = min(r.in_flight for r in candidates)
             best = max(candidates, key=lambda r: (r.matched_blocks(hashes), -r.in_flight))
             matched = best.matched_blocks(hashes)
-            if matched >= self.min_match_blocks and best.in_flight <= low + self.balance_slack:
+            slack = max(self.balance_slack, math.ceil(self.balance_ratio * low))
+            if matched >= self.min_match_blocks and best.in_flight <= low + slack:
                 choice = best
             else:
                 choice, matched = self._least_loaded(candidates), 0

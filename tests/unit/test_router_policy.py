@@ -49,7 +49,7 @@ def test_new_prefixes_spread_over_the_least_loaded():
 
 
 def test_affinity_yields_to_load_beyond_the_slack():
-    r = make(balance_slack=2)
+    r = make(balance_slack=2, balance_ratio=0.0)
     home, _ = r.choose(SYSTEM + "q0")
     home.in_flight = 3                      # the others have 0: more than the slack of 2
     other, matched = r.choose(SYSTEM + "q1")
@@ -70,6 +70,30 @@ def test_unhealthy_replicas_get_nothing_and_none_left_means_none():
     r.replicas[1].healthy = True
     assert r.choose(SYSTEM, exclude=(r.replicas[1],)) == (None, 0)
     assert r.choose(SYSTEM)[0] is r.replicas[1]
+
+
+def test_the_slack_grows_with_the_load():
+    r = make(balance_slack=1, balance_ratio=0.25)
+    home, _ = r.choose(SYSTEM + "q0")
+    for rep in r.replicas:
+        rep.in_flight = 20
+    home.in_flight = 25                      # 20 + max(1, 5): still home
+    assert r.choose(SYSTEM + "q1")[0] is home
+    home.in_flight = 26
+    assert r.choose(SYSTEM + "q2")[0] is not home
+
+
+def test_a_prefix_everyone_shares_does_not_pull_every_request_to_one_replica():
+    r = make(urls=(A, B))
+    homes = []
+    for i in range(8):                       # four conversations at a time
+        rep, _ = r.choose(SYSTEM + f"conversation {i}")
+        rep.in_flight += 1
+        homes.append(rep.url)
+        if i % 4 == 3:
+            for x in r.replicas:
+                x.in_flight = 0
+    assert homes.count(A) == homes.count(B) == 4
 
 
 def test_least_loaded_and_random_ignore_prefixes():
