@@ -22,3 +22,18 @@ def test_bench_spec_runs_both_engines_and_reports_acceptance(default_gguf, tmp_p
 def test_bench_spec_refuses_an_unknown_workload(default_gguf, capsys):
     assert main(["spec", "--workloads", "nope"]) == 2
     assert "unknown workload" in capsys.readouterr().err
+
+
+def test_bench_spec_needs_llama_servers_binary_for_the_peer(default_gguf, capsys):
+    assert main(["spec", "--peer", "llamacpp"]) == 2
+    assert "--llamacpp-bin" in capsys.readouterr().err
+    assert main(["spec", "--peer", "hf"]) == 2
+    assert "llama.cpp only" in capsys.readouterr().err
+
+
+def test_the_peer_table_sets_both_engines_side_by_side():
+    from kvserve.bench.spec import PEER_HEADERS, peer_table
+    ours = {"workloads": [{"workload": "w1", "spec_decode_tok_s": 300.0, "speedup": 1.5}]}
+    peer = {"workloads": [{"workload": "w1", "spec_decode_tok_s": 100.0, "speedup": 1.25}]}
+    assert peer_table([ours, peer]) == [["w1", "300.0", "x1.50", "100.0", "x1.25", "x3.00"]]
+    assert len(PEER_HEADERS) == 6
