@@ -26,7 +26,7 @@ import operator
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,6 +39,8 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.grammar import GrammarManager
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.runner import tensor_parallel
 from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
 from kvserve.runner.sampler import TokenLogprobs
 from kvserve.sampling_params import ParamError, SamplingParams, is_text
@@ -91,6 +93,11 @@ class EngineCore:
         self.config = config
         torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
+        # Tensor parallelism: the other ranks start first and load their shards while this
+        # process loads its own (runner/tensor_parallel.py).
+        if config.tensor_parallel_size > 1 and config.model.quantization is None:
+            config = self.config = replace(config, model=replace(config.model, quantization="none"))
+        self.tp = tensor_parallel.start(config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         loaded = load_model(config.model)
         self.load_seconds = time.perf_counter() - t0
         self.model_path = loaded.path
@@ -118,8 +125,19 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_groups, self.max_model_len)
         self.drafter = (Drafter.create(config.speculative, draft, config, max(g.num_blocks for g in self.kv_groups))
                         if config.speculative is not None else None)
-        self.runner = ModelRunner(loaded, config, self.kv_groups,
-                                  verifier=RejectionSampler() if self.drafter is not None else None)
+        if self.tp is not None:
+            try:
+                if not isinstance(loaded.model, LlamaForCausalLM):
+                    raise ValueError(f"tensor parallelism runs the Llama family only, not {arch.name}")
+                shard = tensor_parallel.shard_model(loaded, 0, config.tensor_parallel_size)
+                self.tp.broadcast(self.kv_groups)           # the other ranks size their pools alike
+            except Exception:
+                self.tp.kill()
+                raise
+            self.runner = ModelRunner(shard, config, self.kv_groups, tp=self.tp)
+        else:
+            self.runner = ModelRunner(loaded, config, self.kv_groups,
+                                      verifier=RejectionSampler() if self.drafter is not None else None)
         self.eos_token_ids = set(getattr(self.tokenizer, "eos_token_ids", None) or arch.eos_token_ids)
         self.grammar = GrammarManager(self.tokenizer, arch.vocab_size,
                                       overlap=config.num_threads < len(os.sched_getaffinity(0)))
@@ -130,6 +148,12 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_step_tokens = 0                 # tokens the last step scheduled (for /metrics)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do without them)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+            self.tp = None
 
     # ---- capacity facts printed at start ----
     @property
@@ -169,6 +193,8 @@ class EngineCore:
     def step_path(self) -> str:
         """How the runner runs a step, e.g. "C layer stack, avx2 kernels" (benchmarks record it)."""
         stack = self.runner.layer_stack
+        if self.tp is not None:
+            return f"PyTorch forward, tensor-parallel over {self.tp.world} processes (gloo)"
         return f"C layer stack, {stack.isa} kernels" if stack is not None else "PyTorch forward"
 
     # ---- requests in ----
@@ -480,6 +506,8 @@ class EngineCore:
         """The runner's step; if it raises, the chunks responsible fail alone (see the module doc)."""
         try:
             return self.runner.execute(sched, grammar)
+        except tensor_parallel.RankLost:
+            raise                   # no step can run: not a request's fault
         except Exception as e:
             log.error("model step of %d chunks failed; isolating the request(s) responsible:\n%s",
                       len(sched.chunks), traceback.format_exc())

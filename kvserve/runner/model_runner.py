@@ -77,9 +77,13 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, loaded, config: EngineConfig, num_blocks: int | list[KVGroup],
-                 verifier: Verifier | None = None):
+                 verifier: Verifier | None = None, tp=None):
         """`num_blocks`: the KV groups with their pool sizes (config.CacheConfig.kv_groups), or a
-        block count for one group holding every layer."""
+        block count for one group holding every layer. `tp`: rank 0's TensorParallelGroup
+        (runner/tensor_parallel.py) when the model is a tensor-parallel shard: each step is
+        broadcast to the other ranks and the logits gathered from them."""
+        self.tp = tp
+        self.vocab_size = loaded.arch.vocab_size
         self.model = loaded.model
         self.arch = loaded.arch
         self.block_size = config.cache.block_size
@@ -109,7 +113,8 @@ class ModelRunner:
         self.verifier = verifier
         # The C layer stack takes one block table and one window for every layer.
         one_window = len({self.arch.window_of(i) for i in range(self.arch.num_layers)}) == 1
-        self.layer_stack = CLayerStack.build(self.model) if len(self.kv_groups) == 1 and one_window else None
+        self.layer_stack = (CLayerStack.build(self.model) if len(self.kv_groups) == 1 and one_window and tp is None
+                            else None)
         if self.layer_stack is not None:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
                      self.layer_stack.isa)
@@ -197,15 +202,22 @@ class ModelRunner:
         if out.copy_blocks:
             self._copy_blocks(out.copy_blocks)
         if not out.chunks:
+            if self.tp is not None and out.copy_blocks:
+                self.tp.broadcast(("step", out.copy_blocks, None))
             return StepOutput()
         input_ids, positions, meta, sample_idx = self.prepare(out)
         spans = self._prompt_logprob_spans(out, meta.query_start_loc)
         rows = torch.tensor(sample_idx + [r for _, first, n, _ in spans for r in range(first, first + n)],
                             dtype=torch.long)
-        hidden = self._hidden(out, input_ids, positions, meta, rows)
+        if self.tp is not None:
+            logits = self._tensor_parallel_logits(out, input_ids, positions, meta, rows)
+        else:
+            hidden = self._hidden(out, input_ids, positions, meta, rows)
+            if rows.numel() == 0:
+                return StepOutput()
+            logits = self.model.compute_logits(hidden)
         if rows.numel() == 0:
             return StepOutput()
-        logits = self.model.compute_logits(hidden)
         step = StepOutput(prompt_logprobs=self._prompt_logprobs(spans, logits[len(sample_idx):]))
         sampling = [c for c in out.chunks if c.sample]
         if not sampling:
@@ -258,6 +270,13 @@ class ModelRunner:
             return self.layer_stack(input_ids, positions, meta, self.kv_caches, rows,
                                     [c.request.num_prompt_tokens for c in out.chunks])
         return self.model(input_ids, positions, meta, self.kv_caches)[rows]
+
+    def _tensor_parallel_logits(self, out: SchedulerOutput, input_ids, positions, meta, rows) -> torch.Tensor:
+        """Every rank runs the step on its shard; the vocabulary slices of the logits are gathered."""
+        from kvserve.runner.tensor_parallel import shard_logits
+        self.tp.broadcast(("step", out.copy_blocks, (input_ids, positions, meta, rows)))
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)[rows]
+        return self.tp.gather_logits(shard_logits(self.model, hidden), self.vocab_size)
 
     @torch.inference_mode()
     def greedy_tokens(self, out: SchedulerOutput) -> list[int]:

@@ -1,0 +1,260 @@
+"""Tensor parallelism on torch.distributed (gloo on CPU): one engine process, N-1 worker processes.
+
+Sharding (Megatron's, on a loaded Llama-family model with float weights):
+
+    attention   rank r holds a contiguous run of KV heads (uneven splits allowed: 3 heads over 2
+                ranks are 2 + 1) and the query heads that attend to them; qkv_proj is split by
+                rows (column-parallel), o_proj by columns (row-parallel), then one all-reduce.
+    MLP         gate/up split by rows, down by columns, then one all-reduce.
+    LM head     split by vocabulary rows; the logits are all-gathered.
+    KV cache    each rank's pool holds its own KV heads, for the same block tables.
+
+The engine process is rank 0: its scheduler decides, its ModelRunner prepares each step's flat
+batch and broadcasts it (`TensorParallelGroup.run_step`); every rank runs the same forward on its
+shard, and rank 0 samples from the gathered logits. Workers (`worker_main`) only execute.
+
+A worker that dies makes the next step raise RankLost at once (each step first checks that every
+worker process is alive), and a collective that stalls raises after the group's timeout (30 s):
+the engine stops instead of hanging.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("kvserve")
+
+TIMEOUT_S = 30
+
+
+class RankLost(RuntimeError):
+    """A tensor-parallel rank is gone: no step can run."""
+
+
+def kv_head_split(num_kv_heads: int, world: int) -> list[range]:
+    """Contiguous KV heads per rank, as even as they go (3 over 2: [0, 1], [2])."""
+    if world > num_kv_heads:
+        raise ValueError(f"--tensor-parallel-size {world} is more than the model's {num_kv_heads} KV heads: "
+                         f"use at most {num_kv_heads}")
+    base, extra = divmod(num_kv_heads, world)
+    out, start = [], 0
+    for r in range(world):
+        n = base + (1 if r < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def even_split(n: int, world: int, rank: int) -> range:
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+class AllReduced(nn.Module):
+    """A row-parallel linear: this rank's partial product, summed over the ranks (its bias once)."""
+
+    def __init__(self, linear: nn.Module, group) -> None:
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def _set_weight(linear, weight: torch.Tensor, shard_sizes: list[int], bias: torch.Tensor | None) -> None:
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    linear.shard_sizes = shard_sizes
+    linear.out_features, linear.in_features = weight.shape
+    linear.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+
+
+def shard_model(loaded, rank: int, world: int, group=None):
+    """`loaded` (a LoadedModel of the Llama family with float weights) cut to rank `rank`'s shard,
+    in place; returns the LoadedModel with the shard's arch (its heads, its MLP width)."""
+    model, arch = loaded.model, loaded.arch
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not hasattr(lin, "weight") or lin.weight is None or not lin.weight.is_floating_point():
+                raise ValueError("tensor parallelism runs float weights: load the model with --quantization none")
+    kv = kv_head_split(arch.num_kv_heads, world)[rank]
+    per_kv = arch.num_heads // arch.num_kv_heads
+    hd = arch.head_dim
+    q_rows = range(kv.start * per_kv * hd, kv.stop * per_kv * hd)
+    kv_rows = range(kv.start * hd, kv.stop * hd)
+    inter = even_split(arch.intermediate_size, world, rank)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_size, kv_size = attn.q_size, attn.kv_size
+        w = attn.qkv_proj.weight
+        rows = ([*q_rows] + [q_size + i for i in kv_rows] + [q_size + kv_size + i for i in kv_rows])
+        idx = torch.tensor(rows, dtype=torch.long)
+        b = attn.qkv_proj.bias
+        _set_weight(attn.qkv_proj, w[idx], [len(q_rows), len(kv_rows), len(kv_rows)],
+                    None if b is None else b[idx])
+        attn.num_heads, attn.num_kv_heads = len(q_rows) // hd, len(kv_rows) // hd
+        attn.q_size, attn.kv_size = len(q_rows), len(kv_rows)
+        o = attn.o_proj
+        _set_weight(o, o.weight[:, q_rows.start:q_rows.stop], [arch.hidden_size],
+                    o.bias if (o.bias is not None and rank == 0) else None)
+        attn.o_proj = AllReduced(o, group)
+        gu = mlp.gate_up_proj
+        I = arch.intermediate_size
+        idx = torch.tensor([*inter] + [I + i for i in inter], dtype=torch.long)
+        _set_weight(gu, gu.weight[idx], [len(inter), len(inter)], None if gu.bias is None else gu.bias[idx])
+        d = mlp.down_proj
+        _set_weight(d, d.weight[:, inter.start:inter.stop], [arch.hidden_size],
+                    d.bias if (d.bias is not None and rank == 0) else None)
+        mlp.down_proj = AllReduced(d, group)
+    vocab = even_split(arch.vocab_size, world, rank)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.tp_head = head[vocab.start:vocab.stop].contiguous()
+    model.tp_group = group
+    shard_arch = dataclasses.replace(arch, num_heads=len(q_rows) // hd, num_kv_heads=len(kv_rows) // hd,
+                                     intermediate_size=len(inter))
+    model.arch = shard_arch
+    return dataclasses.replace(loaded, arch=shard_arch)
+
+
+def shard_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits."""
+    return F.linear(hidden, model.tp_head).float()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelGroup:
+    """Rank 0's side: the worker processes and the collectives of a step."""
+
+    def __init__(self, world: int, workers: list[subprocess.Popen], group=None) -> None:
+        self.world = world
+        self.workers = workers        # `python -m kvserve.runner.tensor_parallel` per rank 1..world-1
+        self.group = group
+
+    def check_workers(self) -> None:
+        for rank, p in enumerate(self.workers, 1):
+            if p.poll() is not None:
+                raise RankLost(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}: "
+                               f"no step can run; restart the engine")
+
+    def broadcast(self, payload) -> None:
+        self.check_workers()
+        try:
+            dist.broadcast_object_list([payload], src=0, group=self.group)
+        except RuntimeError as e:
+            raise RankLost(f"tensor-parallel broadcast failed ({e}): a rank is gone or stalled") from e
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        parts = [torch.empty(local.shape[0], len(even_split(vocab_size, self.world, r)), dtype=local.dtype)
+                 for r in range(self.world)]
+        try:
+            dist.all_gather(parts, local.contiguous(), group=self.group)
+        except RuntimeError as e:
+            raise RankLost(f"tensor-parallel all-gather failed ({e}): a rank is gone or stalled") from e
+        return torch.cat(parts, dim=1)
+
+    def kill(self) -> None:
+        """Stop the workers at once (start-up failed on rank 0)."""
+        for p in self.workers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def shutdown(self) -> None:
+        try:
+            if all(p.poll() is None for p in self.workers):
+                dist.broadcast_object_list([("stop",)], src=0, group=self.group)
+        except RuntimeError:
+            pass
+        for p in self.workers:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_group(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def start(config, world: int) -> TensorParallelGroup:
+    """Start ranks 1..world-1 (`python -m kvserve.runner.tensor_parallel`: no re-import of the
+    caller's script; each loads and shards the model) and join the group as rank 0."""
+    port = free_port()
+    workers = []
+    for rank in range(1, world):
+        p = subprocess.Popen([sys.executable, "-m", "kvserve.runner.tensor_parallel", str(rank), str(world), str(port)],
+                             stdin=subprocess.PIPE)
+        p.stdin.write(pickle.dumps(config))
+        p.stdin.close()
+        workers.append(p)
+    group = TensorParallelGroup(world, workers)
+    atexit.register(lambda: [w.kill() for w in workers if w.poll() is None])
+    try:
+        init_group(0, world, port)
+    except Exception:
+        for w in workers:
+            w.kill()
+        raise
+    return group
+
+
+def worker_main(rank: int, world: int, port: int, config) -> None:
+    """A worker rank: load, shard, then run every step rank 0 broadcasts until told to stop."""
+    from kvserve.model.loader import load_model
+    from kvserve.runner.model_runner import ModelRunner
+    torch.set_num_threads(max(1, config.num_threads))
+    init_group(rank, world, port)
+    loaded = shard_model(load_model(config.model), rank, world)
+    box = [None]
+    dist.broadcast_object_list(box, src=0)          # the KV groups rank 0 sized
+    runner = ModelRunner(loaded, config, box[0])
+    vocab = loaded.arch.vocab_size
+    log.info("tensor-parallel rank %d/%d ready (pid %d)", rank, world, os.getpid())
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        msg = box[0]
+        if msg[0] == "stop":
+            break
+        _, copy_blocks, step = msg
+        if copy_blocks:
+            runner._copy_blocks(copy_blocks)
+        if step is not None:
+            input_ids, positions, meta, rows = step
+            with torch.inference_mode():
+                hidden = runner.model(input_ids, positions, meta, runner.kv_caches)[rows]
+                local = shard_logits(runner.model, hidden)
+            parts = [torch.empty(local.shape[0], len(even_split(vocab, world, r)), dtype=local.dtype)
+                     for r in range(world)]
+            dist.all_gather(parts, local.contiguous())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve-tp %(levelname)s %(message)s")
+    worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), pickle.loads(sys.stdin.buffer.read()))
