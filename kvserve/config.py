@@ -318,6 +318,7 @@ class EngineConfig:
     num_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     device: str = "cpu"
     tensor_parallel_size: int = 1     # ranks the model is sharded over (runner/tensor_parallel.py)
+    pipeline_parallel_size: int = 1   # stages the layers are split into (runner/pipeline_parallel.py)
 
 
 # --- one definition of the engine's flags, shared by `kvserve generate|chat|serve|bench` ---
@@ -366,6 +367,9 @@ def add_engine_args(parser) -> None:
                    help="shard the model over N processes on this machine (torch.distributed, gloo): attention "
                         "by KV heads, MLP by columns/rows, the LM head by vocabulary; float weights only "
                         "(--quantization none is implied); each rank runs --threads threads (default: %(default)s)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="split the layers into N stages, one process each on this machine (torch.distributed, "
+                        "gloo), micro-batches in flight; each stage runs --threads threads (default: %(default)s)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -378,7 +382,8 @@ def engine_config_from_args(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, num_threads=args.threads, seed=args.seed,
         speculative_config=getattr(args, "speculative_config", None),
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
 
 
 def make_engine_config(model: str | None = None, *, dtype: str = "float32",
@@ -389,7 +394,7 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
                        max_num_seqs: int = 64, max_waiting: int = 1024,
                        num_threads: int | None = None, seed: int = 0,
                        speculative_config: str | dict | SpeculativeConfig | None = None,
-                       tensor_parallel_size: int = 1) -> EngineConfig:
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> EngineConfig:
     """Keyword arguments (as LLM(...) takes them) to an EngineConfig."""
     cfg = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization,
@@ -401,9 +406,14 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs, max_waiting=max_waiting),
         speculative=SpeculativeConfig.parse(speculative_config),
-        seed=seed, tensor_parallel_size=tensor_parallel_size)
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or not 1 <= tensor_parallel_size <= 64:
-        raise ValueError(f"tensor_parallel_size must be an integer from 1 to 64, got {tensor_parallel_size!r}")
+        seed=seed, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
+            raise ValueError(f"{name} must be an integer from 1 to 64, got {size!r}")
+    if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
+        raise ValueError("tensor and pipeline parallelism do not combine yet: use one of them")
+    if pipeline_parallel_size > 1 and cfg.speculative is not None:
+        raise ValueError("speculative decoding does not run with pipeline parallelism yet: drop one of them")
     if tensor_parallel_size > 1:
         if quantization not in (None, "none"):
             raise ValueError(f"tensor parallelism runs float weights: drop --quantization {quantization} "
@@ -413,8 +423,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
         cfg.model.quantization = "none"
     if num_threads:
         cfg.num_threads = num_threads
-    elif tensor_parallel_size > 1:      # the ranks share this machine's cores
-        cfg.num_threads = max(1, cfg.num_threads // tensor_parallel_size)
+    elif tensor_parallel_size * pipeline_parallel_size > 1:      # the ranks share this machine's cores
+        cfg.num_threads = max(1, cfg.num_threads // (tensor_parallel_size * pipeline_parallel_size))
     # The one place dtype aliases become canonical names: downstream sees only canonical ones.
     cfg.model.dtype = canonical_dtype(dtype, MODEL_DTYPES)
     if kv_cache_dtype != "auto":

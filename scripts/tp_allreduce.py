@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     if args.rank is not None:
         worker(args.rank, 2, args.port, args.hidden, rows, args.iters)
         return 0
-    from kvserve.runner.tensor_parallel import free_port
+    from kvserve.runner.ranks import free_port
     port = free_port()
     print("| rows | KiB | all-reduce median us | x 60 per step (30 layers x 2), ms |")
     print("|---|---|---|---|")

@@ -40,7 +40,8 @@ from kvserve.engine.grammar import GrammarManager
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.runner import tensor_parallel
+from kvserve.runner import pipeline_parallel, tensor_parallel
+from kvserve.runner.ranks import RankLost
 from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
 from kvserve.runner.sampler import TokenLogprobs
 from kvserve.sampling_params import ParamError, SamplingParams, is_text
@@ -97,7 +98,9 @@ class EngineCore:
         # process loads its own (runner/tensor_parallel.py).
         if config.tensor_parallel_size > 1 and config.model.quantization is None:
             config = self.config = replace(config, model=replace(config.model, quantization="none"))
-        self.tp = tensor_parallel.start(config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self.ranks = tensor_parallel.start(config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        if config.pipeline_parallel_size > 1:
+            self.ranks = pipeline_parallel.start(config, config.pipeline_parallel_size)
         loaded = load_model(config.model)
         self.load_seconds = time.perf_counter() - t0
         self.model_path = loaded.path
@@ -125,16 +128,24 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_groups, self.max_model_len)
         self.drafter = (Drafter.create(config.speculative, draft, config, max(g.num_blocks for g in self.kv_groups))
                         if config.speculative is not None else None)
-        if self.tp is not None:
+        if self.ranks is not None:          # the ranks of tensor or pipeline parallelism
+            pipeline = config.pipeline_parallel_size > 1
             try:
                 if not isinstance(loaded.model, LlamaForCausalLM):
-                    raise ValueError(f"tensor parallelism runs the Llama family only, not {arch.name}")
-                shard = tensor_parallel.shard_model(loaded, 0, config.tensor_parallel_size)
-                self.tp.broadcast(self.kv_groups)           # the other ranks size their pools alike
+                    raise ValueError(f"tensor and pipeline parallelism run the Llama family only, not {arch.name}")
+                if pipeline:
+                    if len(self.kv_groups) > 1:
+                        raise ValueError("pipeline parallelism runs models with one attention window only")
+                    shard = pipeline_parallel.keep_stage(loaded, 0, config.pipeline_parallel_size)
+                    self.ranks.broadcast(self.kv_groups[0].num_blocks)     # each stage's pools: as many blocks
+                else:
+                    shard = tensor_parallel.shard_model(loaded, 0, config.tensor_parallel_size)
+                    self.ranks.broadcast(self.kv_groups)           # the other ranks size their pools alike
             except Exception:
-                self.tp.kill()
+                self.ranks.kill()
                 raise
-            self.runner = ModelRunner(shard, config, self.kv_groups, tp=self.tp)
+            self.runner = (ModelRunner(shard, config, self.kv_groups[0].num_blocks, pp=self.ranks) if pipeline
+                           else ModelRunner(shard, config, self.kv_groups, tp=self.ranks))
         else:
             self.runner = ModelRunner(loaded, config, self.kv_groups,
                                       verifier=RejectionSampler() if self.drafter is not None else None)
@@ -151,9 +162,9 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do without them)."""
-        if self.tp is not None:
-            self.tp.shutdown()
-            self.tp = None
+        if self.ranks is not None:
+            self.ranks.shutdown()
+            self.ranks = None
 
     # ---- capacity facts printed at start ----
     @property
@@ -193,8 +204,9 @@ class EngineCore:
     def step_path(self) -> str:
         """How the runner runs a step, e.g. "C layer stack, avx2 kernels" (benchmarks record it)."""
         stack = self.runner.layer_stack
-        if self.tp is not None:
-            return f"PyTorch forward, tensor-parallel over {self.tp.world} processes (gloo)"
+        if self.ranks is not None:
+            kind = "pipeline stages" if self.config.pipeline_parallel_size > 1 else "tensor-parallel ranks"
+            return f"PyTorch forward, {self.ranks.world} {kind} (gloo)"
         return f"C layer stack, {stack.isa} kernels" if stack is not None else "PyTorch forward"
 
     # ---- requests in ----
@@ -506,7 +518,7 @@ class EngineCore:
         """The runner's step; if it raises, the chunks responsible fail alone (see the module doc)."""
         try:
             return self.runner.execute(sched, grammar)
-        except tensor_parallel.RankLost:
+        except RankLost:
             raise                   # no step can run: not a request's fault
         except Exception as e:
             log.error("model step of %d chunks failed; isolating the request(s) responsible:\n%s",

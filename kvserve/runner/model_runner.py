@@ -77,12 +77,14 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, loaded, config: EngineConfig, num_blocks: int | list[KVGroup],
-                 verifier: Verifier | None = None, tp=None):
+                 verifier: Verifier | None = None, tp=None, pp=None):
         """`num_blocks`: the KV groups with their pool sizes (config.CacheConfig.kv_groups), or a
         block count for one group holding every layer. `tp`: rank 0's TensorParallelGroup
         (runner/tensor_parallel.py) when the model is a tensor-parallel shard: each step is
-        broadcast to the other ranks and the logits gathered from them."""
+        broadcast to the other ranks and the logits gathered from them. `pp`: rank 0's
+        PipelineGroup (runner/pipeline_parallel.py) when the model holds pipeline stage 0."""
         self.tp = tp
+        self.pp = pp
         self.vocab_size = loaded.arch.vocab_size
         self.model = loaded.model
         self.arch = loaded.arch
@@ -114,7 +116,7 @@ class ModelRunner:
         # The C layer stack takes one block table and one window for every layer.
         one_window = len({self.arch.window_of(i) for i in range(self.arch.num_layers)}) == 1
         self.layer_stack = (CLayerStack.build(self.model) if len(self.kv_groups) == 1 and one_window and tp is None
-                            else None)
+                            and pp is None else None)
         if self.layer_stack is not None:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
                      self.layer_stack.isa)
@@ -204,6 +206,8 @@ class ModelRunner:
         if not out.chunks:
             if self.tp is not None and out.copy_blocks:
                 self.tp.broadcast(("step", out.copy_blocks, None))
+            if self.pp is not None and out.copy_blocks:
+                self.pp.broadcast(("step", out.copy_blocks, []))
             return StepOutput()
         input_ids, positions, meta, sample_idx = self.prepare(out)
         spans = self._prompt_logprob_spans(out, meta.query_start_loc)
@@ -211,6 +215,8 @@ class ModelRunner:
                             dtype=torch.long)
         if self.tp is not None:
             logits = self._tensor_parallel_logits(out, input_ids, positions, meta, rows)
+        elif self.pp is not None:
+            logits = self.pp.step_logits(self, out)
         else:
             hidden = self._hidden(out, input_ids, positions, meta, rows)
             if rows.numel() == 0:

@@ -13,34 +13,24 @@ The engine process is rank 0: its scheduler decides, its ModelRunner prepares ea
 batch and broadcasts it (`TensorParallelGroup.run_step`); every rank runs the same forward on its
 shard, and rank 0 samples from the gathered logits. Workers (`worker_main`) only execute.
 
-A worker that dies makes the next step raise RankLost at once (each step first checks that every
-worker process is alive), and a collective that stalls raises after the group's timeout (30 s):
-the engine stops instead of hanging.
+The processes and their failures (a dead rank raises RankLost at the next step, a stalled
+collective after 30 s) are runner/ranks.py's.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import datetime
 import logging
 import os
-import pickle
-import socket
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.runner.ranks import Ranks, RankLost, init_group, start_ranks, worker_args
+
 log = logging.getLogger("kvserve")
-
-TIMEOUT_S = 30
-
-
-class RankLost(RuntimeError):
-    """A tensor-parallel rank is gone: no step can run."""
+__all__ = ["RankLost", "TensorParallelGroup", "shard_model", "start"]
 
 
 def kv_head_split(num_kv_heads: int, world: int) -> list[range]:
@@ -136,32 +126,8 @@ def shard_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, model.tp_head).float()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class TensorParallelGroup:
-    """Rank 0's side: the worker processes and the collectives of a step."""
-
-    def __init__(self, world: int, workers: list[subprocess.Popen], group=None) -> None:
-        self.world = world
-        self.workers = workers        # `python -m kvserve.runner.tensor_parallel` per rank 1..world-1
-        self.group = group
-
-    def check_workers(self) -> None:
-        for rank, p in enumerate(self.workers, 1):
-            if p.poll() is not None:
-                raise RankLost(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}: "
-                               f"no step can run; restart the engine")
-
-    def broadcast(self, payload) -> None:
-        self.check_workers()
-        try:
-            dist.broadcast_object_list([payload], src=0, group=self.group)
-        except RuntimeError as e:
-            raise RankLost(f"tensor-parallel broadcast failed ({e}): a rank is gone or stalled") from e
+class TensorParallelGroup(Ranks):
+    """Rank 0's side of tensor parallelism: the ranks, and the gather of a step's logits."""
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         parts = [torch.empty(local.shape[0], len(even_split(vocab_size, self.world, r)), dtype=local.dtype)
@@ -172,55 +138,10 @@ class TensorParallelGroup:
             raise RankLost(f"tensor-parallel all-gather failed ({e}): a rank is gone or stalled") from e
         return torch.cat(parts, dim=1)
 
-    def kill(self) -> None:
-        """Stop the workers at once (start-up failed on rank 0)."""
-        for p in self.workers:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def shutdown(self) -> None:
-        try:
-            if all(p.poll() is None for p in self.workers):
-                dist.broadcast_object_list([("stop",)], src=0, group=self.group)
-        except RuntimeError:
-            pass
-        for p in self.workers:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def init_group(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-
 
 def start(config, world: int) -> TensorParallelGroup:
-    """Start ranks 1..world-1 (`python -m kvserve.runner.tensor_parallel`: no re-import of the
-    caller's script; each loads and shards the model) and join the group as rank 0."""
-    port = free_port()
-    workers = []
-    for rank in range(1, world):
-        p = subprocess.Popen([sys.executable, "-m", "kvserve.runner.tensor_parallel", str(rank), str(world), str(port)],
-                             stdin=subprocess.PIPE)
-        p.stdin.write(pickle.dumps(config))
-        p.stdin.close()
-        workers.append(p)
-    group = TensorParallelGroup(world, workers)
-    atexit.register(lambda: [w.kill() for w in workers if w.poll() is None])
-    try:
-        init_group(0, world, port)
-    except Exception:
-        for w in workers:
-            w.kill()
-        raise
-    return group
+    """Start ranks 1..world-1 (each loads and shards the model) and join them as rank 0."""
+    return start_ranks(TensorParallelGroup, "kvserve.runner.tensor_parallel", config, world)
 
 
 def worker_main(rank: int, world: int, port: int, config) -> None:
@@ -257,4 +178,4 @@ def worker_main(rank: int, world: int, port: int, config) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve-tp %(levelname)s %(message)s")
-    worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), pickle.loads(sys.stdin.buffer.read()))
+    worker_main(*worker_args())

@@ -48,7 +48,7 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1(default_gguf, tp1_outputs):
 
 def test_a_killed_rank_stops_the_engine_at_once_with_a_clear_error(default_gguf):
     llm = _llm(default_gguf, 2)
-    worker = llm.engine.tp.workers[0]
+    worker = llm.engine.ranks.workers[0]
     worker.kill()
     worker.wait()
     t0 = time.monotonic()
