@@ -142,6 +142,15 @@ class AsyncEngine:
         lock): the server runs it in a worker thread, so a slow schema never stalls the steps."""
         self.core.grammar.check(params)
 
+    async def call(self, fn):
+        """fn(core) on the engine thread, between two steps; its result (or exception) here."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead}")
+        self._loop = asyncio.get_running_loop()
+        future = self._loop.create_future()
+        self._send(("call", fn, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
@@ -283,6 +292,18 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine died: {err!r}"))
 
     def _apply(self, command: tuple) -> None:
+        if command[0] == "call":
+            _, fn, future = command
+            try:
+                result, error = fn(self.core), None
+            except Exception as e:  # the caller's to handle
+                result, error = None, e
+
+            def settle():
+                if not future.done():
+                    future.set_exception(error) if error is not None else future.set_result(result)
+            self._loop.call_soon_threadsafe(settle)
+            return
         if command[0] == "abort":
             if command[1] in self._live:
                 self.core.abort_request(command[1])

@@ -39,10 +39,12 @@ def _error(status: int, message: str, type: str, param: str | None = None, code:
 
 
 def build_router_app(router: Router, health_interval: float = 2.0, request_timeout: float = 600.0,
-                     api_key: str | None = None) -> FastAPI:
+                     api_key: str | None = None, prefill: Router | None = None) -> FastAPI:
     """`api_key`: when set, every route but /health needs 'Authorization: Bearer KEY' (checked
-    here, then passed on: replicas may check their own)."""
+    here, then passed on: replicas may check their own). `prefill`: the prefill replicas of
+    prefill/decode disaggregation (`router` then holds the decode replicas)."""
     client: httpx.AsyncClient | None = None
+    everyone = router.replicas + (prefill.replicas if prefill is not None else [])
 
     async def check(replica: Replica) -> None:
         try:
@@ -59,7 +61,7 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
     async def health_loop() -> None:
         while True:
-            await asyncio.gather(*(check(r) for r in router.replicas))
+            await asyncio.gather(*(check(r) for r in everyone))
             await asyncio.sleep(health_interval)
 
     @asynccontextmanager
@@ -67,7 +69,7 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
         nonlocal client
         client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0),
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        await asyncio.gather(*(check(r) for r in router.replicas))
+        await asyncio.gather(*(check(r) for r in everyone))
         task = asyncio.create_task(health_loop())
         try:
             yield
@@ -113,9 +115,12 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
         key = routing_key(path, body)
         stream = body.get("stream") is True
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        handover = await prefill_elsewhere(path, body, key, headers) if prefill is not None else None
         tried: tuple[Replica, ...] = ()
         while True:
             replica, _ = router.choose(key, exclude=tried)
+            if replica is not None and handover is not None:
+                await hand_over(replica, handover, headers)
             if replica is None:
                 down = "; ".join(f"{r.url}: {r.last_error or 'not checked yet'}" for r in router.replicas)
                 return _error(503, f"no healthy replica can take the request ({down})", "service_unavailable",
@@ -161,6 +166,54 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
         return StreamingResponse(relay(), status_code=200, headers=passed)
 
+    async def prefill_elsewhere(path: str, body: dict, key: str, headers: dict) -> bytes | None:
+        """Disaggregation, step 1: a prefill replica tokenizes the prompt as the endpoint would,
+        computes it and returns its KV blocks; None when that cannot be done (the decode replica
+        then computes the prompt itself: the handover only saves work)."""
+        if path.endswith("/chat/completions"):
+            ask = {"messages": body.get("messages")}
+        elif isinstance(body.get("prompt"), str):
+            ask = {"prompt": body["prompt"]}
+        elif isinstance(body.get("prompt"), list) and body["prompt"] and all(isinstance(t, int) for t in body["prompt"]):
+            ask = None
+        else:
+            return None
+        replica, _ = prefill.choose(key)
+        if replica is None:
+            return None
+        replica.in_flight += 1
+        try:
+            if ask is None:
+                ids = body["prompt"]
+            else:
+                r = await client.post(f"{replica.url}/tokenize", json={"model": body.get("model"), **ask}, headers=headers)
+                if r.status_code != 200:
+                    return None
+                ids = r.json()["tokens"]
+            r = await client.post(f"{replica.url}/v1/kv/prefill", json={"prompt_token_ids": ids}, headers=headers)
+            if r.status_code != 200:
+                log.warning("prefill on %s answered %d: the decode replica computes the prompt", replica.url,
+                            r.status_code)
+                return None
+            return r.content
+        except httpx.HTTPError as e:
+            replica_lost(replica, e)
+            return None
+        finally:
+            replica.in_flight -= 1
+
+    async def hand_over(replica: Replica, payload: bytes, headers: dict) -> None:
+        """Disaggregation, step 2: the decode replica adopts the blocks into its prefix cache."""
+        try:
+            r = await client.post(f"{replica.url}/v1/kv/import", content=payload,
+                                  headers={**headers, "content-type": "application/octet-stream"})
+            if r.status_code == 200:
+                router.handed_over_tokens += r.json().get("cached_tokens", 0)
+            else:
+                log.warning("KV import on %s answered %d: %s", replica.url, r.status_code, r.text[:200])
+        except httpx.HTTPError as e:
+            log.warning("KV import on %s failed (%s): it computes the prompt itself", replica.url, e)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await route(request, "/v1/completions")
@@ -189,6 +242,10 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
     @app.get("/router/stats")
     async def stats():
-        return router.stats()
+        out = router.stats()
+        if prefill is not None:
+            out["prefill"] = prefill.stats()["replicas"]
+            out["handed_over_tokens"] = router.handed_over_tokens
+        return out
 
     return app

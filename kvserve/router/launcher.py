@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(e.g. --max-model-len 4096).")
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a running replica, e.g. http://10.0.0.2:8000 (repeatable)")
+    p.add_argument("--prefill-replica", action="append", default=[], metavar="URL",
+                   help="prefill/decode disaggregation: a replica that computes prompts and hands their KV "
+                        "blocks to the --replica (decode) replicas (repeatable; default: none, every replica "
+                        "does both)")
     p.add_argument("--data-parallel-size", type=int, default=0, metavar="N",
                    help="start N `kvserve serve` replicas on 127.0.0.1 (default: none; give --replica instead)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -129,7 +133,14 @@ def main(argv: list[str]) -> int:
             return 2
         print(f"kvserve router: {len(urls)} replica(s) {urls}, policy {args.policy}, "
               f"on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        app = build_router_app(router, health_interval=args.health_interval, api_key=args.api_key)
+        prefill = None
+        if args.prefill_replica:
+            try:
+                prefill = Router([u.rstrip("/") for u in args.prefill_replica], "least_loaded")
+            except ValueError as e:
+                print(f"kvserve router: --prefill-replica: {e}", file=sys.stderr)
+                return 2
+        app = build_router_app(router, health_interval=args.health_interval, api_key=args.api_key, prefill=prefill)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
         return 0
     finally:

@@ -87,6 +87,7 @@ class Router:
         self.max_blocks = max_blocks
         self._rng = random.Random(seed)
         self._next = 0
+        self.handed_over_tokens = 0     # prefill/decode disaggregation: KV tokens the decode replicas adopted
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]

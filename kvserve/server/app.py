@@ -1,23 +1,28 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, args) -> FastAPI`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
-GET /version, GET /metrics, POST /tokenize, POST /detokenize, and the live dashboard
+GET /version, GET /metrics, POST /tokenize, POST /detokenize, POST /v1/kv/prefill and
+/v1/kv/import (prefill/decode disaggregation, kvserve/engine/kv_transfer.py), and the live dashboard
 (GET /dashboard, /dashboard/data: kvserve/server/dashboard.py).
 """
 from __future__ import annotations
 
 import json
+import uuid
 
 from fastapi import FastAPI, Request, Response
 
 from kvserve import __version__
 from kvserve.config import parse_size
+from kvserve.engine import kv_transfer
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.dashboard import install_dashboard
 from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_error_handlers
-from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, early_rejection
+from kvserve.server.guard import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_KV_TRANSFER_BYTES, GuardMiddleware,
+                                  early_rejection)
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest, chat_messages)
+                                     KVPrefillRequest, TokenizeRequest, chat_messages)
 from kvserve.server.serving import ServerState, admission_error, check_request, off_loop, with_cancellation
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completions import create_completion
@@ -38,7 +43,9 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body,
                        metrics_public=getattr(args, "metrics_public", False),
                        body_timeout=getattr(args, "body_timeout", None),
-                       overloaded=lambda: admission_error(state))
+                       overloaded=lambda: admission_error(state),
+                       path_limits={"/v1/kv/import": parse_size(getattr(args, "max_kv_transfer_bytes", None)
+                                                                or DEFAULT_MAX_KV_TRANSFER_BYTES)})
     # the same answer, given by the HTTP protocol before any ASGI work (connections.py)
     app.state.early_rejection = early_rejection(api_key, lambda pending: admission_error(state, pending))
 
@@ -100,6 +107,31 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         # json.dumps in a worker: FastAPI's own encoder walks a 400k-id list in Python on the loop
         body = await off_loop(json.dumps, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return Response(body, media_type="application/json")
+
+    @app.post("/v1/kv/prefill")
+    async def kv_prefill(request: KVPrefillRequest):
+        """Disaggregated prefill: compute the prompt (a one-token request), then hand over the KV
+        blocks its prefix cache now holds (kvserve/engine/kv_transfer.py), as application/octet-stream."""
+        ids = request.prompt_token_ids
+        vocab = engine.tokenizer.vocab_size
+        if not ids or len(ids) >= engine.max_model_len:
+            raise BadRequest(f"prompt_token_ids must hold 1 to {engine.max_model_len - 1} tokens", "prompt_token_ids")
+        if any(not 0 <= t < vocab for t in ids):
+            raise BadRequest(f"prompt_token_ids must be token ids in [0, {vocab})", "prompt_token_ids")
+        async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), f"kvprefill-{uuid.uuid4().hex}"):
+            pass
+        payload = await engine.call(lambda core: kv_transfer.export_blocks(core, ids))
+        return Response(payload, media_type="application/octet-stream")
+
+    @app.post("/v1/kv/import")
+    async def kv_import(raw_request: Request):
+        """Disaggregated decode: adopt a prefill instance's KV blocks into this engine's prefix cache."""
+        payload = await raw_request.body()
+        try:
+            tokens = await engine.call(lambda core: kv_transfer.adopt_blocks(core, payload))
+        except ValueError as e:
+            raise BadRequest(str(e), "body") from None
+        return {"cached_tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):

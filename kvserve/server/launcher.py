@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve /metrics and /dashboard/data without the API key (default: they need the key when one is set)")
     g.add_argument("--max-body-bytes", default="2MiB",
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    g.add_argument("--max-kv-transfer-bytes", default="512MiB",
+                   help="largest KV payload POST /v1/kv/import accepts (prefill/decode disaggregation through "
+                        "`kvserve router --prefill-replica`) (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them "
                         "(default: %(default)s)")

@@ -358,3 +358,9 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: Text | None = None
     tokens: list[int]
+
+
+# ---- /v1/kv/prefill (disaggregated prefill) ----
+
+class KVPrefillRequest(_Model):
+    prompt_token_ids: list[int]
