@@ -13,7 +13,8 @@ The engine loop is supervised: if anything raises out of a step (EngineCore alre
 request that breaks a step alone, so this is a bug, not bad input), the requests in flight fail
 with the cause, the core drops every request and its blocks (the model and KV tensors stay),
 the loop starts again and `kvserve:engine_restarts` counts it. More than MAX_RESTARTS within
-RESTART_WINDOW seconds and the engine is declared dead: /health answers 503.
+RESTART_WINDOW seconds, or a tensor/pipeline-parallel rank lost (RankLost), and the engine is
+declared dead: /health answers 503.
 
 Admission fast path: when the waiting queue is known to be full, `generate` raises
 QueueFullError on the event loop at once instead of waiting for the engine thread to get
@@ -31,6 +32,7 @@ import time
 from collections.abc import AsyncIterator
 
 from kvserve.engine.errors import QueueFullError
+from kvserve.runner.ranks import RankLost
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -236,7 +238,8 @@ class AsyncEngine:
                 log.exception("engine loop crashed")
                 now = time.monotonic()
                 crashes = [t for t in crashes if now - t < RESTART_WINDOW] + [now]
-                if len(crashes) > MAX_RESTARTS or not isinstance(e, Exception) or not self._recover(e):
+                if (len(crashes) > MAX_RESTARTS or not isinstance(e, Exception) or isinstance(e, RankLost)
+                        or not self._recover(e)):    # a lost rank: no restart can bring it back
                     self._die(e)
                     return
                 self.restarts += 1

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvserve.core.scheduler import SchedulerOutput
-from kvserve.runner.ranks import Ranks, RankLost, init_group, start_ranks, worker_args
+from kvserve.runner.ranks import Ranks, init_group, start_ranks, worker_args
 from kvserve.runner.tensor_parallel import even_split
 
 log = logging.getLogger("kvserve")
@@ -118,7 +118,7 @@ class PipelineGroup(Ranks):
             for h, req in pending:
                 req.wait()
         except RuntimeError as e:
-            raise RankLost(f"pipeline send/receive failed ({e}): a stage is gone or stalled") from e
+            raise self.lost("a send or receive between stages", e) from e
         return logits
 
 

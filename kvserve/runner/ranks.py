@@ -52,13 +52,27 @@ class Ranks:
                 raise RankLost(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}: no step can run; "
                                f"restart the engine")
 
+    def lost(self, what: str, err: Exception) -> RankLost:
+        """The error for a collective that failed: the rank that exited when one did (a killed
+        process may still be dying when its peers see the socket close), else the failure."""
+        for p in self.workers:
+            try:
+                p.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            self.check_workers()
+        except RankLost as named:
+            return named
+        return RankLost(f"{what} failed ({err}): a rank is gone or stalled")
+
     def broadcast(self, payload) -> None:
         """Send `payload` (any picklable object) to every rank."""
         self.check_workers()
         try:
             dist.broadcast_object_list([payload], src=0, group=self.group)
         except RuntimeError as e:
-            raise RankLost(f"broadcast to the ranks failed ({e}): a rank is gone or stalled") from e
+            raise self.lost("broadcast to the ranks", e) from e
 
     def kill(self) -> None:
         """Stop the workers at once (start-up failed on rank 0)."""

@@ -135,7 +135,7 @@ class TensorParallelGroup(Ranks):
         try:
             dist.all_gather(parts, local.contiguous(), group=self.group)
         except RuntimeError as e:
-            raise RankLost(f"tensor-parallel all-gather failed ({e}): a rank is gone or stalled") from e
+            raise self.lost("the all-gather of the logits", e) from e
         return torch.cat(parts, dim=1)
 
 

@@ -61,3 +61,4 @@ def test_a_killed_rank_stops_the_engine_at_once_with_a_clear_error(default_gguf)
 def test_tensor_parallel_refuses_what_it_cannot_shard(default_gguf):
     with pytest.raises(ValueError, match="more than the model's 3 KV heads"):
         LLM(default_gguf, tensor_parallel_size=4, num_threads=1, kv_cache_memory="32MiB")
+
