@@ -19,15 +19,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
 import openai
 
-from kvserve.router.launcher import start_replicas, stop_replicas
-from kvserve.runner.ranks import free_port
+from kvserve.router.launcher import running_router, start_replicas, stop_replicas
 
 LONG = ("The log of the lighthouse keeper records the tide, the wind and the ships that passed, day by day, "
         "in the same careful hand; ")
@@ -91,24 +89,12 @@ def setup(kind: str, args) -> dict:
     else:
         urls, procs = start_replicas(2, engine + ["--threads", "1"], None)
         extra = ["--prefill-replica", urls[0], "--replica", urls[1]]
-    port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "kvserve", "router", "--port", str(port), "--log-level",
-                               "warning", *extra])
-    url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        result = asyncio.run(run_load(url, args))
-        if kind != "mixed":
-            result["handed_over_tokens"] = httpx.get(f"{url}/router/stats", timeout=10).json()["handed_over_tokens"]
+        with running_router(["--log-level", "warning", *extra]) as url:
+            result = asyncio.run(run_load(url, args))
+            if kind != "mixed":
+                result["handed_over_tokens"] = httpx.get(f"{url}/router/stats", timeout=10).json()["handed_over_tokens"]
     finally:
-        router.terminate()
-        router.wait(30)
         stop_replicas(procs)
     return {"setup": kind, **result}
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -24,7 +22,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.router.launcher import start_replicas, stop_replicas
+from kvserve.router.launcher import running_router, start_replicas, stop_replicas
 
 SYSTEM = ("You are the support assistant of a hardware shop. Policies: returns within 30 days with the receipt; "
           "repairs under warranty for two years; shipping is free above 50 euros; store hours are 9 to 18 "
@@ -81,26 +79,15 @@ def run_policy(policy: str, args) -> dict:
     policy, _, slack = policy.partition(":")
     urls, procs = start_replicas(args.replicas, ["--max-model-len", "2048", "--no-access-log", "--log-level", "warning"],
                                  None)
-    port = 18500 + os.getpid() % 1000
-    router = subprocess.Popen([sys.executable, "-m", "kvserve", "router", "--port", str(port), "--policy", policy,
-                               "--log-level", "warning"] + (["--balance-slack", slack] if slack else [])
-                              + [a for u in urls for a in ("--replica", u)])
-    url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        before = [counters(u) for u in urls]
-        ttfts, wall = asyncio.run(drive(url, args))
-        after = [counters(u) for u in urls]
-        stats = httpx.get(f"{url}/router/stats", timeout=10).json()
+        with running_router(["--policy", policy, "--log-level", "warning"]
+                            + (["--balance-slack", slack] if slack else [])
+                            + [a for u in urls for a in ("--replica", u)]) as url:
+            before = [counters(u) for u in urls]
+            ttfts, wall = asyncio.run(drive(url, args))
+            after = [counters(u) for u in urls]
+            stats = httpx.get(f"{url}/router/stats", timeout=10).json()
     finally:
-        router.terminate()
-        router.wait(30)
         stop_replicas(procs)
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queries = sum(a[1] - b[1] for a, b in zip(after, before))

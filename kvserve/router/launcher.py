@@ -9,6 +9,7 @@ over them. Routing and health checks: kvserve/router/app.py and policy.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -82,20 +83,43 @@ def start_replicas(n: int, engine_args: list[str], api_key: str | None, timeout:
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + timeout
     for url, proc in zip(urls, procs):
-        while True:
-            if proc.poll() is not None:
-                stop_replicas(procs)
-                raise RuntimeError(f"replica {url} exited with code {proc.returncode} before it was ready")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                stop_replicas(procs)
-                raise RuntimeError(f"replica {url} not ready after {timeout:.0f} s")
-            time.sleep(0.25)
+        try:
+            wait_ready(url, proc, deadline)
+        except RuntimeError:
+            stop_replicas(procs)
+            raise
     return urls, procs
+
+
+def wait_ready(url: str, proc: subprocess.Popen, deadline: float) -> None:
+    """Until `url`/health answers 200; RuntimeError when `proc` exits first or time.monotonic()
+    passes `deadline`."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready in time")
+        time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def running_router(args: list[str], timeout: float = 60.0):
+    """`kvserve router ARGS` on a free 127.0.0.1 port, ready; yields its URL and stops it after
+    (scripts that measure routing set ups)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve", "router", "--port", str(port), *args])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, time.monotonic() + timeout)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def stop_replicas(procs) -> None:

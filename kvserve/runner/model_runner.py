@@ -204,10 +204,9 @@ class ModelRunner:
         if out.copy_blocks:
             self._copy_blocks(out.copy_blocks)
         if not out.chunks:
-            if self.tp is not None and out.copy_blocks:
-                self.tp.broadcast(("step", out.copy_blocks, None))
-            if self.pp is not None and out.copy_blocks:
-                self.pp.broadcast(("step", out.copy_blocks, []))
+            ranks = self.tp or self.pp
+            if ranks is not None and out.copy_blocks:      # the other ranks copy their pools' blocks too
+                ranks.broadcast(("step", out.copy_blocks, None))
             return StepOutput()
         input_ids, positions, meta, sample_idx = self.prepare(out)
         spans = self._prompt_logprob_spans(out, meta.query_start_loc)

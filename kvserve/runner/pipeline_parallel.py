@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvserve.core.scheduler import SchedulerOutput
-from kvserve.runner.ranks import Ranks, init_group, start_ranks, worker_args
+from kvserve.runner.ranks import Ranks, init_group, receive, start_ranks, steps, worker_args
 from kvserve.runner.tensor_parallel import even_split
 
 log = logging.getLogger("kvserve")
@@ -136,20 +136,10 @@ def worker_main(rank: int, stages: int, port: int, config) -> None:
     init_group(rank, stages, port)
     loaded = load_model(config.model)
     loaded = keep_stage(loaded, rank, stages)
-    box = [None]
-    dist.broadcast_object_list(box, src=0)          # the KV blocks rank 0 sized
-    runner = ModelRunner(loaded, config, box[0])
+    runner = ModelRunner(loaded, config, receive())          # the KV blocks rank 0 sized
     model, hidden_size, last = runner.model, loaded.arch.hidden_size, rank == stages - 1
     log.info("pipeline stage %d/%d ready (pid %d, %d layers)", rank, stages, os.getpid(), len(model.layers))
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        msg = box[0]
-        if msg[0] == "stop":
-            break
-        _, copy_blocks, parts = msg
-        if copy_blocks:
-            runner._copy_blocks(copy_blocks)
+    for parts in steps(runner):
         sends = []
         with torch.inference_mode():
             for positions, meta, rows, tokens in parts:

@@ -119,6 +119,27 @@ def start_ranks(cls, module: str, config, world: int):
     return cls(world, workers)
 
 
+def receive():
+    """A worker's next object from rank 0 (Ranks.broadcast)."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def steps(runner):
+    """A worker's steps from rank 0 until it says stop: each step's copy-on-write copies are
+    applied to `runner`'s pools here, then its work (when it has any) is yielded."""
+    while True:
+        msg = receive()
+        if msg[0] == "stop":
+            return
+        _, copy_blocks, work = msg
+        if copy_blocks:
+            runner._copy_blocks(copy_blocks)
+        if work is not None:
+            yield work
+
+
 def worker_args() -> tuple[int, int, int, object]:
     """A worker's (rank, world, port, config) from its command line and stdin."""
     return int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), pickle.loads(sys.stdin.buffer.read())

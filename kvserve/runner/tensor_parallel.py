@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.runner.ranks import Ranks, RankLost, init_group, start_ranks, worker_args
+from kvserve.runner.ranks import Ranks, RankLost, init_group, receive, start_ranks, steps, worker_args
 
 log = logging.getLogger("kvserve")
 __all__ = ["RankLost", "TensorParallelGroup", "shard_model", "start"]
@@ -126,17 +126,22 @@ def shard_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, model.tp_head).float()
 
 
+def gather_vocab(local: torch.Tensor, vocab_size: int, world: int, group=None) -> torch.Tensor:
+    """Every rank's vocabulary slice of the logits (shard_logits), side by side: [rows, vocab]."""
+    parts = [torch.empty(local.shape[0], len(even_split(vocab_size, world, r)), dtype=local.dtype)
+             for r in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
 class TensorParallelGroup(Ranks):
     """Rank 0's side of tensor parallelism: the ranks, and the gather of a step's logits."""
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        parts = [torch.empty(local.shape[0], len(even_split(vocab_size, self.world, r)), dtype=local.dtype)
-                 for r in range(self.world)]
         try:
-            dist.all_gather(parts, local.contiguous(), group=self.group)
+            return gather_vocab(local, vocab_size, self.world, self.group)
         except RuntimeError as e:
             raise self.lost("the all-gather of the logits", e) from e
-        return torch.cat(parts, dim=1)
 
 
 def start(config, world: int) -> TensorParallelGroup:
@@ -151,28 +156,13 @@ def worker_main(rank: int, world: int, port: int, config) -> None:
     torch.set_num_threads(max(1, config.num_threads))
     init_group(rank, world, port)
     loaded = shard_model(load_model(config.model), rank, world)
-    box = [None]
-    dist.broadcast_object_list(box, src=0)          # the KV groups rank 0 sized
-    runner = ModelRunner(loaded, config, box[0])
+    runner = ModelRunner(loaded, config, receive())          # the KV groups rank 0 sized
     vocab = loaded.arch.vocab_size
     log.info("tensor-parallel rank %d/%d ready (pid %d)", rank, world, os.getpid())
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        msg = box[0]
-        if msg[0] == "stop":
-            break
-        _, copy_blocks, step = msg
-        if copy_blocks:
-            runner._copy_blocks(copy_blocks)
-        if step is not None:
-            input_ids, positions, meta, rows = step
-            with torch.inference_mode():
-                hidden = runner.model(input_ids, positions, meta, runner.kv_caches)[rows]
-                local = shard_logits(runner.model, hidden)
-            parts = [torch.empty(local.shape[0], len(even_split(vocab, world, r)), dtype=local.dtype)
-                     for r in range(world)]
-            dist.all_gather(parts, local.contiguous())
+    for input_ids, positions, meta, rows in steps(runner):
+        with torch.inference_mode():
+            hidden = runner.model(input_ids, positions, meta, runner.kv_caches)[rows]
+            gather_vocab(shard_logits(runner.model, hidden), vocab, world)
     dist.destroy_process_group()
 
 

@@ -5,18 +5,13 @@ The stages run the same modules in the same order as one process's PyTorch forwa
 shapes of the matrix products change (a step's batch is cut into micro-batches), so PP=2 gives the
 greedy tokens of PP=1 and logprobs within 1e-4 (float weights and KV here); chunked prompts and
 prompt logprobs go through; a killed stage stops the engine at once."""
-import time
-
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from kvserve.runner.pipeline_parallel import micro_batches, stage_layers
-from kvserve.runner.ranks import RankLost
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:",
-           "Q: What is 17 * 23?\nA:", "Water boils at", "The quick brown fox", "import numpy as np\n"]
-PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+from tests.model.test_tensor_parallel import PARAMS, PROMPTS
 
 
 def _llm(default_gguf, pp):
@@ -66,14 +61,3 @@ def test_pp2_gives_the_tokens_and_logprobs_of_one_process(default_gguf):
     finally:
         llm.engine.close()
 
-
-def test_a_killed_stage_stops_the_engine_at_once(default_gguf):
-    llm = _llm(default_gguf, 2)
-    worker = llm.engine.ranks.workers[0]
-    worker.kill()
-    worker.wait()
-    t0 = time.monotonic()
-    with pytest.raises(RankLost, match=r"rank 1 \(pid \d+\) exited with code -9"):
-        llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
-    assert time.monotonic() - t0 < 30
-    llm.engine.close()

@@ -3,7 +3,7 @@ SmolLM2-135M has 3 KV heads, so TP=2 is the uneven split (2 + 1 heads, 6 + 3 que
 
 TP=2 gives the greedy tokens of TP=1 on 8 prompts and logprobs within 1e-4 (float32 KV cache:
 float16 KV rounds the tensor-parallel sums' last bits into visible differences); a killed rank
-makes the next step raise RankLost at once, never a hang."""
+makes the next step raise RankLost at once, never a hang (with pipeline stages too)."""
 import time
 
 import pytest
@@ -46,8 +46,12 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1(default_gguf, tp1_outputs):
     assert all(p.poll() is not None for p in llm.engine.runner.tp.workers)   # closed: the ranks exited
 
 
-def test_a_killed_rank_stops_the_engine_at_once_with_a_clear_error(default_gguf):
-    llm = _llm(default_gguf, 2)
+@pytest.mark.parametrize("kind", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_killed_rank_stops_the_engine_at_once_with_a_clear_error(default_gguf, kind):
+    """Tensor and pipeline parallelism share their ranks (runner/ranks.py): either way, a dead
+    worker makes the next step raise RankLost naming it."""
+    llm = LLM(default_gguf, quantization="none", num_threads=1, max_model_len=1024, kv_cache_memory="64MiB",
+              **{kind: 2})
     worker = llm.engine.ranks.workers[0]
     worker.kill()
     worker.wait()
