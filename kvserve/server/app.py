@@ -23,7 +23,8 @@ from kvserve.server.guard import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_KV_TRANSFE
                                   early_rejection)
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      KVPrefillRequest, TokenizeRequest, chat_messages)
-from kvserve.server.serving import ServerState, admission_error, check_request, off_loop, with_cancellation
+from kvserve.server.serving import (ServerState, admission_error, check_context, check_output, check_request, merge,
+                                    off_loop, open_streams, with_cancellation)
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completions import create_completion
 
@@ -113,13 +114,12 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         """Disaggregated prefill: compute the prompt (a one-token request), then hand over the KV
         blocks its prefix cache now holds (kvserve/engine/kv_transfer.py), as application/octet-stream."""
         ids = request.prompt_token_ids
-        vocab = engine.tokenizer.vocab_size
-        if not ids or len(ids) >= engine.max_model_len:
-            raise BadRequest(f"prompt_token_ids must hold 1 to {engine.max_model_len - 1} tokens", "prompt_token_ids")
-        if any(not 0 <= t < vocab for t in ids):
-            raise BadRequest(f"prompt_token_ids must be token ids in [0, {vocab})", "prompt_token_ids")
-        async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), f"kvprefill-{uuid.uuid4().hex}"):
-            pass
+        check_context(len(ids), 1, engine.max_model_len, "prompt_token_ids")
+        # the engine checks the ids (empty, outside the vocabulary) and admission as for any request
+        streams = await open_streams(engine, [ids], SamplingParams(max_tokens=1, temperature=0),
+                                     f"kvprefill-{uuid.uuid4().hex}", 0, None, names={"prompt": "prompt_token_ids"})
+        async for _, out in merge(streams):
+            check_output(out)
         payload = await engine.call(lambda core: kv_transfer.export_blocks(core, ids))
         return Response(payload, media_type="application/octet-stream")
 

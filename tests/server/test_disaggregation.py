@@ -63,9 +63,18 @@ def test_kv_endpoints_refuse_bad_input(pd):
     assert payload[:4] == b"KVX1"
     r = httpx.post(f"{decode.base_url}/v1/kv/import", content=payload[:-7], headers=AUTH, timeout=10)
     assert r.status_code == 400 and "bytes of KV" in r.json()["error"]["message"]
+    for header in (b'{"token_ids": [], "block_size": NaN}', b'{"token_ids": [1], "block_size": 16, "num_blocks": '
+                   b'18446744073709551616, "layers": 30, "dtype": "float16", "block_shape": [16, 3, 64]}'):
+        crafted = b"KVX1" + len(header).to_bytes(4, "little") + header
+        r = httpx.post(f"{decode.base_url}/v1/kv/import", content=crafted, headers=AUTH, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = httpx.post(f"{decode.base_url}/v1/kv/import", content=payload, headers=AUTH, timeout=10)
     assert r.status_code == 200 and r.json()["cached_tokens"] == 32
-    for bad in ([], [10**9], [-1]):
+    for bad in ([], [10**9], [-1], [2**64], [1] * 5000):
         r = httpx.post(f"{prefill.base_url}/v1/kv/prefill", json={"prompt_token_ids": bad}, headers=AUTH, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_token_ids"
+    for bad in (b'{"prompt_token_ids": [NaN]}', b'{"prompt_token_ids": ["\\ud800"]}', b'{"prompt_token_ids": 5}'):
+        r = httpx.post(f"{prefill.base_url}/v1/kv/prefill", content=bad, timeout=10,
+                       headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt_token_ids"), r.text
     assert httpx.post(f"{decode.base_url}/v1/kv/import", content=payload, timeout=10).status_code == 401
