@@ -53,6 +53,9 @@ def _load(args):
     except ValueError as e:          # a flag's value (e.g. --speculative-config): say which, exit 2
         print(f"kvserve: {e}", file=sys.stderr)
         sys.exit(2)
+    if config.distributed.rank != 0:      # another node's ranks (or torchrun's): execute rank 0's steps
+        from kvserve.engine.core import run_rank
+        sys.exit(run_rank(config))
     llm = LLM(config=config)
     print(llm.engine.describe(), file=sys.stderr)
     return llm

@@ -308,6 +308,83 @@ class SpeculativeConfig:
         return cls(**spec)
 
 
+DEFAULT_MASTER_PORT = 29500       # torchrun's default
+
+
+@dataclass
+class DistributedConfig:
+    """Where the ranks of tensor or pipeline parallelism run (runner/ranks.py): this process's rank,
+    and how the ranks meet. One machine: the engine process starts every rank on 127.0.0.1. Several
+    machines: the flags (`--nnodes/--node-rank/--master-addr/--master-port`; each node starts its
+    own share of the ranks) or torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+    torchrun starts every rank). Rank 0 runs the engine; the other ranks execute its steps."""
+    world: int = 1                    # tensor_parallel_size x pipeline_parallel_size
+    rank: int = 0                     # this process's rank
+    local_ranks: int = 1              # ranks on this machine (this process's threads share its cores)
+    spawn: int = 0                    # ranks this process starts on this machine (rank+1 .. rank+spawn)
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None    # None: rank 0 picks a free port (one machine)
+    torchrun: bool = False            # RANK and WORLD_SIZE came from the environment (torchrun's store)
+
+
+def _int_in(what: str, value, low: int, high: int) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+def _host(what: str, value) -> str:
+    if not isinstance(value, str) or not value or len(value) > 253 or not value.isprintable() or " " in value:
+        raise ValueError(f"{what} must be the host name or IP address of node 0, got {value!r}")
+    return value
+
+
+def resolve_distributed(world: int, nnodes: int | None = None, node_rank: int | None = None,
+                        master_addr: str | None = None, master_port: int | None = None,
+                        env=os.environ) -> DistributedConfig:
+    """The ranks' layout from the flags, else torchrun's environment, else this machine alone."""
+    flags = any(v is not None for v in (nnodes, node_rank, master_addr, master_port))
+    if world == 1:
+        if flags and (nnodes or 1) > 1:
+            raise ValueError("--nnodes > 1 spreads the ranks of --tensor-parallel-size or --pipeline-parallel-size "
+                             "over machines: give one of them > 1")
+        return DistributedConfig()
+    if flags:
+        nnodes = _int_in("--nnodes", 1 if nnodes is None else nnodes, 1, world)
+        if world % nnodes:
+            raise ValueError(f"--nnodes {nnodes} does not divide the {world} ranks (tensor x pipeline parallel "
+                             f"size): every node runs as many ranks")
+        node_rank = _int_in("--node-rank", 0 if node_rank is None else node_rank, 0, nnodes - 1)
+        if nnodes > 1 and master_addr is None:
+            raise ValueError("--nnodes > 1 needs --master-addr: the address of node 0, which every node can reach")
+        local = world // nnodes
+        return DistributedConfig(
+            world=world, rank=node_rank * local, local_ranks=local, spawn=local - 1,
+            master_addr=_host("--master-addr", "127.0.0.1" if master_addr is None else master_addr),
+            master_port=_int_in("--master-port", master_port, 1, 65535) if master_port is not None
+            else (DEFAULT_MASTER_PORT if nnodes > 1 else None))
+    if "RANK" in env and "WORLD_SIZE" in env:          # started by torchrun (or its environment)
+        size = _int_in("WORLD_SIZE", env["WORLD_SIZE"], 1, 1 << 16)
+        if size != world:
+            raise ValueError(f"WORLD_SIZE={size} processes were started, but --tensor-parallel-size x "
+                             f"--pipeline-parallel-size is {world}: start one process per rank "
+                             f"(torchrun --nnodes N --nproc-per-node {world}//N)")
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise ValueError(f"RANK and WORLD_SIZE are set but {name} is not: launch with torchrun, or set "
+                                 f"all four (or unset RANK and WORLD_SIZE to run every rank on this machine)")
+        local = _int_in("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE", world), 1, world)
+        return DistributedConfig(world=world, rank=_int_in("RANK", env["RANK"], 0, world - 1), local_ranks=local,
+                                 master_addr=_host("MASTER_ADDR", env["MASTER_ADDR"]),
+                                 master_port=_int_in("MASTER_PORT", env["MASTER_PORT"], 1, 65535), torchrun=True)
+    return DistributedConfig(world=world, local_ranks=world, spawn=world - 1)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -319,6 +396,7 @@ class EngineConfig:
     device: str = "cpu"
     tensor_parallel_size: int = 1     # ranks the model is sharded over (runner/tensor_parallel.py)
     pipeline_parallel_size: int = 1   # stages the layers are split into (runner/pipeline_parallel.py)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)   # where those ranks run
 
 
 # --- one definition of the engine's flags, shared by `kvserve generate|chat|serve|bench` ---
@@ -364,12 +442,25 @@ def add_engine_args(parser) -> None:
                           "self_speculative with \"draft_layers\": L (the model's first L layers). Drafts are "
                           "verified in one step; outputs follow the same distribution. Default: off")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="shard the model over N processes on this machine (torch.distributed, gloo): attention "
+                   help="shard the model over N processes (torch.distributed, gloo; on several machines: --nnodes or torchrun): attention "
                         "by KV heads, MLP by columns/rows, the LM head by vocabulary; float weights only "
                         "(--quantization none is implied); each rank runs --threads threads (default: %(default)s)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
-                   help="split the layers into N stages, one process each on this machine (torch.distributed, "
-                        "gloo), micro-batches in flight; each stage runs --threads threads (default: %(default)s)")
+                   help="split the layers into N stages, one process each (torch.distributed, gloo; on several "
+                        "machines: --nnodes or torchrun), micro-batches in flight; each stage runs --threads threads (default: %(default)s)")
+    d = parser.add_argument_group("ranks across machines (docs/scale-out.md; or torchrun's RANK, WORLD_SIZE, "
+                                  "MASTER_ADDR, MASTER_PORT)")
+    d.add_argument("--nnodes", type=int, default=None, metavar="N",
+                   help="machines the tensor/pipeline-parallel ranks are spread over, as many on each; run "
+                        "the same command on every machine with its --node-rank (default: 1)")
+    d.add_argument("--node-rank", type=int, default=None, metavar="R",
+                   help="this machine's place, 0 to N-1; node 0 runs the engine (and the server), the "
+                        "others execute its steps (default: 0)")
+    d.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="node 0's address, reachable from every node (default: 127.0.0.1)")
+    d.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help=f"the port node 0 listens on for the ranks to meet (default: {DEFAULT_MASTER_PORT} "
+                        f"with --nnodes > 1, else a free one)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -383,7 +474,9 @@ def engine_config_from_args(args) -> EngineConfig:
         max_waiting=args.max_waiting, num_threads=args.threads, seed=args.seed,
         speculative_config=getattr(args, "speculative_config", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        nnodes=getattr(args, "nnodes", None), node_rank=getattr(args, "node_rank", None),
+        master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None))
 
 
 def make_engine_config(model: str | None = None, *, dtype: str = "float32",
@@ -394,7 +487,9 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
                        max_num_seqs: int = 64, max_waiting: int = 1024,
                        num_threads: int | None = None, seed: int = 0,
                        speculative_config: str | dict | SpeculativeConfig | None = None,
-                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> EngineConfig:
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                       nnodes: int | None = None, node_rank: int | None = None, master_addr: str | None = None,
+                       master_port: int | None = None) -> EngineConfig:
     """Keyword arguments (as LLM(...) takes them) to an EngineConfig."""
     cfg = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization,
@@ -421,10 +516,12 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
         if cfg.speculative is not None:
             raise ValueError("speculative decoding does not run with tensor parallelism yet: drop one of them")
         cfg.model.quantization = "none"
+    cfg.distributed = resolve_distributed(tensor_parallel_size * pipeline_parallel_size, nnodes, node_rank,
+                                          master_addr, master_port)
     if num_threads:
         cfg.num_threads = num_threads
-    elif tensor_parallel_size * pipeline_parallel_size > 1:      # the ranks share this machine's cores
-        cfg.num_threads = max(1, cfg.num_threads // (tensor_parallel_size * pipeline_parallel_size))
+    elif cfg.distributed.local_ranks > 1:      # the ranks on this machine share its cores
+        cfg.num_threads = max(1, cfg.num_threads // cfg.distributed.local_ranks)
     # The one place dtype aliases become canonical names: downstream sees only canonical ones.
     cfg.model.dtype = canonical_dtype(dtype, MODEL_DTYPES)
     if kv_cache_dtype != "auto":

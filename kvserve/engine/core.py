@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 
-from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, EngineConfig, KVShape
+from kvserve.config import DTYPE_BYTES, KV_SCALE_BYTES, EngineConfig, KVShape, resolve_distributed
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.beam_search import BeamRun
@@ -89,6 +89,13 @@ class _Group:
         return all(s.out.finished for s in self.samples)
 
 
+def run_rank(config: EngineConfig) -> int:
+    """A process whose rank is not 0 (another node's first rank, or one torchrun started): execute
+    rank 0's steps until it stops; the exit code (runner/worker.py)."""
+    from kvserve.runner.worker import serve_rank
+    return serve_rank(config)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -98,9 +105,18 @@ class EngineCore:
         # process loads its own (runner/tensor_parallel.py).
         if config.tensor_parallel_size > 1 and config.model.quantization is None:
             config = self.config = replace(config, model=replace(config.model, quantization="none"))
-        self.ranks = tensor_parallel.start(config, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
-        if config.pipeline_parallel_size > 1:
-            self.ranks = pipeline_parallel.start(config, config.pipeline_parallel_size)
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        if config.distributed.world != world:       # an EngineConfig built by hand: every rank on this machine
+            config = self.config = replace(config, distributed=resolve_distributed(world, env={}))
+        if config.distributed.rank != 0:
+            raise ValueError(f"this process is rank {config.distributed.rank} of {world}: only rank 0 runs the "
+                             f"engine; start the other ranks with a kvserve command (serve, generate), which "
+                             f"executes rank 0's steps there (docs/scale-out.md)")
+        self.ranks = None
+        if config.tensor_parallel_size > 1:
+            self.ranks = tensor_parallel.start(config)
+        elif config.pipeline_parallel_size > 1:
+            self.ranks = pipeline_parallel.start(config)
         loaded = load_model(config.model)
         self.load_seconds = time.perf_counter() - t0
         self.model_path = loaded.path

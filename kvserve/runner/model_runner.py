@@ -77,12 +77,13 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, loaded, config: EngineConfig, num_blocks: int | list[KVGroup],
-                 verifier: Verifier | None = None, tp=None, pp=None):
+                 verifier: Verifier | None = None, tp=None, pp=None, own_layers: bool = False):
         """`num_blocks`: the KV groups with their pool sizes (config.CacheConfig.kv_groups), or a
         block count for one group holding every layer. `tp`: rank 0's TensorParallelGroup
         (runner/tensor_parallel.py) when the model is a tensor-parallel shard: each step is
         broadcast to the other ranks and the logits gathered from them. `pp`: rank 0's
-        PipelineGroup (runner/pipeline_parallel.py) when the model holds pipeline stage 0."""
+        PipelineGroup (runner/pipeline_parallel.py) when the model holds pipeline stage 0.
+        `own_layers`: the caller runs the model's layers itself (a pipeline stage's worker)."""
         self.tp = tp
         self.pp = pp
         self.vocab_size = loaded.arch.vocab_size
@@ -116,7 +117,7 @@ class ModelRunner:
         # The C layer stack takes one block table and one window for every layer.
         one_window = len({self.arch.window_of(i) for i in range(self.arch.num_layers)}) == 1
         self.layer_stack = (CLayerStack.build(self.model) if len(self.kv_groups) == 1 and one_window and tp is None
-                            and pp is None else None)
+                            and pp is None and not own_layers else None)
         if self.layer_stack is not None:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
                      self.layer_stack.isa)
@@ -280,7 +281,10 @@ class ModelRunner:
         """Every rank runs the step on its shard; the vocabulary slices of the logits are gathered."""
         from kvserve.runner.tensor_parallel import shard_logits
         self.tp.broadcast(("step", out.copy_blocks, (input_ids, positions, meta, rows)))
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)[rows]
+        try:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)[rows]
+        except RuntimeError as e:           # an all-reduce failed or timed out: a rank is gone
+            raise self.tp.lost("the step's all-reduces", e) from e
         return self.tp.gather_logits(shard_logits(self.model, hidden), self.vocab_size)
 
     @torch.inference_mode()

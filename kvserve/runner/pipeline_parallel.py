@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvserve.core.scheduler import SchedulerOutput
-from kvserve.runner.ranks import Ranks, init_group, receive, start_ranks, steps, worker_args
+from kvserve.runner.ranks import Ranks, receive, start_ranks, steps
 from kvserve.runner.tensor_parallel import even_split
 
 log = logging.getLogger("kvserve")
@@ -122,21 +122,19 @@ class PipelineGroup(Ranks):
         return logits
 
 
-def start(config, stages: int) -> PipelineGroup:
-    """Start stages 1..stages-1 (each loads the model and keeps its layers) and join them as rank 0."""
-    return start_ranks(PipelineGroup, "kvserve.runner.pipeline_parallel", config, stages)
+def start(config) -> PipelineGroup:
+    """Start the other stages (each loads the model and keeps its layers) and join them as rank 0."""
+    return start_ranks(PipelineGroup, config)
 
 
-def worker_main(rank: int, stages: int, port: int, config) -> None:
+def worker_main(rank: int, stages: int, config) -> None:
     """Stage `rank`: receive each micro-batch's hidden states, run its layers, send them on (the last
     stage: the logits back to rank 0), until told to stop."""
     from kvserve.model.loader import load_model
     from kvserve.runner.model_runner import ModelRunner
-    torch.set_num_threads(max(1, config.num_threads))
-    init_group(rank, stages, port)
     loaded = load_model(config.model)
     loaded = keep_stage(loaded, rank, stages)
-    runner = ModelRunner(loaded, config, receive())          # the KV blocks rank 0 sized
+    runner = ModelRunner(loaded, config, receive(), own_layers=True)     # the KV blocks rank 0 sized
     model, hidden_size, last = runner.model, loaded.arch.hidden_size, rank == stages - 1
     log.info("pipeline stage %d/%d ready (pid %d, %d layers)", rank, stages, os.getpid(), len(model.layers))
     for parts in steps(runner):
@@ -156,8 +154,3 @@ def worker_main(rank: int, stages: int, port: int, config) -> None:
         for _, req in sends:
             req.wait()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve-pp %(levelname)s %(message)s")
-    worker_main(*worker_args())

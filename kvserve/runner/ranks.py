@@ -1,26 +1,44 @@
-"""The processes of a model spread over ranks (tensor or pipeline parallelism) on this machine.
+"""The processes of a model spread over ranks (tensor or pipeline parallelism), on one machine or
+several (config.DistributedConfig says which).
 
-Rank 0 is the engine process. Ranks 1..N-1 are `python -m <module> RANK WORLD PORT` processes,
-which read the engine configuration (pickled) from stdin; a module's worker does not re-import the
-caller's script, so `LLM(tensor_parallel_size=2)` works in a script without a main guard. All join
-one torch.distributed group (gloo over 127.0.0.1) with a 30 s timeout.
+Rank 0 is the engine process; the others execute the steps it broadcasts (runner/worker.py). How
+they start:
+  - one machine: rank 0 starts ranks 1..N-1 as `python -m kvserve.runner.worker` processes;
+  - several machines with flags: each node's first rank (`kvserve serve --node-rank R`) starts the
+    other ranks of its node alike; node 0 hosts the store where they meet (--master-addr/port);
+  - torchrun: it starts every rank and hosts the store; RANK 0 runs the engine.
+Every rank then receives the engine's configuration from rank 0, so only rank 0's flags matter
+beyond the distributed ones and --threads.
 
-Failures: before each step rank 0 checks that every worker process is alive and raises RankLost
-naming the one that is not (at once, not after a timeout); a collective that stalls raises after
-the timeout. RankLost stops the engine: no step can run without every rank.
+Two gloo groups: the default group, used inside a step (all-reduce, all-gather, sends between
+stages), whose collectives fail after STEP_TIMEOUT_S; and the control group, over which rank 0
+sends each step, where a worker may wait as long as the engine stays idle.
+
+Failures: before each step rank 0 checks that every worker process it started is alive and raises
+RankLost naming the one that is not (at once, not after a timeout); a rank on another machine that
+dies closes its sockets, so the next collective fails at once; one that stalls makes the step fail
+after STEP_TIMEOUT_S. RankLost stops the engine: no step can run without every rank. A worker whose
+rank 0 is gone stops too.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
-import pickle
+import logging
+import os
 import socket
 import subprocess
 import sys
 
 import torch.distributed as dist
 
-TIMEOUT_S = 30
+log = logging.getLogger("kvserve")
+
+STEP_TIMEOUT_S = float(os.environ.get("KVSERVE_STEP_TIMEOUT_S", "30"))   # a collective inside a step
+CONNECT_TIMEOUT = datetime.timedelta(minutes=10)     # ranks wait this long for each other at start
+IDLE_TIMEOUT = datetime.timedelta(days=365)          # a worker waits this long for rank 0's next step
+
+_control = None       # this process's control group (join)
 
 
 class RankLost(RuntimeError):
@@ -33,18 +51,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+def _store(d, port: int, master: bool):
+    return dist.TCPStore(d.master_addr, port, d.world, is_master=master, timeout=CONNECT_TIMEOUT,
+                         wait_for_workers=False)
+
+
+def join(d, rank: int, store=None) -> None:
+    """Join the ranks' groups as `rank` (store: rank 0's, already listening; torchrun: its own)."""
+    global _control
+    timeout = datetime.timedelta(seconds=STEP_TIMEOUT_S)
+    if d.torchrun:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=d.world, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=d.world, timeout=timeout)
+    _control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def spawn(d, port: int, threads: int) -> list[subprocess.Popen]:
+    """Start this machine's other ranks (d.rank+1 .. d.rank+d.spawn) as worker processes."""
+    workers = [subprocess.Popen([sys.executable, "-m", "kvserve.runner.worker", str(rank), str(d.world),
+                                 d.master_addr, str(port), str(threads)])
+               for rank in range(d.rank + 1, d.rank + 1 + d.spawn)]
+    atexit.register(lambda: [w.kill() for w in workers if w.poll() is None])
+    return workers
 
 
 class Ranks:
-    """Rank 0's side: the worker processes and the step broadcast."""
+    """Rank 0's side: the worker processes it started, and the step broadcast."""
 
-    def __init__(self, world: int, workers: list[subprocess.Popen], group=None) -> None:
+    def __init__(self, world: int, workers: list[subprocess.Popen]) -> None:
         self.world = world
-        self.workers = workers        # rank 1..world-1
-        self.group = group
+        self.workers = workers        # the ranks this process started: 1..len(workers)
 
     def check_workers(self) -> None:
         for rank, p in enumerate(self.workers, 1):
@@ -64,18 +101,19 @@ class Ranks:
             self.check_workers()
         except RankLost as named:
             return named
-        return RankLost(f"{what} failed ({err}): a rank is gone or stalled")
+        return RankLost(f"{what} failed ({err}): a rank is gone or stalled (a rank on another machine: see its "
+                        f"log); no step can run, restart the engine")
 
     def broadcast(self, payload) -> None:
         """Send `payload` (any picklable object) to every rank."""
         self.check_workers()
         try:
-            dist.broadcast_object_list([payload], src=0, group=self.group)
+            dist.broadcast_object_list([payload], src=0, group=_control)
         except RuntimeError as e:
             raise self.lost("broadcast to the ranks", e) from e
 
     def kill(self) -> None:
-        """Stop the workers at once (start-up failed on rank 0)."""
+        """Stop the workers at once (start-up failed on rank 0); ranks elsewhere see rank 0 go."""
         for p in self.workers:
             if p.poll() is None:
                 p.kill()
@@ -84,10 +122,12 @@ class Ranks:
             dist.destroy_process_group()
 
     def shutdown(self) -> None:
-        """Tell the workers to stop, wait for them, leave the group."""
+        """Tell the workers to stop, wait for the ones started here, leave the group (at exit too)."""
+        if not dist.is_initialized():
+            return
         try:
             if all(p.poll() is None for p in self.workers):
-                dist.broadcast_object_list([("stop",)], src=0, group=self.group)
+                dist.broadcast_object_list([("stop",)], src=0, group=_control)
         except RuntimeError:
             pass
         for p in self.workers:
@@ -99,30 +139,38 @@ class Ranks:
             dist.destroy_process_group()
 
 
-def start_ranks(cls, module: str, config, world: int):
-    """Start `python -m module RANK WORLD PORT` for ranks 1..world-1 and join them as rank 0;
+def start_ranks(cls, config):
+    """As rank 0: start this machine's other ranks, meet every rank, send them the configuration;
     returns cls(world, workers)."""
-    port = free_port()
-    workers = []
-    for rank in range(1, world):
-        p = subprocess.Popen([sys.executable, "-m", module, str(rank), str(world), str(port)], stdin=subprocess.PIPE)
-        p.stdin.write(pickle.dumps(config))
-        p.stdin.close()
-        workers.append(p)
-    atexit.register(lambda: [w.kill() for w in workers if w.poll() is None])
+    d = config.distributed
+    store, workers = None, []
+    if not d.torchrun:
+        store = _store(d, d.master_port or 0, master=True)     # port 0: a free one, told to the workers
+        workers = spawn(d, store.port, config.num_threads)
     try:
-        init_group(0, world, port)
+        join(d, 0, store)
+        ranks = cls(d.world, workers)
+        ranks.broadcast(config)
+        atexit.register(ranks.shutdown)       # a script that never closes its engine stops the ranks too
     except Exception:
         for w in workers:
             w.kill()
         raise
-    return cls(world, workers)
+    log.info("ranks: %d, this machine runs %d of them (meeting at %s:%s)", d.world, d.local_ranks,
+             d.master_addr, store.port if store is not None else d.master_port)
+    return ranks
+
+
+def join_as_worker(d, rank: int, port: int | None = None) -> None:
+    """As rank `rank` > 0: meet the others at rank 0's store."""
+    store = None if d.torchrun else _store(d, port or d.master_port, master=False)
+    join(d, rank, store)
 
 
 def receive():
     """A worker's next object from rank 0 (Ranks.broadcast)."""
     box = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_control)
     return box[0]
 
 
@@ -138,8 +186,3 @@ def steps(runner):
             runner._copy_blocks(copy_blocks)
         if work is not None:
             yield work
-
-
-def worker_args() -> tuple[int, int, int, object]:
-    """A worker's (rank, world, port, config) from its command line and stdin."""
-    return int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), pickle.loads(sys.stdin.buffer.read())

@@ -13,8 +13,8 @@ The engine process is rank 0: its scheduler decides, its ModelRunner prepares ea
 batch and broadcasts it (`TensorParallelGroup.run_step`); every rank runs the same forward on its
 shard, and rank 0 samples from the gathered logits. Workers (`worker_main`) only execute.
 
-The processes and their failures (a dead rank raises RankLost at the next step, a stalled
-collective after 30 s) are runner/ranks.py's.
+The processes, where they run and their failures (a dead rank raises RankLost at the next step, a
+stalled collective after 30 s) are runner/ranks.py's; runner/worker.py starts a worker rank.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.runner.ranks import Ranks, RankLost, init_group, receive, start_ranks, steps, worker_args
+from kvserve.runner.ranks import Ranks, RankLost, receive, start_ranks, steps
 
 log = logging.getLogger("kvserve")
 __all__ = ["RankLost", "TensorParallelGroup", "shard_model", "start"]
@@ -56,14 +56,13 @@ def even_split(n: int, world: int, rank: int) -> range:
 class AllReduced(nn.Module):
     """A row-parallel linear: this rank's partial product, summed over the ranks (its bias once)."""
 
-    def __init__(self, linear: nn.Module, group) -> None:
+    def __init__(self, linear: nn.Module) -> None:
         super().__init__()
         self.linear = linear
-        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
-        dist.all_reduce(y, group=self.group)
+        dist.all_reduce(y)
         return y
 
 
@@ -74,7 +73,7 @@ def _set_weight(linear, weight: torch.Tensor, shard_sizes: list[int], bias: torc
     linear.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
 
 
-def shard_model(loaded, rank: int, world: int, group=None):
+def shard_model(loaded, rank: int, world: int):
     """`loaded` (a LoadedModel of the Llama family with float weights) cut to rank `rank`'s shard,
     in place; returns the LoadedModel with the shard's arch (its heads, its MLP width)."""
     model, arch = loaded.model, loaded.arch
@@ -102,7 +101,7 @@ def shard_model(loaded, rank: int, world: int, group=None):
         o = attn.o_proj
         _set_weight(o, o.weight[:, q_rows.start:q_rows.stop], [arch.hidden_size],
                     o.bias if (o.bias is not None and rank == 0) else None)
-        attn.o_proj = AllReduced(o, group)
+        attn.o_proj = AllReduced(o)
         gu = mlp.gate_up_proj
         I = arch.intermediate_size
         idx = torch.tensor([*inter] + [I + i for i in inter], dtype=torch.long)
@@ -110,11 +109,10 @@ def shard_model(loaded, rank: int, world: int, group=None):
         d = mlp.down_proj
         _set_weight(d, d.weight[:, inter.start:inter.stop], [arch.hidden_size],
                     d.bias if (d.bias is not None and rank == 0) else None)
-        mlp.down_proj = AllReduced(d, group)
+        mlp.down_proj = AllReduced(d)
     vocab = even_split(arch.vocab_size, world, rank)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.tp_head = head[vocab.start:vocab.stop].contiguous()
-    model.tp_group = group
     shard_arch = dataclasses.replace(arch, num_heads=len(q_rows) // hd, num_kv_heads=len(kv_rows) // hd,
                                      intermediate_size=len(inter))
     model.arch = shard_arch
@@ -126,11 +124,11 @@ def shard_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, model.tp_head).float()
 
 
-def gather_vocab(local: torch.Tensor, vocab_size: int, world: int, group=None) -> torch.Tensor:
+def gather_vocab(local: torch.Tensor, vocab_size: int, world: int) -> torch.Tensor:
     """Every rank's vocabulary slice of the logits (shard_logits), side by side: [rows, vocab]."""
     parts = [torch.empty(local.shape[0], len(even_split(vocab_size, world, r)), dtype=local.dtype)
              for r in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
+    dist.all_gather(parts, local.contiguous())
     return torch.cat(parts, dim=1)
 
 
@@ -139,22 +137,20 @@ class TensorParallelGroup(Ranks):
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         try:
-            return gather_vocab(local, vocab_size, self.world, self.group)
+            return gather_vocab(local, vocab_size, self.world)
         except RuntimeError as e:
             raise self.lost("the all-gather of the logits", e) from e
 
 
-def start(config, world: int) -> TensorParallelGroup:
-    """Start ranks 1..world-1 (each loads and shards the model) and join them as rank 0."""
-    return start_ranks(TensorParallelGroup, "kvserve.runner.tensor_parallel", config, world)
+def start(config) -> TensorParallelGroup:
+    """Start the other ranks (each loads and shards the model) and join them as rank 0."""
+    return start_ranks(TensorParallelGroup, config)
 
 
-def worker_main(rank: int, world: int, port: int, config) -> None:
+def worker_main(rank: int, world: int, config) -> None:
     """A worker rank: load, shard, then run every step rank 0 broadcasts until told to stop."""
     from kvserve.model.loader import load_model
     from kvserve.runner.model_runner import ModelRunner
-    torch.set_num_threads(max(1, config.num_threads))
-    init_group(rank, world, port)
     loaded = shard_model(load_model(config.model), rank, world)
     runner = ModelRunner(loaded, config, receive())          # the KV groups rank 0 sized
     vocab = loaded.arch.vocab_size
@@ -164,8 +160,3 @@ def worker_main(rank: int, world: int, port: int, config) -> None:
             hidden = runner.model(input_ids, positions, meta, runner.kv_caches)[rows]
             gather_vocab(shard_logits(runner.model, hidden), vocab, world)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvserve-tp %(levelname)s %(message)s")
-    worker_main(*worker_args())

@@ -151,13 +151,12 @@ def banner(core, host: str, port: int, model_name: str, api_key: str | None) -> 
             f"\"max_tokens\": 32}}'")
 
 
-def serving_threads() -> int:
-    """torch threads when serving and --threads is not given: one core less than the process may
-    use, so HTTP, tokenization and local clients keep a core. Measured on 2 cores (W2 streamed,
-    C decode path): TPOT 15 ms with 1 thread vs 20 ms with 2 at one stream, where the OpenMP
-    workers fight the event loop for the cores; at 16 streams 148 vs 145 tok/s. The offline API
-    keeps every core."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+def serving_threads(local_ranks: int = 1) -> int:
+    """torch threads of each rank on this machine when serving and --threads is not given: one
+    core less than the process may use, shared by the ranks, so HTTP, tokenization and local
+    clients keep a core (measured: docs/benchmarks-notes.md, "Serving vs offline"). The offline API keeps every
+    core."""
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // local_ranks)
 
 
 def bind_error(host: str, port: int) -> str | None:
@@ -177,8 +176,6 @@ def main(argv: list[str]) -> int:
     args = parse_args_with_config(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.api_key = args.api_key or os.environ.get("KVSERVE_API_KEY") or None
-    if args.threads is None:
-        args.threads = serving_threads()
     try:
         parse_size(args.max_body_bytes)
         check_connection_args(args)
@@ -186,6 +183,11 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
         return 2
+    if config.distributed.rank != 0:      # another node's ranks (or torchrun's): no server here
+        from kvserve.engine.core import run_rank
+        return run_rank(config)
+    if args.threads is None:
+        config.num_threads = serving_threads(config.distributed.local_ranks)
     problem = bind_error(args.host, args.port)
     if problem is not None:
         print(f"kvserve serve: cannot listen on {args.host}:{args.port}: {problem} "

@@ -17,7 +17,7 @@ def test_a_server_whose_rank_dies_turns_unhealthy_at_once(server_factory):
     try:
         server.wait_ready()
         children = [int(d) for d in os.listdir("/proc") if d.isdigit() and _parent(int(d)) == server.proc.pid]
-        workers = [pid for pid in children if b"kvserve.runner.tensor_parallel" in _cmdline(pid)]
+        workers = [pid for pid in children if b"kvserve.runner.worker" in _cmdline(pid)]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         t0 = time.monotonic()
