@@ -215,7 +215,7 @@ def section_spec(res: dict) -> list[str]:
     if peer is not None:
         from kvserve.bench.spec import PEER_HEADERS, peer_table
         out += ["", f"llama.cpp's llama-server in the same command, plain and with `{peer['config']['spec_args']}`:", "",
-                md_table(TABLE_HEADERS[:5], [row[:5] for row in table_rows(peer["workloads"])]), "",
+                md_table(TABLE_HEADERS[:6], [row[:6] for row in table_rows(peer["workloads"])]), "",
                 md_table(PEER_HEADERS, peer_table([run, peer]))]
     return out
 

@@ -12,7 +12,8 @@ same acceptance than one where they are cheap (AVX-512 VNNI), and a large batch,
 costs its full share, stops drafting by itself.
 
 A request at length 0 decodes plainly for a cool-down of steps, then probes with one draft
-token; each failed probe doubles the cool-down (up to MAX_COOLDOWN), an accepted one resets it.
+token (unless a draft costs a whole step or more, as a draft model as large as the target does:
+then no acceptance can pay, and it never drafts); each failed probe doubles the cool-down (up to MAX_COOLDOWN), an accepted one resets it.
 Only the request's own history and the step cost count: its drafts never change its greedy
 tokens (verification is exact), only how many steps they take.
 """
@@ -52,6 +53,8 @@ class AdaptiveDraftLength:
         row_share: what one more row costs of the step's throughput (0: rows are free)."""
         k = self.worth(row_share)
         self._probing = False
+        if row_share >= 1.0:     # a draft costs a step or more: even one always accepted cannot pay
+            return 0
         if k > 0:
             self._idle = False
             return k

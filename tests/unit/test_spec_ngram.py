@@ -158,6 +158,16 @@ def test_grows_back_when_probes_are_accepted():
 # ---------------------------------------------------------------- step cost
 
 
+def test_never_drafts_when_a_draft_costs_a_step_or_more():
+    """A draft model as large as the target: every draft accepted still loses (a bench run once
+    probed every step, 0.48-0.81x), so no probe either."""
+    a = AdaptiveDraftLength(4)
+    for _ in range(200):
+        k = a.next_length(1.25)
+        assert k == 0
+        a.record(k, k)
+
+
 def test_step_cost_fits_the_fixed_and_the_per_row_time():
     m = StepCostModel()
     assert m.fit() is None and m.row_share(1) == PRIOR_SHARE    # nothing seen: the prior
