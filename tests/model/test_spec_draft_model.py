@@ -95,10 +95,11 @@ def test_an_identical_draft_model_has_every_greedy_draft_accepted(spec, plain_to
     if spec.engine.config.speculative.method != "draft_model":
         pytest.skip("only a draft identical to the target predicts its greedy tokens")
     s = spec.engine.drafter.stats
-    drafted, accepted = s.num_draft_tokens, s.num_accepted_tokens
     assert _tokens(spec, PROMPTS[:3]) == plain_tokens[:3]
-    assert s.num_draft_tokens - drafted > 0
-    assert s.num_accepted_tokens - accepted == s.num_draft_tokens - drafted
+    # It drafts until the engine has timed a drafting round: a draft that costs a whole step
+    # never pays, however often it is accepted (kvserve/spec/adaptive.py), so it then stops.
+    assert s.num_draft_tokens > 0
+    assert s.num_accepted_tokens == s.num_draft_tokens
 
 
 def test_a_rolled_back_draft_cache_proposes_what_a_fresh_one_does(plain):
