@@ -25,6 +25,7 @@ import time
 import httpx
 import openai
 
+from kvserve.bench.report import md_table
 from kvserve.router.launcher import running_router, start_replicas, stop_replicas
 
 LONG = ("The log of the lighthouse keeper records the tide, the wind and the ships that passed, day by day, "
@@ -109,12 +110,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     rows = [setup(kind, args) for kind in ("mixed", "disaggregated")]
-    print("| setup | decode TPOT p50 ms | decode TPOT p99 ms | decode tokens | long-prompt TTFT p50 s | "
-          "long-prompt TTFT p99 s | long requests |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['setup']} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {r['tokens']} | "
-              f"{r['long_ttft_p50_s']:.2f} | {r['long_ttft_p99_s']:.2f} | {r['long_requests']} |")
+    print(md_table(["setup", "decode TPOT p50 ms", "decode TPOT p99 ms", "decode tokens", "long-prompt TTFT p50 s",
+                    "long-prompt TTFT p99 s", "long requests"],
+                   [[r["setup"], f"{r['tpot_p50_ms']:.1f}", f"{r['tpot_p99_ms']:.1f}", r["tokens"],
+                     f"{r['long_ttft_p50_s']:.2f}", f"{r['long_ttft_p99_s']:.2f}", r["long_requests"]] for r in rows]))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

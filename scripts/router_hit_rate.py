@@ -22,6 +22,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.bench.report import md_table
 from kvserve.router.launcher import running_router, start_replicas, stop_replicas
 
 SYSTEM = ("You are the support assistant of a hardware shop. Policies: returns within 30 days with the receipt; "
@@ -107,11 +108,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     rows = [run_policy(policy, args) for policy in args.policies.split(",")]
-    print("| policy | prefix-cache hit rate | prompt tokens | TTFT mean s | TTFT p90 s | wall s | requests per replica |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['policy']} | {100 * r['hit_rate']:.1f}% | {r['prompt_tokens']:.0f} | {r['ttft_mean_s']:.3f} | "
-              f"{r['ttft_p90_s']:.3f} | {r['wall_s']:.1f} | {r['routed']} |")
+    print(md_table(["policy", "prefix-cache hit rate", "prompt tokens", "TTFT mean s", "TTFT p90 s", "wall s",
+                    "requests per replica"],
+                   [[r["policy"], f"{100 * r['hit_rate']:.1f}%", f"{r['prompt_tokens']:.0f}", f"{r['ttft_mean_s']:.3f}",
+                     f"{r['ttft_p90_s']:.3f}", f"{r['wall_s']:.1f}", r["routed"]] for r in rows]))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -51,10 +51,10 @@ class AdaptiveDraftLength:
     def next_length(self, row_share: float = 0.0) -> int:
         """The number of draft tokens to propose for the next step (one call per decode step);
         row_share: what one more row costs of the step's throughput (0: rows are free)."""
-        k = self.worth(row_share)
         self._probing = False
         if row_share >= 1.0:     # a draft costs a step or more: even one always accepted cannot pay
             return 0
+        k = self.worth(row_share)
         if k > 0:
             self._idle = False
             return k

@@ -14,6 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.router.launcher import wait_ready
+
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 64 * 1024
@@ -42,18 +44,12 @@ class ServerProcess:
             return f.read()
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvserve serve exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"kvserve serve not ready after {timeout}s:\n{self.log_text()[-4000:]}")
+        try:
+            wait_ready(self.base_url, self.proc, time.monotonic() + timeout)
+        except RuntimeError as e:
+            if self.proc.poll() is None:       # not ready in time: stop it
+                self.stop()
+            raise RuntimeError(f"kvserve serve: {e}:\n{self.log_text()[-4000:]}") from None
 
     def stop(self) -> int:
         if self.proc.poll() is None:
