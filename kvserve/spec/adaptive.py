@@ -48,6 +48,19 @@ class AdaptiveDraftLength:
             p *= self.alpha
         return k
 
+    def gain_per_step(self, price: float) -> float:
+        """What drafting saves per step, in steps, at the larger of this request's acceptance
+        and the prior's (the rate a catch-up is bought for): sum over j <= max_k of
+        alpha^j - price where positive."""
+        a = max(self.alpha, PRIOR[0] / PRIOR[1])
+        gain, p = 0.0, a
+        for _ in range(self.max_k):
+            if p <= price:
+                break
+            gain += p - price
+            p *= a
+        return gain
+
     def next_length(self, row_share: float = 0.0) -> int:
         """The number of draft tokens to propose for the next step (one call per decode step);
         row_share: what one more row costs of the step's throughput (0: rows are free)."""

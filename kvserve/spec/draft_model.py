@@ -12,6 +12,11 @@ every request of the step together:
    in batches of at most the scheduler's token budget; the argmax after the last one is draft 1;
 3. feed each draft to get the next, one batch per round, until every request has its k drafts.
 
+Steps 2 and 3 are timed (`catch_up_cost` by tokens fed, `round_cost` by requests per round): the
+Drafter prices a draft token with its round, and makes a request's catch-up only where drafting
+then saves more than the feed costs (a whole prompt's feed, for a draft nearly as deep as the
+target, never pays; kvserve/spec/drafter.py).
+
 Drafts are greedy, hence deterministic: the verifier treats them as one-hot (exact at any
 temperature, kvserve/spec/rejection.py). A request whose blocks do not fit in the draft's pool
 gets no drafts this step.
@@ -52,11 +57,32 @@ class DraftModelProposer:
         self.block_size = config.cache.block_size
         self.max_batch_tokens = config.scheduler.max_num_batched_tokens
         self.round_cost = StepCostModel()      # the one-token rounds (steps 3): seconds by batch size
+        self.catch_up_cost = StepCostModel()   # the context feeds (step 2): seconds by tokens fed
         self._seqs: dict[str, _DraftSequence] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.runner.kv_cache_bytes
+
+    def _kept(self, seq: _DraftSequence, context: list[int]) -> int:
+        """How many of the context's tokens the draft cache holds and may keep (step 1)."""
+        return min(_common_prefix(seq.tokens, context), len(context) - 1)
+
+    def catch_up_tokens(self, req: Request) -> int:
+        """The context tokens a draft for `req` would feed now: its whole context on the first
+        call, then the tokens accepted since its last draft (1 or 2 while it drafts every step)."""
+        seq = self._seqs.get(req.request_id)
+        context = req.all_token_ids
+        return len(context) - (self._kept(seq, context) if seq is not None else 0)
+
+    def catch_up_seconds(self, tokens: int) -> float | None:
+        """The expected seconds of feeding `tokens` context tokens (None before any feed): the
+        fit of the feeds so far, or their mean seconds per token while their sizes are too alike."""
+        m = self.catch_up_cost
+        if m.fit() is not None:
+            return m.seconds(tokens)
+        per_token = m.mean_seconds_per_row()
+        return None if per_token is None else per_token * tokens
 
     def _reserve(self, seq: _DraftSequence, positions: int) -> bool:
         """Blocks for `positions` tokens of KV (freeing those past them); False when they do not fit."""
@@ -86,7 +112,7 @@ class DraftModelProposer:
                 continue
             context = req.all_token_ids
             seq = self._seqs.setdefault(req.request_id, _DraftSequence())
-            keep = min(_common_prefix(seq.tokens, context), len(context) - 1)
+            keep = self._kept(seq, context)
             del seq.tokens[keep:]
             if not self._reserve(seq, len(context) + k - 1):      # the context and drafts 1..k-1
                 continue
@@ -103,7 +129,9 @@ class DraftModelProposer:
                     continue
                 batch.append((entry, n))
                 budget -= n
+            t0 = time.perf_counter()
             tokens = self._run([self._chunk(e[1], e[2], e[3][e[5]:e[5] + n], e[5]) for e, n in batch])
+            self.catch_up_cost.observe(sum(n for _, n in batch), time.perf_counter() - t0)
             for ((i, req, seq, context, k, pos), n), tok in zip(batch, tokens):
                 if pos + n == len(context):
                     drafts[i].append(tok)

@@ -7,7 +7,10 @@ kvserve/spec/draft_model.py); the scheduler feeds them with the request's last t
 engine reports the outcome with `record` and the duration of every decode-only step with
 `observe_step`. The draft length adapts per request to its acceptance and to what a token row
 costs on this machine (kvserve/spec/adaptive.py, kvserve/spec/step_cost.py), and never exceeds
-the tokens the request may still generate.
+the tokens the request may still generate. A draft model must first feed the context it has not
+seen (the prompt, on a request's first draft); that catch-up is made only when drafting at the
+request's acceptance (or the prior's, if higher) saves more over the next CATCH_UP_HORIZON steps
+than it costs.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from kvserve.spec.adaptive import AdaptiveDraftLength
 from kvserve.spec.draft_model import DraftModelProposer
 from kvserve.spec.ngram import NgramProposer
 from kvserve.spec.step_cost import StepCostModel
+
+CATCH_UP_HORIZON = 64     # decode steps over which a draft model's catch-up must pay for itself
 
 
 @dataclass
@@ -90,8 +95,30 @@ class Drafter:
             length = self._lengths.get(req.request_id)
             if length is None:
                 length = self._lengths[req.request_id] = AdaptiveDraftLength(self.config.num_speculative_tokens)
-            items.append((req, min(length.next_length(price), room) if room > 0 else 0))
+            k = min(length.next_length(price), room) if room > 0 else 0
+            if k > 0 and not self._catch_up_pays(req, length, price, batch_rows, room):
+                k = 0
+            items.append((req, k))
         return self.proposer.propose_batch(items)
+
+    def _catch_up_pays(self, req: Request, length: AdaptiveDraftLength, price: float, batch_rows: int,
+                       room: int) -> bool:
+        """Whether a draft model's catch-up for `req` (the context it has not fed yet: the whole
+        prompt on a request's first draft, the tokens decoded since its last one) is worth its
+        time: what it costs beyond the one-token feed of a request that drafts every step must
+        be less than what drafting then saves over the next min(room, CATCH_UP_HORIZON) steps.
+        Unknown costs (no feed or step timed yet) pay: the first feed measures them."""
+        tokens_of = getattr(self.proposer, "catch_up_tokens", None)
+        if tokens_of is None:
+            return True
+        tokens = tokens_of(req)
+        if tokens <= 2:
+            return True
+        cost, base = self.proposer.catch_up_seconds(tokens), self.proposer.catch_up_seconds(1)
+        step = self.step_cost.seconds(batch_rows)
+        if cost is None or base is None or not step:
+            return True
+        return cost - base < step * length.gain_per_step(price) * min(room, CATCH_UP_HORIZON)
 
     def propose(self, req: Request, batch_rows: int = 1) -> list[int]:
         return self.propose_batch([req], batch_rows)[0]

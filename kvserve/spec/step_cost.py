@@ -57,6 +57,10 @@ class StepCostModel:
         a, b = ab
         return max(a + b * max(1, rows), 1e-9)
 
+    def mean_seconds_per_row(self) -> float | None:
+        """The observed seconds over the observed rows (None before any step)."""
+        return self._y / self._x if self._x > 0 else None
+
     def row_share(self, batch_rows: int) -> float:
         """The share of a step's throughput one more row costs, in a step of `batch_rows` rows."""
         B = max(1, batch_rows)

@@ -113,10 +113,13 @@ def test_a_rolled_back_draft_cache_proposes_what_a_fresh_one_does(plain):
     kept, fresh = DraftModelProposer(draft, cfg, 64), DraftModelProposer(draft, cfg, 64)
     context = plain.tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick", add_special_tokens=True)
     req = Request("a", context, GREEDY)
+    assert kept.catch_up_tokens(req) == len(context) and kept.catch_up_seconds(8) is None
     first = kept.propose_batch([(req, 5)])[0]
     assert len(first) == 5
+    assert kept.catch_up_seconds(8) > 0               # the prompt's feed was timed
     req.append_output_token(first[0])                                # one draft accepted,
     req.append_output_token((first[1] + 1) % plain.engine.arch.vocab_size)   # then the target's own token
+    assert kept.catch_up_tokens(req) == 1             # only the target's token is new to the cache
     again = kept.propose_batch([(req, 4)])[0]
     assert kept._seqs["a"].tokens[:len(req.all_token_ids)] == req.all_token_ids
     other = Request("b", req.all_token_ids, GREEDY)

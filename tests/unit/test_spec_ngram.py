@@ -263,3 +263,55 @@ def test_a_draft_models_cache_takes_its_share_of_the_budget():
     assert c.share(0.6).kv_cache_memory == 600 and c.kv_cache_memory == 1000
     assert CacheConfig(kv_cache_fraction=0.5).share(0.5).kv_cache_fraction == 0.25
     assert CacheConfig(num_blocks_override=9).share(0.1).num_blocks_override == 9
+
+
+class _CatchUpProposer(_ModelProposer):
+    """A draft model that must first feed `pending` context tokens, at `per_token` seconds each."""
+
+    def __init__(self, pending, per_token):
+        super().__init__()
+        self.pending, self.per_token = pending, per_token
+
+    def catch_up_tokens(self, req):
+        return self.pending
+
+    def catch_up_seconds(self, tokens):
+        return None if self.per_token is None else self.per_token * tokens
+
+
+def _drafter_with_steps(proposer):
+    d = Drafter(SpeculativeConfig(num_speculative_tokens=4), proposer)
+    for rows in [1, 2, 1, 3] * 10:                 # a one-row step: 5 ms, a row 1 ms (share 0.2)
+        d.observe_step(rows, 0.004 + 0.001 * rows, verified=False)
+    return d
+
+
+def test_a_catch_up_that_costs_more_than_drafting_saves_is_not_made():
+    # 300 tokens to feed at 1 ms: 0.299 s beyond one token, 60 steps of 5 ms. Drafting saves at
+    # most (0.8 - 0.2) + (0.64 - 0.2) + (0.51 - 0.2) + (0.41 - 0.2) = 1.56 steps a step, over the
+    # 19 steps left: 29.6 steps
+    expensive = _drafter_with_steps(_CatchUpProposer(pending=300, per_token=0.001))
+    assert expensive.propose(make_request(list(range(10)), max_tokens=20)) == []
+    assert expensive.proposer.asked[-1] == [0]
+    # the same feed pays over a longer answer (64 steps counted: 100 steps saved), as does a
+    # cheap feed at once
+    long_answer = _drafter_with_steps(_CatchUpProposer(pending=300, per_token=0.001))
+    assert long_answer.propose(make_request(list(range(10)), max_tokens=500)) == [7] * 4
+    cheap = _drafter_with_steps(_CatchUpProposer(pending=300, per_token=0.00001))
+    assert cheap.propose(make_request(list(range(10)), max_tokens=20)) == [7] * 4
+
+
+def test_a_catch_up_of_unknown_cost_or_of_one_or_two_tokens_is_made():
+    unknown = _drafter_with_steps(_CatchUpProposer(pending=300, per_token=None))
+    assert unknown.propose(make_request(list(range(10)))) == [7] * 4      # the first feed measures it
+    continuing = _drafter_with_steps(_CatchUpProposer(pending=2, per_token=1.0))
+    assert continuing.propose(make_request(list(range(10)))) == [7] * 4   # part of a round's price
+
+
+def test_gain_per_step_counts_the_drafts_that_pay():
+    a = AdaptiveDraftLength(4)                      # alpha 0.8 (the prior)
+    assert abs(a.gain_per_step(0.2) - (0.6 + 0.44 + 0.312 + 0.2096)) < 1e-9
+    assert a.gain_per_step(0.8) == 0.0              # nothing pays at the prior's own rate
+    for _ in range(20):
+        a.record(4, 4)                              # alpha near 1: the rate it reached counts
+    assert a.gain_per_step(0.8) > 0.5

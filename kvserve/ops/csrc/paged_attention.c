@@ -129,6 +129,48 @@ row_dot8(const v8f *x, const uint8_t *row, const int C, const int fmt) {
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
+/* row_dot8 on a K row already converted to C chunks: the same partial sums and tree. */
+static inline __attribute__((always_inline)) float row_dot8_f(const v8f *x, const v8f *k, const int C) {
+    v8f acc = {0};
+    UNROLL for (int c = 0; c < C; c++) acc += x[c] * k[c];
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+/* With 32 vector registers (AVX-512) the G query heads of a group sharing a KV head take one pass
+ * over the context's V rows together (each row read and converted once, G C accumulators in
+ * registers); with 16 (AVX2) one head at a time keeps its C accumulators in registers. Either way
+ * every output element gets the same additions in the same order. */
+#if defined(__AVX512F__)
+#define JOINT_ACCUMULATORS 24
+#else
+#define JOINT_ACCUMULATORS 8
+#endif
+
+static inline __attribute__((always_inline)) void
+weighted_v_joint(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t row_bytes,
+                 int64_t start, int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim,
+                 const int fmt, const int G, const int C) {
+    v8f acc[G * C];
+    UNROLL for (int i = 0; i < G * C; i++) acc[i] = (v8f){0};
+    for (int64_t p = start, t = 0; p < len;) {
+        const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
+        const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride;
+        for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
+            if (j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
+            const float vs = row_scale(vr, head_dim, fmt);
+            float w[G];
+            UNROLL for (int g = 0; g < G; g++) w[g] = scores[g * n + t] * vs;
+            UNROLL for (int c = 0; c < C; c++) {     /* chunk by chunk: G C + 1 registers */
+                const v8f vv = load8(vr, c, fmt);
+                UNROLL for (int g = 0; g < G; g++) acc[g * C + c] += w[g] * vv;
+            }
+        }
+        p += run;
+    }
+    UNROLL for (int g = 0; g < G; g++)
+        UNROLL for (int c = 0; c < C; c++) memcpy(oh + g * head_dim + 8 * c, &acc[g * C + c], 32);
+}
+
 /* exp(s - mx) in place over n scores, returning their sum (8 partial sums, fixed tree). */
 static inline float softmax_numerators(float *restrict sc, int64_t n, float mx) {
     float acc[LANES] = {0};
@@ -183,8 +225,10 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 for (int64_t j = 0; j < run; j++, t++, kr += tok_stride) {
                     if (j + PF < run) prefetch_row(kr + PF * tok_stride, row_bytes);
                     const float ks = scale * row_scale(kr, head_dim, fmt);
+                    v8f kk[C > 0 ? C : 1];               /* the K row, converted once for the group */
+                    UNROLL for (int c = 0; c < C; c++) kk[c] = load8(kr, c, fmt);
                     for (int64_t g = 0; g < group; g++) {
-                        const float s = (C ? row_dot8(qv + g * C, kr, C, fmt)
+                        const float s = (C ? row_dot8_f(qv + g * C, kk, C)
                                            : row_dot(qh + g * head_dim, kr, head_dim, fmt)) * ks;
                         scores[g * n + t] = s;
                         if (s > mx[g]) mx[g] = s;
@@ -199,7 +243,18 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
             /* head_dim = 8 C: one query head at a time, its weighted sum of V in registers (the
              * context's V rows come from cache after the first head); the same additions, in
              * the same order, as the row_axpy loop below. */
-            for (int64_t g = 0; C && g < group; g++) {
+            const uint8_t *vh = vc + h * row_bytes;
+            int joint = 0;
+            if (C == 8 && group == 3 && 3 * 8 <= JOINT_ACCUMULATORS) {
+                weighted_v_joint(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim,
+                                 fmt, 3, 8);
+                joint = 1;
+            } else if (C == 8 && group == 2 && 2 * 8 <= JOINT_ACCUMULATORS) {
+                weighted_v_joint(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim,
+                                 fmt, 2, 8);
+                joint = 1;
+            }
+            for (int64_t g = 0; C && !joint && g < group; g++) {
                 v8f acc[C > 0 ? C : 1];
                 UNROLL for (int c = 0; c < C; c++) acc[c] = (v8f){0};
                 for (int64_t p = start, t = 0; p < len;) {
