@@ -161,9 +161,9 @@ def start_ranks(cls, config):
     return ranks
 
 
-def join_as_worker(d, rank: int, port: int | None = None) -> None:
-    """As rank `rank` > 0: meet the others at rank 0's store."""
-    store = None if d.torchrun else _store(d, port or d.master_port, master=False)
+def join_as_worker(d, rank: int) -> None:
+    """As rank `rank` > 0: meet the others at rank 0's store (d.master_port)."""
+    store = None if d.torchrun else _store(d, d.master_port, master=False)
     join(d, rank, store)
 
 

@@ -18,11 +18,11 @@ from kvserve.runner import pipeline_parallel, ranks, tensor_parallel
 log = logging.getLogger("kvserve")
 
 
-def execute(d: DistributedConfig, rank: int, threads: int, port: int | None = None) -> int:
+def execute(d: DistributedConfig, rank: int, threads: int) -> int:
     """Run rank `rank` until rank 0 says stop (0) or is gone (1)."""
     import torch
     torch.set_num_threads(max(1, threads))
-    ranks.join_as_worker(d, rank, port)
+    ranks.join_as_worker(d, rank)
     try:
         config = replace(ranks.receive(), num_threads=max(1, threads))
         main = pipeline_parallel.worker_main if config.pipeline_parallel_size > 1 else tensor_parallel.worker_main

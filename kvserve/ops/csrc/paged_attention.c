@@ -120,26 +120,20 @@ static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64
     return v;
 }
 
-/* row_dot for head_dim = 8 C (C 8-float chunks, a compile-time constant): the same 8 partial
- * sums and tree, with the query's chunks in registers. */
-static inline __attribute__((always_inline)) float
-row_dot8(const v8f *x, const uint8_t *row, const int C, const int fmt) {
-    v8f acc = {0};
-    UNROLL for (int c = 0; c < C; c++) acc += x[c] * load8(row, c, fmt);
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-}
-
-/* row_dot8 on a K row already converted to C chunks: the same partial sums and tree. */
-static inline __attribute__((always_inline)) float row_dot8_f(const v8f *x, const v8f *k, const int C) {
+/* row_dot for head_dim = 8 C (C 8-float chunks, a compile-time constant), the K row already
+ * converted to chunks: the same 8 partial sums and tree, with the query's chunks in registers. */
+static inline __attribute__((always_inline)) float row_dot8(const v8f *x, const v8f *k, const int C) {
     v8f acc = {0};
     UNROLL for (int c = 0; c < C; c++) acc += x[c] * k[c];
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-/* With 32 vector registers (AVX-512) the G query heads of a group sharing a KV head take one pass
- * over the context's V rows together (each row read and converted once, G C accumulators in
- * registers); with 16 (AVX2) one head at a time keeps its C accumulators in registers. Either way
- * every output element gets the same additions in the same order. */
+/* head_dim = 8 C: the weighted sum of V for G query heads of a group in one pass over the
+ * context's V rows (each row read and converted once, G C accumulators in registers); scores and
+ * oh are the first head's. The builds with 32 vector registers (AVX-512) take the 2 or 3 heads of
+ * a group together; with 16 (AVX2), G = 1: one head per pass, whose V rows come from cache after
+ * the first head's (prefetch: only that first pass fetches ahead). Either way every output element
+ * gets the same additions in the same order. */
 #if defined(__AVX512F__)
 #define JOINT_ACCUMULATORS 24
 #else
@@ -147,16 +141,16 @@ static inline __attribute__((always_inline)) float row_dot8_f(const v8f *x, cons
 #endif
 
 static inline __attribute__((always_inline)) void
-weighted_v_joint(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t row_bytes,
-                 int64_t start, int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim,
-                 const int fmt, const int G, const int C) {
-    v8f acc[G * C];
+weighted_v(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t row_bytes,
+           int64_t start, int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim,
+           const int fmt, const int G, const int C, const int prefetch) {
+    v8f acc[G * C > 0 ? G * C : 1];
     UNROLL for (int i = 0; i < G * C; i++) acc[i] = (v8f){0};
     for (int64_t p = start, t = 0; p < len;) {
         const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
         const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride;
         for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
-            if (j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
+            if (prefetch && j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
             const float vs = row_scale(vr, head_dim, fmt);
             float w[G];
             UNROLL for (int g = 0; g < G; g++) w[g] = scores[g * n + t] * vs;
@@ -228,7 +222,7 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                     v8f kk[C > 0 ? C : 1];               /* the K row, converted once for the group */
                     UNROLL for (int c = 0; c < C; c++) kk[c] = load8(kr, c, fmt);
                     for (int64_t g = 0; g < group; g++) {
-                        const float s = (C ? row_dot8_f(qv + g * C, kk, C)
+                        const float s = (C ? row_dot8(qv + g * C, kk, C)
                                            : row_dot(qh + g * head_dim, kr, head_dim, fmt)) * ks;
                         scores[g * n + t] = s;
                         if (s > mx[g]) mx[g] = s;
@@ -240,35 +234,19 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
                 if (!C) memset(oh + g * head_dim, 0, sizeof(float) * head_dim);   /* row_axpy adds */
             }
-            /* head_dim = 8 C: one query head at a time, its weighted sum of V in registers (the
-             * context's V rows come from cache after the first head); the same additions, in
-             * the same order, as the row_axpy loop below. */
+            /* head_dim = 8 C: weighted_v, the whole group in one pass where its accumulators fit
+             * the registers; any other head_dim: the row_axpy loop below. */
             const uint8_t *vh = vc + h * row_bytes;
-            int joint = 0;
-            if (C == 8 && group == 3 && 3 * 8 <= JOINT_ACCUMULATORS) {
-                weighted_v_joint(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim,
-                                 fmt, 3, 8);
-                joint = 1;
-            } else if (C == 8 && group == 2 && 2 * 8 <= JOINT_ACCUMULATORS) {
-                weighted_v_joint(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim,
-                                 fmt, 2, 8);
-                joint = 1;
-            }
-            for (int64_t g = 0; C && !joint && g < group; g++) {
-                v8f acc[C > 0 ? C : 1];
-                UNROLL for (int c = 0; c < C; c++) acc[c] = (v8f){0};
-                for (int64_t p = start, t = 0; p < len;) {
-                    const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
-                    const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
-                    for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
-                        if (g == 0 && j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
-                        const float w = scores[g * n + t] * row_scale(vr, head_dim, fmt);
-                        UNROLL for (int c = 0; c < C; c++) acc[c] += w * load8(vr, c, fmt);
-                    }
-                    p += run;
-                }
-                UNROLL for (int c = 0; c < C; c++) memcpy(oh + g * head_dim + 8 * c, &acc[c], 32);
-            }
+            if (C == 8 && group == 3 && 3 * 8 <= JOINT_ACCUMULATORS)
+                weighted_v(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim, fmt,
+                           3, 8, 1);
+            else if (C == 8 && group == 2 && 2 * 8 <= JOINT_ACCUMULATORS)
+                weighted_v(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim, fmt,
+                           2, 8, 1);
+            else
+                for (int64_t g = 0; C && g < group; g++)
+                    weighted_v(vh, table, block_size, tok_stride, row_bytes, start, len, scores + g * n, n,
+                               oh + g * head_dim, head_dim, fmt, 1, C, g == 0);
             for (int64_t p = start, t = 0; p < len && !C;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
                 const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
