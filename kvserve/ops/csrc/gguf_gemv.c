@@ -102,18 +102,13 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
             const uint8_t *wg = w + g * gbytes;
             const int64_t n = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
             float out[GGUF_TILE_M * GGUF_ROWS];
-            /* Tiles of equal size (9 rows: 5 + 4, not 8 + 1): a tile of one or two rows leaves
-             * the kernel waiting on its few accumulators' latency. Each row's sums are its own,
-             * so the split never changes a bit. */
-            const int64_t tiles = (c1 - c0 + GGUF_TILE_M - 1) / GGUF_TILE_M;
-            for (int64_t t = 0, r0 = c0; t < tiles; t++) {
-                const int R = (int)((c1 - c0) / tiles + (t < (c1 - c0) % tiles));
+            for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
+                const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
                 const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb, sq0 + r0 * nb};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
                               bias ? bias + g * GGUF_ROWS : NULL, accumulate);
-                r0 += R;
             }
         }
     }

@@ -1,0 +1,60 @@
+"""Time of the C paged attention for R query rows of one sequence (a verification step's rows, or a
+prompt chunk's), over every layer of a model shaped like the default one (9 query / 3 KV heads,
+head_dim 64, fp16 KV, 30 layers), per ISA build. Prints a table (ms per step, best of --reps).
+
+    python3 scripts/attention_rows.py --context 500 --rows 1,9
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from kvserve.ops import cpu_kernels
+
+
+def step_seconds(rows: int, context: int, layers: int, reps: int, heads=(9, 3), head_dim=64, block_size=16) -> float:
+    g = torch.Generator().manual_seed(0)
+    hq, hkv = heads
+    nb = (context + rows) // block_size + 1
+    k = torch.randn(nb * 2, block_size, hkv, head_dim, generator=g).half()
+    v = torch.randn(nb * 2, block_size, hkv, head_dim, generator=g).half()
+    table = torch.randperm(nb * 2, generator=g)[:nb].unsqueeze(0).contiguous()
+    q = torch.randn(rows, hq, head_dim, generator=g)
+    out = torch.empty_like(q)
+    qrow, qseq = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
+    lens = torch.arange(context - rows + 1, context + 1)     # row i attends to its own position too
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            cpu_kernels.paged_attention(q, k, v, out, qrow, table, lens, head_dim ** -0.5, None, qseq)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,9")
+    p.add_argument("--context", type=int, default=500)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--isas", default=None, help="comma-separated builds (default: every one this CPU runs but portable)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    isas = args.isas.split(",") if args.isas else [i for i in cpu_kernels.host_isas() if i != "portable"]
+    print(f"{'rows':>5} " + " ".join(f"{i:>12}" for i in isas) + f"   (ms per step, {args.layers} layers, "
+          f"{args.context} context tokens)")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        times = []
+        for isa in isas:
+            os.environ["KVSERVE_ISA"] = isa          # the build cpu_kernels.paged_attention loads
+            times.append(step_seconds(rows, args.context, args.layers, args.reps))
+        print(f"{rows:>5} " + " ".join(f"{t * 1e3:>12.2f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()
