@@ -326,12 +326,15 @@ def test_c_kernel_prompt_rows_match_reference(use_isa, kv, window, hq, hkv, d):
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("d", [20, 64])
 @pytest.mark.parametrize("group", [3, 2])
-def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, kv, window, d, group):
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, kv, window, d, group, block_size):
     """A token's output is bitwise the same in a batch or alone, with 1 or 2 threads, on every
     ISA build the host runs (d = 64: the kernel's head size with the query in registers; groups
-    of 3 and 2 query heads per KV head: the AVX-512 build's joint pass over V)."""
+    of 3 and 2 query heads per KV head: the joint passes over V; blocks of 16: the x86 builds
+    score 8 keys of a block at once, the portable build one by one)."""
     rng = random.Random(21)
-    q, k, v, kc, vc, meta = make_batch(rng, PROMPT_CHUNKS + [(3, 4)], 4, 48, 2 * group, 2, d)
+    chunks = PROMPT_CHUNKS + [(3, 4)] + ([(40, 3)] if block_size == 16 else [])
+    q, k, v, kc, vc, meta = make_batch(rng, chunks, block_size, 192 // block_size, 2 * group, 2, d)
     if kv != "float32":
         kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)

@@ -37,6 +37,7 @@
 #define UNROLL _Pragma("GCC unroll 16")   /* whole: the chunk arrays stay in registers */
 
 #define MAX_GROUP 16
+#define MAX_C 16          /* 8-float chunks of the largest head_dim with a fixed-size path (128) */
 #define LANES 8
 
 /* Sum of 8 partial sums, in a fixed tree. */
@@ -81,12 +82,28 @@ static inline __attribute__((always_inline)) float row_scale(const uint8_t *row,
     return s;
 }
 
-/* A K or V row PF keys ahead of the one in use is fetched early: the rows of a task are
- * 768-byte strided (every KV head's row sits in a slot) and blocks are scattered, so the
- * hardware prefetcher alone leaves each row's load waiting on memory. */
-#define PF 4
-static inline __attribute__((always_inline)) void prefetch_row(const uint8_t *row, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(row + o, 0, 3);
+/* A task's K and V rows are fetched ahead, into L2: they are strided by the slot (every KV
+ * head's row sits in it) and the blocks are scattered over the pool, so the hardware prefetcher
+ * alone leaves each row's load waiting on memory. Block b of the context (positions [b bs,
+ * (b + 1) bs) clipped to [start, len)) is requested, K and V rows alike, when the K pass enters
+ * block b - AHEAD; the V pass then finds its rows in cache. Into L2 (prefetcht1), not L1: a
+ * prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and with
+ * 2 blocks of rows in flight those ran out (docs/benchmarks-notes.md: a decode step of 64 rows
+ * over 216 tokens of context took about twice as long with per-row L1 prefetches). */
+#define AHEAD 2
+static inline __attribute__((always_inline)) void
+prefetch_block(const uint8_t *kh, const uint8_t *vh, const int64_t *table, int64_t b, int64_t block_size,
+               int64_t start, int64_t len, int64_t tok_stride, int64_t row_bytes) {
+    int64_t p0 = b * block_size, p1 = p0 + block_size;
+    p0 = p0 < start ? start : p0;
+    p1 = p1 > len ? len : p1;
+    if (p0 >= p1) return;
+    const int64_t o = (table[b] * block_size + p0 - b * block_size) * tok_stride;
+    for (int64_t j = 0; j < p1 - p0; j++)
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+            __builtin_prefetch(kh + o + j * tok_stride + c, 0, 2);
+            __builtin_prefetch(vh + o + j * tok_stride + c, 0, 2);
+        }
 }
 
 /* Rows of 8 floats as GCC/clang vector values: element-wise IEEE operations, so the same bits as
@@ -128,41 +145,88 @@ static inline __attribute__((always_inline)) float row_dot8(const v8f *x, const 
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-/* head_dim = 8 C: the weighted sum of V for G query heads of a group in one pass over the
- * context's V rows (each row read and converted once, G C accumulators in registers); scores and
- * oh are the first head's. The builds with 32 vector registers (AVX-512) take the 2 or 3 heads of
- * a group together; with 16 (AVX2), G = 1: one head per pass, whose V rows come from cache after
- * the first head's (prefetch: only that first pass fetches ahead). Either way every output element
- * gets the same additions in the same order. */
+/* row_dot8 for 8 consecutive keys at once (kb: their converted rows, C chunks each): the same
+ * 8 lane partial sums per key, then the same tree, ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 +
+ * a7)), taken across the 8 keys' partials by shuffles, so each score has row_dot8's bits. The 8
+ * keys' sums are independent chains (row_dot8 alone is one chain of C dependent additions and
+ * a horizontal tree per key). Returns the 8 scores in key order. Taken where 8-float vectors are
+ * registers (x86 AVX2 and AVX-512 builds); elsewhere the shuffles cost more than they save (the
+ * portable build ran 40% slower with them) and keys go one by one, with the same bits. */
+#if defined(__AVX2__)
+#define KEYS8 1
+#else
+#define KEYS8 0
+#endif
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v8f *kb, const int C) {
+    v8f a[8];
+    UNROLL for (int j = 0; j < 8; j++) a[j] = (v8f){0};
+    UNROLL for (int c = 0; c < C; c++) {
+        const v8f xc = x[c];
+        UNROLL for (int j = 0; j < 8; j++) a[j] += xc * kb[j * C + c];
+    }
+    /* B[j/2] = [a_l + a_{l+4} of key j, l < 4 | the same of key j + 1] */
+    v8f B[4];
+    UNROLL for (int j = 0; j < 4; j++)
+        B[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], (v8i){0, 1, 2, 3, 8, 9, 10, 11})
+             + __builtin_shuffle(a[2 * j], a[2 * j + 1], (v8i){4, 5, 6, 7, 12, 13, 14, 15});
+    /* b0 | b2 and b1 | b3 of keys 0-3 (from B[0], B[1]) and 4-7 (B[2], B[3]) */
+    const v8f x02 = __builtin_shuffle(B[0], B[1], (v8i){0, 4, 8, 12, 2, 6, 10, 14});
+    const v8f x13 = __builtin_shuffle(B[0], B[1], (v8i){1, 5, 9, 13, 3, 7, 11, 15});
+    const v8f y02 = __builtin_shuffle(B[2], B[3], (v8i){0, 4, 8, 12, 2, 6, 10, 14});
+    const v8f y13 = __builtin_shuffle(B[2], B[3], (v8i){1, 5, 9, 13, 3, 7, 11, 15});
+    const v8f c = __builtin_shuffle(x02, y02, (v8i){0, 1, 2, 3, 8, 9, 10, 11})
+                + __builtin_shuffle(x02, y02, (v8i){4, 5, 6, 7, 12, 13, 14, 15});   /* b0 + b2 */
+    const v8f e = __builtin_shuffle(x13, y13, (v8i){0, 1, 2, 3, 8, 9, 10, 11})
+                + __builtin_shuffle(x13, y13, (v8i){4, 5, 6, 7, 12, 13, 14, 15});   /* b1 + b3 */
+    return c + e;
+}
+
+/* head_dim = 8 C: the weighted sum of V for G query heads of a group in passes over the
+ * context's V rows, each pass taking P of the C 8-float chunks of every head (G P accumulators in
+ * registers, each V chunk read and converted once per pass for the G heads); scores and oh are
+ * the first head's. P is the largest divisor of C with G P <= the registers set aside for it:
+ * with 32 vector registers (AVX-512) a group of up to 3 heads of 64 takes one pass, with 16
+ * (AVX2, NEON, portable) two. The K pass fetched the V rows ahead (prefetch_block), so every
+ * pass finds them in cache. Every output element gets the same additions in the same order
+ * whatever the passes. */
 #if defined(__AVX512F__)
 #define JOINT_ACCUMULATORS 24
 #else
-#define JOINT_ACCUMULATORS 8
+#define JOINT_ACCUMULATORS 12
 #endif
 
 static inline __attribute__((always_inline)) void
-weighted_v(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t row_bytes,
-           int64_t start, int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim,
-           const int fmt, const int G, const int C, const int prefetch) {
-    v8f acc[G * C > 0 ? G * C : 1];
-    UNROLL for (int i = 0; i < G * C; i++) acc[i] = (v8f){0};
+weighted_v_pass(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t start,
+                int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim, const int fmt, const int G,
+                const int c0, const int P) {
+    v8f acc[JOINT_ACCUMULATORS];            /* fixed size, not a VLA: it stays in registers */
+    UNROLL for (int i = 0; i < G * P; i++) acc[i] = (v8f){0};
     for (int64_t p = start, t = 0; p < len;) {
         const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
         const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride;
         for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
-            if (prefetch && j + PF < run) prefetch_row(vr + PF * tok_stride, row_bytes);
             const float vs = row_scale(vr, head_dim, fmt);
-            float w[G];
+            float w[3];
             UNROLL for (int g = 0; g < G; g++) w[g] = scores[g * n + t] * vs;
-            UNROLL for (int c = 0; c < C; c++) {     /* chunk by chunk: G C + 1 registers */
-                const v8f vv = load8(vr, c, fmt);
-                UNROLL for (int g = 0; g < G; g++) acc[g * C + c] += w[g] * vv;
+            UNROLL for (int c = 0; c < P; c++) {     /* chunk by chunk: G P + 1 registers */
+                const v8f vv = load8(vr, c0 + c, fmt);
+                UNROLL for (int g = 0; g < G; g++) acc[g * P + c] += w[g] * vv;
             }
         }
         p += run;
     }
     UNROLL for (int g = 0; g < G; g++)
-        UNROLL for (int c = 0; c < C; c++) memcpy(oh + g * head_dim + 8 * c, &acc[g * C + c], 32);
+        UNROLL for (int c = 0; c < P; c++) memcpy(oh + g * head_dim + 8 * (c0 + c), &acc[g * P + c], 32);
+}
+
+static inline __attribute__((always_inline)) void
+weighted_v(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t start,
+           int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim, const int fmt, const int G,
+           const int C) {
+    const int P = JOINT_ACCUMULATORS / G >= C ? C : JOINT_ACCUMULATORS / G >= 8 ? 8 : 4;   /* divides 8 and 16 */
+    for (int c0 = 0; c0 < C; c0 += P)
+        weighted_v_pass(vc, table, block_size, tok_stride, start, len, scores, n, oh, head_dim, fmt, G, c0, P);
 }
 
 /* exp(s - mx) in place over n scores, returning their sum (8 partial sums, fixed tree). */
@@ -208,18 +272,35 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 continue;
             }
             for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
-            v8f qv[C > 0 ? MAX_GROUP * C : 1];          /* the group's queries, as 8-float chunks */
+            v8f qv[MAX_GROUP * MAX_C];                  /* the group's queries, as 8-float chunks */
             for (int64_t g = 0; C && g < group; g++)
                 for (int c = 0; c < C; c++) memcpy(&qv[g * C + c], qh + g * head_dim + 8 * c, 32);
             /* Walk the context block by block (no division per key): positions p in
              * [start, len), slot = table[p / block_size] * block_size + p % block_size. */
+            const uint8_t *kh = kc + h * row_bytes, *vh = vc + h * row_bytes;
+            for (int64_t b = start / block_size; b < start / block_size + AHEAD; b++)
+                prefetch_block(kh, vh, table, b, block_size, start, len, tok_stride, row_bytes);
             for (int64_t p = start, t = 0; p < len;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
-                const uint8_t *kr = kc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
-                for (int64_t j = 0; j < run; j++, t++, kr += tok_stride) {
-                    if (j + PF < run) prefetch_row(kr + PF * tok_stride, row_bytes);
+                const uint8_t *kr = kh + (table[p / block_size] * block_size + off) * tok_stride;
+                prefetch_block(kh, vh, table, p / block_size + AHEAD, block_size, start, len, tok_stride, row_bytes);
+                int64_t j = 0;
+                for (; KEYS8 && C && j + 8 <= run; j += 8, t += 8, kr += 8 * tok_stride) {   /* 8 keys at once */
+                    v8f kb[8 * MAX_C], ks;               /* their rows, converted once for the group */
+                    UNROLL for (int u = 0; u < 8; u++) {
+                        ks[u] = scale * row_scale(kr + u * tok_stride, head_dim, fmt);
+                        UNROLL for (int c = 0; c < C; c++) kb[u * C + c] = load8(kr + u * tok_stride, c, fmt);
+                    }
+                    for (int64_t g = 0; g < group; g++) {
+                        const v8f sv = dot8_keys(qv + g * C, kb, C) * ks;
+                        memcpy(scores + g * n + t, &sv, 32);
+                        UNROLL for (int u = 0; u < 8; u++)
+                            if (sv[u] > mx[g]) mx[g] = sv[u];
+                    }
+                }
+                for (; j < run; j++, t++, kr += tok_stride) {
                     const float ks = scale * row_scale(kr, head_dim, fmt);
-                    v8f kk[C > 0 ? C : 1];               /* the K row, converted once for the group */
+                    v8f kk[MAX_C];                       /* the K row, converted once for the group */
                     UNROLL for (int c = 0; c < C; c++) kk[c] = load8(kr, c, fmt);
                     for (int64_t g = 0; g < group; g++) {
                         const float s = (C ? row_dot8(qv + g * C, kk, C)
@@ -234,19 +315,16 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
                 if (!C) memset(oh + g * head_dim, 0, sizeof(float) * head_dim);   /* row_axpy adds */
             }
-            /* head_dim = 8 C: weighted_v, the whole group in one pass where its accumulators fit
-             * the registers; any other head_dim: the row_axpy loop below. */
-            const uint8_t *vh = vc + h * row_bytes;
-            if (C == 8 && group == 3 && 3 * 8 <= JOINT_ACCUMULATORS)
-                weighted_v(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim, fmt,
-                           3, 8, 1);
-            else if (C == 8 && group == 2 && 2 * 8 <= JOINT_ACCUMULATORS)
-                weighted_v(vh, table, block_size, tok_stride, row_bytes, start, len, scores, n, oh, head_dim, fmt,
-                           2, 8, 1);
+            /* head_dim = 8 C: weighted_v, groups of 2 or 3 heads together, larger ones head by head;
+             * any other head_dim: the row_axpy loop below. */
+            if (C && group == 3)
+                weighted_v(vh, table, block_size, tok_stride, start, len, scores, n, oh, head_dim, fmt, 3, C);
+            else if (C && group == 2)
+                weighted_v(vh, table, block_size, tok_stride, start, len, scores, n, oh, head_dim, fmt, 2, C);
             else
                 for (int64_t g = 0; C && g < group; g++)
-                    weighted_v(vh, table, block_size, tok_stride, row_bytes, start, len, scores + g * n, n,
-                               oh + g * head_dim, head_dim, fmt, 1, C, g == 0);
+                    weighted_v(vh, table, block_size, tok_stride, start, len, scores + g * n, n,
+                               oh + g * head_dim, head_dim, fmt, 1, C);
             for (int64_t p = start, t = 0; p < len && !C;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
                 const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
