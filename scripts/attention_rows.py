@@ -3,6 +3,12 @@ prompt chunk's), over every layer of a model shaped like the default one (9 quer
 head_dim 64, fp16 KV, 30 layers), per ISA build. Prints a table (ms per step, best of --reps).
 
     python3 scripts/attention_rows.py --context 500 --rows 1,9
+
+With --sequences S, a decode step instead: one row for each of S sequences, contexts uniform in
+--context-range, every layer its own pool with the sequences' blocks scattered over it (what a
+batched decode reads from memory, not from cache).
+
+    python3 scripts/attention_rows.py --sequences 64 --context-range 50:400
 """
 from __future__ import annotations
 
@@ -35,6 +41,33 @@ def step_seconds(rows: int, context: int, layers: int, reps: int, heads=(9, 3), 
     return best
 
 
+def decode_step_seconds(sequences: int, lo: int, hi: int, layers: int, reps: int, heads=(9, 3), head_dim=64,
+                        block_size=16) -> float:
+    g = torch.Generator().manual_seed(0)
+    hq, hkv = heads
+    lens = torch.randint(lo, hi + 1, (sequences,), generator=g)
+    blocks = [int(n) // block_size + 1 for n in lens]
+    pools = []
+    for _ in range(layers):
+        k = torch.randn(2 * sum(blocks), block_size, hkv, head_dim, generator=g).half()
+        v = torch.randn(2 * sum(blocks), block_size, hkv, head_dim, generator=g).half()
+        free = torch.randperm(2 * sum(blocks), generator=g).tolist()
+        table = torch.zeros(sequences, max(blocks), dtype=torch.long)
+        for s, n in enumerate(blocks):
+            table[s, :n] = torch.tensor([free.pop() for _ in range(n)])
+        pools.append((k, v, table))
+    q = torch.randn(sequences, hq, head_dim, generator=g)
+    out = torch.empty_like(q)
+    rows = torch.arange(sequences)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for k, v, table in pools:
+            cpu_kernels.paged_attention(q, k, v, out, rows, table, lens, head_dim ** -0.5, None, None)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -43,9 +76,19 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--isas", default=None, help="comma-separated builds (default: every one this CPU runs but portable)")
+    p.add_argument("--sequences", type=int, default=0, help="a decode step of this many sequences instead")
+    p.add_argument("--context-range", default="50:400", help="with --sequences: contexts uniform in LO:HI")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     isas = args.isas.split(",") if args.isas else [i for i in cpu_kernels.host_isas() if i != "portable"]
+    if args.sequences:
+        lo, hi = (int(v) for v in args.context_range.split(":"))
+        for isa in isas:
+            os.environ["KVSERVE_ISA"] = isa
+            t = decode_step_seconds(args.sequences, lo, hi, args.layers, min(args.reps, 5))
+            print(f"{isa:>12}: {t * 1e3:.2f} ms per decode step ({args.sequences} sequences, contexts {lo}..{hi}, "
+                  f"{args.layers} layers)")
+        return
     print(f"{'rows':>5} " + " ".join(f"{i:>12}" for i in isas) + f"   (ms per step, {args.layers} layers, "
           f"{args.context} context tokens)")
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -95,6 +95,51 @@ def test_gemv_matches_dequantized_matmul(qtype, isa):
         assert ((got - ref).abs() <= bound + 1e-6).all(), (m, (got - ref).abs().max())
 
 
+def reference_q8_0_gemv(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
+    """The contract of csrc/gguf_gemv.h for Q8_0 weights, in numpy float32 (each operation rounded
+    to float32, in the order the contract gives): each block of 32 activations becomes two signed
+    8-bit parts, xa = rint(x 127 / max|x|), xb = rint((that - xa) 256) clamped to +-127, with scale
+    dx = max|x| / (127 256); the integer sum s = sum q (256 xa + xb) is exact; acc += s (d dx)."""
+    n, k = bt.shape
+    raw = bt.raw.reshape(n, k // 32, 34)
+    d = raw[:, :, :2].copy().view(np.float16).astype(np.float32)[:, :, 0]          # [n, blocks]
+    q = raw[:, :, 2:].view(np.int8).astype(np.int64)                               # [n, blocks, 32]
+    f = np.float32
+    out = np.zeros((x.shape[0], n), dtype=np.float32)
+    for r, row in enumerate(x.numpy().astype(np.float32)):
+        acc = np.zeros(n, dtype=np.float32)
+        for b in range(k // 32):
+            xb32 = row[32 * b:32 * b + 32]
+            amax = f(np.abs(xb32).max())
+            amax = amax if amax >= f(1e-30) else f(0)
+            inv = f(127) / amax if amax > 0 else f(0)
+            v = xb32 * inv
+            xa = np.rint(v)
+            xb = np.clip(np.rint((v - xa) * f(256)), -127, 127)
+            s = (q[:, b, :] * (256 * xa.astype(np.int64) + xb.astype(np.int64))).sum(axis=1)
+            dx = amax / f(127 * 256)
+            acc = acc + s.astype(np.float32) * (d[:, b] * dx)
+        out[r] = acc
+    return out
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_q8_0_gemv_is_the_contract_bit_for_bit(isa):
+    """Every build computes exactly what gguf_gemv.h writes down (activation quantization
+    included: round half to even at ties, the +-127 clamp, all-zero blocks), checked against an
+    independent numpy float32 version, not only against the portable build."""
+    _lib_or_skip(isa)
+    bt, packed, kind = weights(Q.Q8_0, 37, 256, seed=3)
+    x = acts(4, 256, seed=9)
+    ties = torch.randint(-126, 126, (2, 256), generator=torch.Generator().manual_seed(2)).float()
+    ties[0] += 0.5                                      # v = x (the block max is 127): xa ties
+    ties[1] += (torch.arange(256) % 64 * 2 + 1).float() / 512 - 0.125    # xb ties and clamps
+    ties[:, ::32] = 127.0
+    x = torch.cat([x, ties, torch.zeros(1, 256)])
+    got = cpu_kernels.gguf_gemv(packed, kind, 37, x, isa=isa)
+    assert torch.equal(got, torch.from_numpy(reference_q8_0_gemv(bt, x)))
+
+
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
 def test_every_isa_gives_the_portable_bits(qtype, isa):

@@ -20,44 +20,71 @@
 
 #define GGUF_CHUNK_M 64     /* activation rows whose quantized values stay in L2 */
 
-/* One row of x -> per block of 32: xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq, and sq0
- * when `halves` (kind 18 reads it; gguf_acts_t). The sum sx runs j = 0..31 in order (no
- * reassociation: -ffp-contract=off, no -ffast-math). */
-static void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float *sx, int32_t *sq, int32_t *sq0,
-                         const int halves) {
-    for (int64_t b = 0; b < nb; b++) {
-        const float *p = x + b * 32;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < 32; j++) {
-            const float a = p[j] < 0 ? -p[j] : p[j];
-            amax = a > amax ? a : amax;
-        }
-        for (int j = 0; j < 32; j++) sum += p[j];
-        if (!(amax >= 1e-30f)) amax = 0.f;   /* tiny blocks count as zero: 127 / amax stays finite */
-        const float inv = amax > 0 ? 127.f / amax : 0.f;
-        int8_t *qa = xq + b * 64, *qb = qa + 32;
-        int32_t sa = 0, sb = 0, sa0 = 0, sb0 = 0;
-        for (int j = 0; j < 32; j++) {
-            const float v = p[j] * inv;                       /* in [-127, 127] */
-            const float a = __builtin_rintf(v);
-            float rb = __builtin_rintf((v - a) * 256.f);      /* in [-128, 128] */
-            rb = rb > 127.f ? 127.f : rb < -127.f ? -127.f : rb;
-            qa[j] = (int8_t)a;
-            qb[j] = (int8_t)rb;
-            sa += qa[j];
-            sb += qb[j];
-        }
-        if (halves) {
-            for (int j = 0; j < 16; j++) {
-                sa0 += qa[j];
-                sb0 += qb[j];
-            }
-            sq0[b] = 256 * sa0 + sb0;
-        }
-        dx[b] = amax / (127.f * 256.f);
-        sx[b] = sum;
-        sq[b] = 256 * sa + sb;
+/* Rows of 8 floats / int32 as GCC/clang vector values: element-wise IEEE operations, so the same
+ * bits in every build as in scalar code (no contraction: -ffp-contract=off). */
+typedef float q8f __attribute__((vector_size(32)));
+typedef int32_t q8i __attribute__((vector_size(32)));
+
+/* rint (round half to even) of |v| < 2^22, exactly: adding 1.5 2^23 rounds v to an integer in
+ * the default rounding mode, and subtracting it back is exact. The same as __builtin_rintf on
+ * the values quantize_block rounds (|v| <= 128), as a vector operation every build has. */
+static inline __attribute__((always_inline)) q8f rint8(q8f v) {
+    const q8f big = {12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f};
+    return (v + big) - big;
+}
+
+static inline __attribute__((always_inline)) q8f pick(q8i mask, q8f a, q8f b) {   /* mask ? a : b */
+    return (q8f)(((q8i)a & mask) | ((q8i)b & ~mask));
+}
+
+/* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq, and
+ * sq0 when `halves` (kind 18 reads it; gguf_acts_t). The sum sx runs j = 0..31 in order (no
+ * reassociation: -ffp-contract=off, no -ffast-math); the rest is element-wise, in 8-float
+ * vectors, and the max and the integer sums do not depend on their order. Blocks are
+ * independent of each other, so the threads split a call's rows by block. */
+static void quantize_block(const float *p, int8_t *qa, float *dx, float *sx, int32_t *sq, int32_t *sq0,
+                           const int halves) {
+    q8f x[4], m = {0};
+    for (int c = 0; c < 4; c++) {
+        memcpy(&x[c], p + 8 * c, 32);
+        const q8f a = pick(x[c] < 0, -x[c], x[c]);
+        m = pick(a > m, a, m);
     }
+    float amax = 0.f, sum = 0.f;
+    for (int l = 0; l < 8; l++) amax = m[l] > amax ? m[l] : amax;
+    for (int j = 0; j < 32; j++) sum += p[j];
+    if (!(amax >= 1e-30f)) amax = 0.f;   /* tiny blocks count as zero: 127 / amax stays finite */
+    const float inv = amax > 0 ? 127.f / amax : 0.f;
+    const q8f lim = {127.f, 127.f, 127.f, 127.f, 127.f, 127.f, 127.f, 127.f};
+    q8i sa = {0}, sb = {0}, sa0 = {0}, sb0 = {0};
+    for (int c = 0; c < 4; c++) {
+        const q8f v = x[c] * inv;                         /* in [-127, 127] */
+        const q8f a = rint8(v);
+        q8f rb = rint8((v - a) * 256.f);                  /* in [-128, 128] */
+        rb = pick(rb > lim, lim, pick(rb < -lim, -lim, rb));
+        const q8i ia = __builtin_convertvector(a, q8i), ib = __builtin_convertvector(rb, q8i);
+        for (int l = 0; l < 8; l++) {
+            qa[8 * c + l] = (int8_t)ia[l];
+            qa[32 + 8 * c + l] = (int8_t)ib[l];
+        }
+        sa += ia;
+        sb += ib;
+        if (c < 2) {
+            sa0 += ia;
+            sb0 += ib;
+        }
+    }
+    int32_t ta = 0, tb = 0, ta0 = 0, tb0 = 0;
+    for (int l = 0; l < 8; l++) {
+        ta += sa[l];
+        tb += sb[l];
+        ta0 += sa0[l];
+        tb0 += sb0[l];
+    }
+    if (halves) *sq0 = 256 * ta0 + tb0;
+    *dx = amax / (127.f * 256.f);
+    *sx = sum;
+    *sq = 256 * ta + tb;
 }
 
 /* n outputs o of one row into yr: yr = o, or yr + o with accumulate, then + bias when given. */
@@ -88,9 +115,11 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     float *dx = (float *)(xq + M * K * 2), *sx = dx + M * nb;
     int32_t *sq = (int32_t *)(sx + M * nb), *sq0 = sq + M * nb;
     #pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; r++)
-        quantize_row(x + (rows ? rows[r] : r) * ldx, nb, xq + r * K * 2, dx + r * nb, sx + r * nb, sq + r * nb,
-                     sq0 + r * nb, kind == GGUF_K8);
+    for (int64_t rb = 0; rb < M * nb; rb++) {           /* (row, block) pairs: a decode's one row splits too */
+        const int64_t r = rb / nb, b = rb % nb;
+        quantize_block(x + (rows ? rows[r] : r) * ldx + b * 32, xq + r * K * 2 + b * 64, dx + rb, sx + rb, sq + rb,
+                       sq0 + rb, kind == GGUF_K8);
+    }
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
      * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to
