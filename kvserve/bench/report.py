@@ -76,6 +76,11 @@ def section_throughput(res: dict) -> list[str]:
         rows.append(row)
     out.append(md_table(["engine", "useful out tok/s", "out tok/s", "req/s", "in tok/s", "wall s", "kvserve vs it"]
                         + (["TTFT p50 s", "prefix cache hit rate"] if cache_cols else []), rows))
+    n = max((len(r.get("rounds", [])) for r in res["runs"]), default=0)
+    if n:
+        out += ["", f"Each engine's median of {n} rounds (kvserve, then each peer, {n} times). kvserve over the peer, "
+                    "round by round: " + "; ".join(f"{peer} " + ", ".join(x(v) for v in ratios)
+                                                   for peer, ratios in res.get("round_ratios", {}).items()) + "."]
     for r in res["runs"]:
         if r.get("per_turn"):
             out += ["", f"Per turn, {engine_label(r)}:", "",

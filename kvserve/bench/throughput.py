@@ -44,12 +44,46 @@ def add_output_args(p) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+MAX_REPEAT = 50
+
+
 def add_args(p) -> None:
     from kvserve.config import add_engine_args
     add_dataset_args(p, multiturn=True)
     add_engine_args(p)
     add_peer_args(p, "run", vllm=True)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds, each running kvserve then every peer: the figures are each engine's median "
+                        "round, and every round's ratio is printed (a shared machine drifts between the "
+                        f"engines' runs; 1..{MAX_REPEAT}, default: %(default)s)")
     add_output_args(p)
+
+
+def median_runs(rounds: list[list[dict]]) -> list[dict]:
+    """One run per engine from `rounds` (each a list of runs, one per engine, in the same order):
+    the engine's median round by useful output tokens/s (the lower middle one for an even count),
+    with every round's metrics under "rounds"."""
+    runs = []
+    for j in range(len(rounds[0])):
+        mine = [rnd[j] for rnd in rounds]
+        ranked = sorted(mine, key=lambda r: r["metrics"]["useful_output_tokens_per_s"])
+        run = dict(ranked[(len(ranked) - 1) // 2])
+        if len(mine) > 1:
+            run["rounds"] = [r["metrics"] for r in mine]
+        runs.append(run)
+    return runs
+
+
+def round_ratios(rounds: list[list[dict]]) -> dict[str, list[float]]:
+    """Per peer, kvserve's useful output tokens/s over the peer's, round by round."""
+    out: dict[str, list[float]] = {}
+    for rnd in rounds:
+        base = next((r for r in rnd if r["engine"] == "kvserve"), None)
+        for r in rnd:
+            if base is not None and r is not base:
+                out.setdefault(r["engine"], []).append(common.ratio(base["metrics"]["useful_output_tokens_per_s"],
+                                                                    r["metrics"]["useful_output_tokens_per_s"]))
+    return out
 
 
 def check_peers(args) -> str | None:
@@ -269,6 +303,9 @@ def main_multiturn(args, argv: list[str]) -> int:
                           "(drop --peer / --only-peers)")
     if args.turns < 1:
         return common.die("--turns must be >= 1")
+    if args.repeat != 1:
+        return common.die("--repeat is for workloads whose every round is the same: a multiturn round's prompts "
+                          "hold kvserve's own answers (drop --repeat)")
     output_len = multiturn_output_len(args)
     convs = load_conversations(args)
     inp, asked = multiturn_asked(convs, output_len)
@@ -291,6 +328,8 @@ def main(args, argv: list[str]) -> int:
     msg = check_peers(args)
     if msg:
         return common.die(msg)
+    if not 1 <= args.repeat <= MAX_REPEAT:
+        return common.die(f"--repeat must be between 1 and {MAX_REPEAT}, got {args.repeat}")
     gguf = common.model_path(args.model)
     encode = None
     if args.dataset == "sharegpt":
@@ -303,10 +342,18 @@ def main(args, argv: list[str]) -> int:
     result = common.new_result("throughput", argv, args)
     result["workload"] = {"dataset": args.dataset, "num_requests": len(reqs), "prompt_tokens": inp,
                           "max_tokens_total": useful}
-    if not args.only_peers:
-        result["runs"].append(run_kvserve(args, reqs))
-    for peer in args.peer:
-        result["runs"].append(PEERS[peer](args, reqs, gguf))
+    rounds = []
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            print(f"round {i + 1} of {args.repeat}", file=sys.stderr)
+        rnd = [run_kvserve(args, reqs)] if not args.only_peers else []
+        rnd += [PEERS[peer](args, reqs, gguf) for peer in args.peer]
+        rounds.append(rnd)
+    result["runs"] = median_runs(rounds)
     print_table(result["runs"])
+    if args.repeat > 1:
+        result["round_ratios"] = round_ratios(rounds)
+        for peer, ratios in result["round_ratios"].items():
+            print(f"kvserve / {peer}, round by round: " + ", ".join(f"x{r:.2f}" for r in ratios))
     common.save_result(result, args.output, args.save, f"throughput-{args.dataset}")
     return 0

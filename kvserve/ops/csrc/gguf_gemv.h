@@ -21,7 +21,7 @@
  * once, as gguf's own dequantization.
  *
  * Activations: each row, per block of 32, becomes two signed 8-bit parts (gguf_gemv.c,
- * quantize_rows): v = x 127 / max|x|, xa = rint(v), xb = rint((v - xa) 256) clamped to +-127, so
+ * quantize_block): v = x 127 / max|x|, xa = rint(v), xb = rint((v - xa) 256) clamped to +-127, so
  * x ~= dx (256 xa + xb) with dx = max|x| / (127 256): about 15 bits, where llama.cpp's single
  * 8-bit part costs SmolLM2 2% of perplexity.
  *
