@@ -72,16 +72,14 @@ INLINE int32x4_t block_s(const int8x16_t w[8], const int8_t *x, const int R) {
 INLINE void block_s_halves(const int8x16_t w[8], const int8_t *x, int32x4_t *s0, int32x4_t *s1) {
     const int8x16_t a0 = vld1q_s8(x), a1 = vld1q_s8(x + 16), b0 = vld1q_s8(x + 32), b1 = vld1q_s8(x + 48);
     int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);
-    UNROLL for (int c = 0; c < 4; c++) {
-        lo = vdotq_laneq_s32(lo, w[c], a0, c);
-        hi = vdotq_laneq_s32(hi, w[4 + c], a1, c);
-    }
+    /* The lane is written out: clang (Apple's compiler) takes only a literal there, even in an
+     * unrolled loop. */
+#define HALVES(xl, xh, c) lo = vdotq_laneq_s32(lo, w[c], xl, c); hi = vdotq_laneq_s32(hi, w[4 + c], xh, c)
+    HALVES(a0, a1, 0); HALVES(a0, a1, 1); HALVES(a0, a1, 2); HALVES(a0, a1, 3);
     lo = vshlq_n_s32(lo, 8);
     hi = vshlq_n_s32(hi, 8);
-    UNROLL for (int c = 0; c < 4; c++) {
-        lo = vdotq_laneq_s32(lo, w[c], b0, c);
-        hi = vdotq_laneq_s32(hi, w[4 + c], b1, c);
-    }
+    HALVES(b0, b1, 0); HALVES(b0, b1, 1); HALVES(b0, b1, 2); HALVES(b0, b1, 3);
+#undef HALVES
     *s0 = lo;
     *s1 = hi;
 }

@@ -157,6 +157,12 @@ static inline __attribute__((always_inline)) float row_dot8(const v8f *x, const 
 #else
 #define KEYS8 0
 #endif
+#if KEYS8
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
 typedef int32_t v8i __attribute__((vector_size(32)));
 static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v8f *kb, const int C) {
     v8f a[8];
@@ -168,19 +174,20 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
     /* B[j/2] = [a_l + a_{l+4} of key j, l < 4 | the same of key j + 1] */
     v8f B[4];
     UNROLL for (int j = 0; j < 4; j++)
-        B[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], (v8i){0, 1, 2, 3, 8, 9, 10, 11})
-             + __builtin_shuffle(a[2 * j], a[2 * j + 1], (v8i){4, 5, 6, 7, 12, 13, 14, 15});
+        B[j] = SHUF(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SHUF(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
     /* b0 | b2 and b1 | b3 of keys 0-3 (from B[0], B[1]) and 4-7 (B[2], B[3]) */
-    const v8f x02 = __builtin_shuffle(B[0], B[1], (v8i){0, 4, 8, 12, 2, 6, 10, 14});
-    const v8f x13 = __builtin_shuffle(B[0], B[1], (v8i){1, 5, 9, 13, 3, 7, 11, 15});
-    const v8f y02 = __builtin_shuffle(B[2], B[3], (v8i){0, 4, 8, 12, 2, 6, 10, 14});
-    const v8f y13 = __builtin_shuffle(B[2], B[3], (v8i){1, 5, 9, 13, 3, 7, 11, 15});
-    const v8f c = __builtin_shuffle(x02, y02, (v8i){0, 1, 2, 3, 8, 9, 10, 11})
-                + __builtin_shuffle(x02, y02, (v8i){4, 5, 6, 7, 12, 13, 14, 15});   /* b0 + b2 */
-    const v8f e = __builtin_shuffle(x13, y13, (v8i){0, 1, 2, 3, 8, 9, 10, 11})
-                + __builtin_shuffle(x13, y13, (v8i){4, 5, 6, 7, 12, 13, 14, 15});   /* b1 + b3 */
+    const v8f x02 = SHUF(B[0], B[1], 0, 4, 8, 12, 2, 6, 10, 14);
+    const v8f x13 = SHUF(B[0], B[1], 1, 5, 9, 13, 3, 7, 11, 15);
+    const v8f y02 = SHUF(B[2], B[3], 0, 4, 8, 12, 2, 6, 10, 14);
+    const v8f y13 = SHUF(B[2], B[3], 1, 5, 9, 13, 3, 7, 11, 15);
+    const v8f c = SHUF(x02, y02, 0, 1, 2, 3, 8, 9, 10, 11)
+                + SHUF(x02, y02, 4, 5, 6, 7, 12, 13, 14, 15);   /* b0 + b2 */
+    const v8f e = SHUF(x13, y13, 0, 1, 2, 3, 8, 9, 10, 11)
+                + SHUF(x13, y13, 4, 5, 6, 7, 12, 13, 14, 15);   /* b1 + b3 */
     return c + e;
 }
+#endif
 
 /* head_dim = 8 C: the weighted sum of V for G query heads of a group in passes over the
  * context's V rows, each pass taking P of the C 8-float chunks of every head (G P accumulators in
@@ -285,7 +292,8 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 const uint8_t *kr = kh + (table[p / block_size] * block_size + off) * tok_stride;
                 prefetch_block(kh, vh, table, p / block_size + AHEAD, block_size, start, len, tok_stride, row_bytes);
                 int64_t j = 0;
-                for (; KEYS8 && C && j + 8 <= run; j += 8, t += 8, kr += 8 * tok_stride) {   /* 8 keys at once */
+#if KEYS8
+                for (; C && j + 8 <= run; j += 8, t += 8, kr += 8 * tok_stride) {   /* 8 keys at once */
                     v8f kb[8 * MAX_C], ks;               /* their rows, converted once for the group */
                     UNROLL for (int u = 0; u < 8; u++) {
                         ks[u] = scale * row_scale(kr + u * tok_stride, head_dim, fmt);
@@ -298,6 +306,7 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                             if (sv[u] > mx[g]) mx[g] = sv[u];
                     }
                 }
+#endif
                 for (; j < run; j++, t++, kr += tok_stride) {
                     const float ks = scale * row_scale(kr, head_dim, fmt);
                     v8f kk[MAX_C];                       /* the K row, converted once for the group */
