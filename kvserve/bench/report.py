@@ -78,9 +78,9 @@ def section_throughput(res: dict) -> list[str]:
                         + (["TTFT p50 s", "prefix cache hit rate"] if cache_cols else []), rows))
     n = max((len(r.get("rounds", [])) for r in res["runs"]), default=0)
     if n:
-        out += ["", f"Each engine's median of {n} rounds (kvserve, then each peer, {n} times). kvserve over the peer, "
-                    "round by round: " + "; ".join(f"{peer} " + ", ".join(x(v) for v in ratios)
-                                                   for peer, ratios in res.get("round_ratios", {}).items()) + "."]
+        ratios = "; ".join(f"{peer} " + ", ".join(x(v) for v in rs) for peer, rs in res.get("round_ratios", {}).items())
+        out += ["", f"Each engine's median of {n} rounds (kvserve, then each peer, {n} times)."
+                + (f" kvserve over the peer, round by round: {ratios}." if ratios else "")]
     for r in res["runs"]:
         if r.get("per_turn"):
             out += ["", f"Per turn, {engine_label(r)}:", "",

@@ -2,11 +2,15 @@
 compiles with it and gives gcc's bits, and the sources compile for aarch64 (the NEON build).
 Skipped where clang is not installed (.ci/run installs it)."""
 import ctypes
+import random
 import shutil
 import subprocess
 
 import pytest
 import torch
+from gguf.constants import GGMLQuantizationType as Q
+from test_attention import make_batch, run_kernel, token_rows
+from test_gguf_gemv import acts, weights
 
 from kvserve.ops import cpu_kernels
 from kvserve.ops.cpu_kernels import _CSRC
@@ -25,13 +29,6 @@ def _gcc_and_clang(monkeypatch, tmp_path, isa):
 
 @pytest.mark.parametrize("isa", cpu_kernels.host_isas())
 def test_clang_builds_give_gccs_bits(monkeypatch, tmp_path, isa):
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_attention import make_batch, run_kernel, token_rows
-    from test_gguf_gemv import acts, weights
-    from gguf.constants import GGMLQuantizationType as Q
-    import random
-
     libs = _gcc_and_clang(monkeypatch, tmp_path, isa)
     _, packed, kind = weights(Q.Q4_1, 40, 576, seed=2)
     x = acts(9, 576, seed=4)
