@@ -17,6 +17,9 @@
 #endif
 
 #include "gguf_gemv.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define GGUF_CHUNK_M 64     /* activation rows whose quantized values stay in L2 */
 
@@ -24,6 +27,32 @@
  * bits in every build as in scalar code (no contraction: -ffp-contract=off). */
 typedef float q8f __attribute__((vector_size(32)));
 typedef int32_t q8i __attribute__((vector_size(32)));
+typedef float q8f_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+
+/* The 8 lanes of ia and ib (all within +-128) as int8 at pa and pb, and v16 (256 ia + ib, within
+ * +-32767) as int16 at p16: packs on x86 (GCC scalarizes the generic narrowing conversions there), lane by lane
+ * elsewhere. Plain data movement: every build stores the same values. */
+static inline __attribute__((always_inline)) void store_narrow(q8i ia, q8i ib, q8i v16, int8_t *pa, int8_t *pb, int16_t *p16) {
+#if defined(__AVX2__)
+    __m256i a, b;
+    memcpy(&a, &ia, 32);
+    memcpy(&b, &ib, 32);
+    const __m256i ab = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);   /* a 0..7 | b 0..7 */
+    const __m256i bytes = _mm256_packs_epi16(ab, ab);
+    _mm_storel_epi64((__m128i *)pa, _mm256_castsi256_si128(bytes));
+    _mm_storel_epi64((__m128i *)pb, _mm256_extracti128_si256(bytes, 1));
+    __m256i x;
+    memcpy(&x, &v16, 32);
+    const __m256i x16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(x, x), 0x08);
+    _mm_storeu_si128((__m128i *)p16, _mm256_castsi256_si128(x16));
+#else
+    for (int l = 0; l < 8; l++) {
+        pa[l] = (int8_t)ia[l];
+        pb[l] = (int8_t)ib[l];
+        p16[l] = (int16_t)v16[l];
+    }
+#endif
+}
 
 /* rint (round half to even) of |v| < 2^22, exactly: adding 1.5 2^23 rounds v to an integer in
  * the default rounding mode, and subtracting it back is exact. The same as __builtin_rintf on
@@ -37,16 +66,16 @@ static inline __attribute__((always_inline)) q8f pick(q8i mask, q8f a, q8f b) { 
     return (q8f)(((q8i)a & mask) | ((q8i)b & ~mask));
 }
 
-/* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), dx, sx, sq, and
+/* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), x16, dx, sx, sq, and
  * sq0 when `halves` (kind 18 reads it; gguf_acts_t). The sum sx runs j = 0..31 in order (no
  * reassociation: -ffp-contract=off, no -ffast-math); the rest is element-wise, in 8-float
  * vectors, and the max and the integer sums do not depend on their order. Blocks are
  * independent of each other, so the threads split a call's rows by block. */
-static void quantize_block(const float *p, int8_t *qa, float *dx, float *sx, int32_t *sq, int32_t *sq0,
+static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, float *sx, int32_t *sq, int32_t *sq0,
                            const int halves) {
     q8f x[4], m = {0};
     for (int c = 0; c < 4; c++) {
-        memcpy(&x[c], p + 8 * c, 32);
+        x[c] = *(const q8f_unaligned *)(p + 8 * c);   /* one 32-byte load (a memcpy went through the stack) */
         const q8f a = pick(x[c] < 0, -x[c], x[c]);
         m = pick(a > m, a, m);
     }
@@ -56,35 +85,27 @@ static void quantize_block(const float *p, int8_t *qa, float *dx, float *sx, int
     if (!(amax >= 1e-30f)) amax = 0.f;   /* tiny blocks count as zero: 127 / amax stays finite */
     const float inv = amax > 0 ? 127.f / amax : 0.f;
     const q8f lim = {127.f, 127.f, 127.f, 127.f, 127.f, 127.f, 127.f, 127.f};
-    q8i sa = {0}, sb = {0}, sa0 = {0}, sb0 = {0};
+    q8i s16 = {0}, s16h = {0};
     for (int c = 0; c < 4; c++) {
         const q8f v = x[c] * inv;                         /* in [-127, 127] */
         const q8f a = rint8(v);
         q8f rb = rint8((v - a) * 256.f);                  /* in [-128, 128] */
         rb = pick(rb > lim, lim, pick(rb < -lim, -lim, rb));
         const q8i ia = __builtin_convertvector(a, q8i), ib = __builtin_convertvector(rb, q8i);
-        for (int l = 0; l < 8; l++) {
-            qa[8 * c + l] = (int8_t)ia[l];
-            qa[32 + 8 * c + l] = (int8_t)ib[l];
-        }
-        sa += ia;
-        sb += ib;
-        if (c < 2) {
-            sa0 += ia;
-            sb0 += ib;
-        }
+        const q8i v16 = 256 * ia + ib;                    /* x16, exact in int32 */
+        store_narrow(ia, ib, v16, qa + 8 * c, qa + 32 + 8 * c, x16 + 8 * c);
+        s16 += v16;
+        if (c < 2) s16h += v16;
     }
-    int32_t ta = 0, tb = 0, ta0 = 0, tb0 = 0;
+    int32_t t = 0, th = 0;                                /* integer sums: any order */
     for (int l = 0; l < 8; l++) {
-        ta += sa[l];
-        tb += sb[l];
-        ta0 += sa0[l];
-        tb0 += sb0[l];
+        t += s16[l];
+        th += s16h[l];
     }
-    if (halves) *sq0 = 256 * ta0 + tb0;
+    if (halves) *sq0 = th;
     *dx = amax / (127.f * 256.f);
     *sx = sum;
-    *sq = 256 * ta + tb;
+    *sq = t;
 }
 
 /* n outputs o of one row into yr: yr = o, or yr + o with accumulate, then + bias when given. */
@@ -99,7 +120,7 @@ const char *gguf_gemv_isa(void) { return gguf_kernel_isa(); }
 
 int64_t gguf_workspace_bytes(int64_t M, int64_t K) {
     const int64_t nb = K / 32;
-    return M * K * 2 + M * nb * (int64_t)(2 * sizeof(float) + 2 * sizeof(int32_t)) + 64;
+    return M * K * 2 + M * K * 2 + M * nb * (int64_t)(2 * sizeof(float) + 2 * sizeof(int32_t)) + 64;
 }
 
 /* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
@@ -112,12 +133,13 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
     int8_t *xq = (int8_t *)ws;
-    float *dx = (float *)(xq + M * K * 2), *sx = dx + M * nb;
+    int16_t *x16 = (int16_t *)(xq + M * K * 2);
+    float *dx = (float *)(x16 + M * K), *sx = dx + M * nb;
     int32_t *sq = (int32_t *)(sx + M * nb), *sq0 = sq + M * nb;
     #pragma omp for schedule(static)
     for (int64_t rb = 0; rb < M * nb; rb++) {           /* (row, block) pairs: a decode's one row splits too */
         const int64_t r = rb / nb, b = rb % nb;
-        quantize_block(x + (rows ? rows[r] : r) * ldx + b * 32, xq + r * K * 2 + b * 64, dx + rb, sx + rb, sq + rb,
+        quantize_block(x + (rows ? rows[r] : r) * ldx + b * 32, xq + r * K * 2 + b * 64, x16 + rb * 32, dx + rb, sx + rb, sq + rb,
                        sq0 + rb, kind == GGUF_K8);
     }
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
@@ -133,7 +155,7 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
             float out[GGUF_TILE_M * GGUF_ROWS];
             for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
-                const gguf_acts_t a = {xq + r0 * K * 2, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb, sq0 + r0 * nb};
+                const gguf_acts_t a = {xq + r0 * K * 2, x16 + r0 * K, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb, sq0 + r0 * nb};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,

@@ -84,11 +84,13 @@ static inline __attribute__((always_inline)) void gguf_prefetch_block(const uint
 }
 
 /* Activations of one pass: R rows of nb blocks each. xq holds, per (row, block), 64 s8 values:
- * the 32 xa, then the 32 xb. dx: scale; sx: sum of the block's float x (the m term); sq:
+ * the 32 xa, then the 32 xb; x16 the same 32 values as 256 xa + xb (|.| <= 32639: int16, for
+ * kernels that multiply 16-bit lanes). dx: scale; sx: sum of the block's float x (the m term); sq:
  * 256 sum xa + sum xb (for kernels that store 8-bit weights offset by 128), sq0 the same over
  * j < 16 (kind 18's first half; its second half's is sq - sq0). */
 typedef struct {
     const int8_t *xq;
+    const int16_t *x16;
     const float *dx, *sx;
     const int32_t *sq, *sq0;
 } gguf_acts_t;
@@ -96,8 +98,8 @@ typedef struct {
 /* The activations of rows r0.. of `a` (nb blocks a row): kernels that take fewer than
  * GGUF_TILE_M rows per pass over a group's weights run the rest from here. */
 static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, int64_t nb) {
-    const gguf_acts_t ar = {a->xq + r0 * nb * 64, a->dx + r0 * nb, a->sx + r0 * nb, a->sq + r0 * nb,
-                            a->sq0 + r0 * nb};
+    const gguf_acts_t ar = {a->xq + r0 * nb * 64, a->x16 + r0 * nb * 32, a->dx + r0 * nb, a->sx + r0 * nb,
+                            a->sq + r0 * nb, a->sq0 + r0 * nb};
     return ar;
 }
 

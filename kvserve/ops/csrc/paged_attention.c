@@ -89,7 +89,9 @@ static inline __attribute__((always_inline)) float row_scale(const uint8_t *row,
  * block b - AHEAD; the V pass then finds its rows in cache. Into L2 (prefetcht1), not L1: a
  * prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and with
  * 2 blocks of rows in flight those ran out (docs/benchmarks-notes.md: a decode step of 64 rows
- * over 216 tokens of context took about twice as long with per-row L1 prefetches). */
+ * over 216 tokens of context took about twice as long with per-row L1 prefetches). A task's
+ * first AHEAD blocks are requested by the task before it (the next (row, kv head) in the loop's
+ * order), between its K and V passes, so no task starts on a cold context. */
 #define AHEAD 2
 static inline __attribute__((always_inline)) void
 prefetch_block(const uint8_t *kh, const uint8_t *vh, const int64_t *table, int64_t b, int64_t block_size,
@@ -279,6 +281,10 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                 continue;
             }
             for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
+#if KEYS8
+            v8f mx8[MAX_GROUP];                 /* the 8-key path's running maxima, lane by lane */
+            for (int64_t g = 0; g < group; g++) mx8[g] = (v8f){0} - INFINITY;
+#endif
             v8f qv[MAX_GROUP * MAX_C];                  /* the group's queries, as 8-float chunks */
             for (int64_t g = 0; C && g < group; g++)
                 for (int c = 0; c < C; c++) memcpy(&qv[g * C + c], qh + g * head_dim + 8 * c, 32);
@@ -302,8 +308,8 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                     for (int64_t g = 0; g < group; g++) {
                         const v8f sv = dot8_keys(qv + g * C, kb, C) * ks;
                         memcpy(scores + g * n + t, &sv, 32);
-                        UNROLL for (int u = 0; u < 8; u++)
-                            if (sv[u] > mx[g]) mx[g] = sv[u];
+                        const v8i up = sv > mx8[g];          /* lane-wise; the lanes meet after the pass */
+                        mx8[g] = (v8f)(((v8i)sv & up) | ((v8i)mx8[g] & ~up));
                     }
                 }
 #endif
@@ -319,6 +325,20 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
                     }
                 }
                 p += run;
+            }
+#if KEYS8
+            for (int64_t g = 0; g < group; g++)    /* a maximum does not depend on the order */
+                for (int u = 0; u < 8; u++) mx[g] = mx8[g][u] > mx[g] ? mx8[g][u] : mx[g];
+#endif
+            {   /* the next task's first blocks, while this one's V pass runs */
+                const int64_t ni = h + 1 < kv_heads ? i : i + 1, nh = h + 1 < kv_heads ? h + 1 : 0;
+                if (ni < num_rows) {
+                    const int64_t nlen = lens[ni], nstart = (window > 0 && nlen > window) ? nlen - window : 0;
+                    const int64_t *ntable = tables + (qseq ? qseq[ni] : ni) * table_stride;
+                    for (int64_t b = nstart / block_size; b < nstart / block_size + AHEAD; b++)
+                        prefetch_block(kc + nh * row_bytes, vc + nh * row_bytes, ntable, b, block_size, nstart, nlen,
+                                       tok_stride, row_bytes);
+                }
             }
             for (int64_t g = 0; g < group; g++) {
                 sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
