@@ -66,13 +66,13 @@ static inline __attribute__((always_inline)) q8f pick(q8i mask, q8f a, q8f b) { 
     return (q8f)(((q8i)a & mask) | ((q8i)b & ~mask));
 }
 
-/* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), x16, dx, sx, sq, and
- * sq0 when `halves` (kind 18 reads it; gguf_acts_t). The sum sx runs j = 0..31 in order (no
+/* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), x16, dx, sx, sq and
+ * sq0 (gguf_acts_t). The sum sx runs j = 0..31 in order (no
  * reassociation: -ffp-contract=off, no -ffast-math); the rest is element-wise, in 8-float
  * vectors, and the max and the integer sums do not depend on their order. Blocks are
  * independent of each other, so the threads split a call's rows by block. */
-static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, float *sx, int32_t *sq, int32_t *sq0,
-                           const int halves) {
+static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, float *sx, int32_t *sq,
+                           int32_t *sq0) {
     q8f x[4], m = {0};
     for (int c = 0; c < 4; c++) {
         x[c] = *(const q8f_unaligned *)(p + 8 * c);   /* one 32-byte load (a memcpy went through the stack) */
@@ -102,7 +102,7 @@ static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, 
         t += s16[l];
         th += s16h[l];
     }
-    if (halves) *sq0 = th;
+    *sq0 = th;
     *dx = amax / (127.f * 256.f);
     *sx = sum;
     *sq = t;
@@ -123,25 +123,43 @@ int64_t gguf_workspace_bytes(int64_t M, int64_t K) {
     return M * K * 2 + M * K * 2 + M * nb * (int64_t)(2 * sizeof(float) + 2 * sizeof(int32_t)) + 64;
 }
 
-/* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
- * `omp for` below splits its loop over them; without OpenMP one thread does it all). kind and K
- * must have been checked (gguf_gemv_check); ws holds gguf_workspace_bytes(M, K) bytes, 64-byte
- * aligned. rows: the M rows of x and y to compute (NULL: rows 0 .. M-1). */
-void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
-                    const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
-                    int64_t accumulate, void *ws) {
+/* Where the quantized activations of M rows of K sit in a workspace of gguf_workspace_bytes(M, K). */
+typedef struct {
+    int8_t *xq;
+    int16_t *x16;
+    float *dx, *sx;
+    int32_t *sq, *sq0;
+} quantized_rows_t;
+
+static quantized_rows_t quantized_rows(void *ws, int64_t M, int64_t K) {
+    const int64_t nb = K / 32;
+    quantized_rows_t q;
+    q.xq = (int8_t *)ws;
+    q.x16 = (int16_t *)(q.xq + M * K * 2);
+    q.dx = (float *)(q.x16 + M * K);
+    q.sx = q.dx + M * nb;
+    q.sq = (int32_t *)(q.sx + M * nb);
+    q.sq0 = q.sq + M * nb;
+    return q;
+}
+
+/* Block b (32 floats at src) of activation row r of the M rows of K in ws: the quantization
+ * gguf_gemv_team does, for callers that produce a row and quantize it in the same pass
+ * (layer_stack.c, after a norm or SiLU), saving a phase and its barrier. */
+void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src) {
+    const quantized_rows_t q = quantized_rows(ws, M, K);
+    const int64_t rb = r * (K / 32) + b;
+    quantize_block(src, q.xq + rb * 64, q.x16 + rb * 32, q.dx + rb, q.sx + rb, q.sq + rb, q.sq0 + rb);
+}
+
+/* The GEMV of M rows already quantized into ws (gguf_quantize_block, or the loop in
+ * gguf_gemv_team), shared by the threads of an enclosing OpenMP region; y rows as in
+ * gguf_gemv_team. Ends with a barrier. */
+void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const int64_t *rows, int64_t M,
+                              float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
-    int8_t *xq = (int8_t *)ws;
-    int16_t *x16 = (int16_t *)(xq + M * K * 2);
-    float *dx = (float *)(x16 + M * K), *sx = dx + M * nb;
-    int32_t *sq = (int32_t *)(sx + M * nb), *sq0 = sq + M * nb;
-    #pragma omp for schedule(static)
-    for (int64_t rb = 0; rb < M * nb; rb++) {           /* (row, block) pairs: a decode's one row splits too */
-        const int64_t r = rb / nb, b = rb % nb;
-        quantize_block(x + (rows ? rows[r] : r) * ldx + b * 32, xq + r * K * 2 + b * 64, x16 + rb * 32, dx + rb, sx + rb, sq + rb,
-                       sq0 + rb, kind == GGUF_K8);
-    }
+    const quantized_rows_t q = quantized_rows(ws, M, K);
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
      * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to
@@ -155,7 +173,8 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
             float out[GGUF_TILE_M * GGUF_ROWS];
             for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
-                const gguf_acts_t a = {xq + r0 * K * 2, x16 + r0 * K, dx + r0 * nb, sx + r0 * nb, sq + r0 * nb, sq0 + r0 * nb};
+                const gguf_acts_t a = {q.xq + r0 * K * 2, q.x16 + r0 * K, q.dx + r0 * nb, q.sx + r0 * nb,
+                                       q.sq + r0 * nb, q.sq0 + r0 * nb};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
@@ -164,6 +183,22 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
         }
     }
     #pragma omp barrier
+}
+
+/* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
+ * `omp for` below splits its loop over them; without OpenMP one thread does it all). kind and K
+ * must have been checked (gguf_gemv_check); ws holds gguf_workspace_bytes(M, K) bytes, 64-byte
+ * aligned. rows: the M rows of x and y to compute (NULL: rows 0 .. M-1). */
+void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
+                    const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
+                    int64_t accumulate, void *ws) {
+    const int64_t nb = K / 32;
+    #pragma omp for schedule(static)
+    for (int64_t rb = 0; rb < M * nb; rb++) {           /* (row, block) pairs: a decode's one row splits too */
+        const int64_t r = rb / nb, b = rb % nb;
+        gguf_quantize_block(ws, M, K, r, b, x + (rows ? rows[r] : r) * ldx + b * 32);
+    }
+    gguf_gemv_quantized_team(w, kind, N, K, rows, M, y, ldy, bias, accumulate, ws);
 }
 
 int gguf_gemv_check(int64_t kind, int64_t K) { return !gguf_packed_block_bytes(kind) || K % 32 || K <= 0 ? -1 : 0; }

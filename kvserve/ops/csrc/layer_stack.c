@@ -41,6 +41,9 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                     const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
                     int64_t accumulate, void *ws);
+void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src);
+void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const int64_t *rows, int64_t M,
+                              float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws);
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
@@ -125,6 +128,7 @@ static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads,
  * on the batch: its numbers stay independent of what else shares the step. */
 typedef struct {
     const int64_t *f_rows, *i_rows;
+    const int64_t *i_index;        /* token t's position in i_rows (decode tokens) */
     int64_t nf, ni;
     void *ws_f, *ws_i;
 } row_split_t;
@@ -133,6 +137,22 @@ static void linear(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_
                    int64_t ldx, float *y, int64_t ldy, const float *bias, int64_t accumulate) {
     if (rs->ni) gguf_gemv_team(w, kind, N, K, x, ldx, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i);
     if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
+}
+
+/* linear() where the phase that produced x already quantized its decode rows into ws_i
+ * (quantize_row_block): one phase and one barrier fewer. */
+static void linear_quantized(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_t N, int64_t K,
+                             const float *x, int64_t ldx, float *y, int64_t ldy, const float *bias,
+                             int64_t accumulate) {
+    if (rs->ni) gguf_gemv_quantized_team(w, kind, N, K, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i);
+    if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
+}
+
+/* Block b of token t's row of K floats (src), quantized for the next linear when t is a decode
+ * token (prompt tokens take the float32 GEMM, which reads x itself). */
+static inline void quantize_row_block(const row_split_t *rs, const uint8_t *prompt, int64_t t, int64_t K, int64_t b,
+                                      const float *src) {
+    if (!prompt[t]) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src);
 }
 
 /* Returns 0, -1 for a weight of a bad kind or shape, -3 when out of memory. out: [n_out][hidden],
@@ -164,12 +184,16 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     int64_t *qrow = malloc(sizeof(int64_t) * T), *lens = malloc(sizeof(int64_t) * T);
     void *ws = aligned_alloc(64, ws_bytes), *ws_f = aligned_alloc(64, wsf_bytes);
     int64_t *f_rows = malloc(sizeof(int64_t) * (nf + 1)), *i_rows = malloc(sizeof(int64_t) * (T - nf + 1));
+    int64_t *i_index = malloc(sizeof(int64_t) * T);
     int rc = -3;
-    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws || !ws_f || !f_rows || !i_rows) goto done;
-    row_split_t rs = {f_rows, i_rows, 0, 0, ws_f, ws};
+    if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws || !ws_f || !f_rows || !i_rows || !i_index) goto done;
+    row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws};
     for (int64_t t = 0; t < T; t++) {
         if (prompt[t]) f_rows[rs.nf++] = t;
-        else i_rows[rs.ni++] = t;
+        else {
+            i_index[t] = rs.ni;
+            i_rows[rs.ni++] = t;
+        }
     }
     #pragma omp parallel num_threads(num_threads)
     {
@@ -182,8 +206,11 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
         for (int64_t l = 0; l < m->num_layers; l++) {
             const stack_layer_t *L = &m->layers[l];
             #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
-            linear(&rs, L->qkv, L->qkv_kind, nqkv, H, x, H, qkv, nqkv, L->qkv_bias, 0);
+            for (int64_t t = 0; t < T; t++) {
+                rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
+                for (int64_t b = 0; b < H / 32; b++) quantize_row_block(&rs, prompt, t, H, b, x + t * H + 32 * b);
+            }
+            linear_quantized(&rs, L->qkv, L->qkv_kind, nqkv, H, x, H, qkv, nqkv, L->qkv_bias, 0);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *row = qkv + t * nqkv;
@@ -198,21 +225,26 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
                                  m->kv_format);
             linear(&rs, L->o, L->o_kind, H, qs, att, qs, h, H, L->o_bias, 1);
             #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
-            linear(&rs, L->gate_up, L->gate_up_kind, 2 * I, H, x, H, gu, 2 * I, NULL, 0);
+            for (int64_t t = 0; t < T; t++) {
+                rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
+                for (int64_t b = 0; b < H / 32; b++) quantize_row_block(&rs, prompt, t, H, b, x + t * H + 32 * b);
+            }
+            linear_quantized(&rs, L->gate_up, L->gate_up_kind, 2 * I, H, x, H, gu, 2 * I, NULL, 0);
             #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t i = 0; i < I; i++) {
-                    const float g = gu[t * 2 * I + i];
-                    act[t * I + i] = g / (1.f + exp_f32(-g)) * gu[t * 2 * I + I + i];
-                }
-            linear(&rs, L->down, L->down_kind, H, I, act, I, h, H, NULL, 1);
+            for (int64_t tb = 0; tb < T * (I / 32); tb++) {   /* (token, block of 32): one token splits too */
+                const int64_t t = tb / (I / 32), b = tb % (I / 32);
+                const float *g = gu + t * 2 * I + 32 * b, *u = g + I;
+                float *a = act + t * I + 32 * b;
+                for (int i = 0; i < 32; i++) a[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
+                quantize_row_block(&rs, prompt, t, I, b, a);
+            }
+            linear_quantized(&rs, L->down, L->down_kind, H, I, act, I, h, H, NULL, 1);
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < n_out; r++) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);
     }
     rc = 0;
 done:
-    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws); free(ws_f); free(f_rows); free(i_rows);
+    free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws); free(ws_f); free(f_rows); free(i_rows); free(i_index);
     return rc;
 }
