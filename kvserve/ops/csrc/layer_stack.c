@@ -155,6 +155,17 @@ static inline void quantize_row_block(const row_split_t *rs, const uint8_t *prom
     if (!prompt[t]) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src);
 }
 
+/* A phase of the step (call it from every thread of the region): x = rmsnorm(h) * w for every
+ * token, the decode tokens' rows quantized for the next linear (linear_quantized). */
+static void norm_and_quantize(const row_split_t *rs, const uint8_t *prompt, int64_t T, const float *h, const float *w,
+                              float eps, int64_t H, float *x) {
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        rmsnorm(h + t * H, w, eps, H, x + t * H);
+        for (int64_t b = 0; b < H / 32; b++) quantize_row_block(rs, prompt, t, H, b, x + t * H + 32 * b);
+    }
+}
+
 /* Returns 0, -1 for a weight of a bad kind or shape, -3 when out of memory. out: [n_out][hidden],
  * the final-normed states of rows out_rows[0..n_out).
  * One OpenMP parallel region runs the whole step: each phase is an `omp for` over tokens, row
@@ -205,11 +216,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
         }
         for (int64_t l = 0; l < m->num_layers; l++) {
             const stack_layer_t *L = &m->layers[l];
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) {
-                rmsnorm(h + t * H, L->ln1, eps, H, x + t * H);
-                for (int64_t b = 0; b < H / 32; b++) quantize_row_block(&rs, prompt, t, H, b, x + t * H + 32 * b);
-            }
+            norm_and_quantize(&rs, prompt, T, h, L->ln1, eps, H, x);
             linear_quantized(&rs, L->qkv, L->qkv_kind, nqkv, H, x, H, qkv, nqkv, L->qkv_bias, 0);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -224,11 +231,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
                                  m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
                                  m->kv_format);
             linear(&rs, L->o, L->o_kind, H, qs, att, qs, h, H, L->o_bias, 1);
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) {
-                rmsnorm(h + t * H, L->ln2, eps, H, x + t * H);
-                for (int64_t b = 0; b < H / 32; b++) quantize_row_block(&rs, prompt, t, H, b, x + t * H + 32 * b);
-            }
+            norm_and_quantize(&rs, prompt, T, h, L->ln2, eps, H, x);
             linear_quantized(&rs, L->gate_up, L->gate_up_kind, 2 * I, H, x, H, gu, 2 * I, NULL, 0);
             #pragma omp for schedule(static)
             for (int64_t tb = 0; tb < T * (I / 32); tb++) {   /* (token, block of 32): one token splits too */

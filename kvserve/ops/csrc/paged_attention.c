@@ -108,6 +108,19 @@ prefetch_block(const uint8_t *kh, const uint8_t *vh, const int64_t *table, int64
         }
 }
 
+/* The first position of a context of len tokens that a window (> 0) lets a query see. */
+static inline int64_t context_start(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
+/* The first AHEAD blocks of a context [start, len), requested before its K pass needs them. */
+static inline __attribute__((always_inline)) void
+prefetch_first_blocks(const uint8_t *kh, const uint8_t *vh, const int64_t *table, int64_t block_size,
+                      int64_t start, int64_t len, int64_t tok_stride, int64_t row_bytes) {
+    for (int64_t b = start / block_size; b < start / block_size + AHEAD; b++)
+        prefetch_block(kh, vh, table, b, block_size, start, len, tok_stride, row_bytes);
+}
+
 /* Rows of 8 floats as GCC/clang vector values: element-wise IEEE operations, so the same bits as
  * the scalar loops above in every build (no contraction: -ffp-contract=off). */
 typedef float v8f __attribute__((vector_size(32)));
@@ -269,7 +282,7 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
     for (int64_t i = 0; i < num_rows; i++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t len = lens[i];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t start = context_start(len, window);
             const int64_t n = len - start;
             const int64_t *table = tables + (qseq ? qseq[i] : i) * table_stride;
             const float *qh = q + qrow[i] * num_heads * head_dim + h * group * head_dim;
@@ -291,8 +304,7 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
             /* Walk the context block by block (no division per key): positions p in
              * [start, len), slot = table[p / block_size] * block_size + p % block_size. */
             const uint8_t *kh = kc + h * row_bytes, *vh = vc + h * row_bytes;
-            for (int64_t b = start / block_size; b < start / block_size + AHEAD; b++)
-                prefetch_block(kh, vh, table, b, block_size, start, len, tok_stride, row_bytes);
+            prefetch_first_blocks(kh, vh, table, block_size, start, len, tok_stride, row_bytes);
             for (int64_t p = start, t = 0; p < len;) {
                 const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
                 const uint8_t *kr = kh + (table[p / block_size] * block_size + off) * tok_stride;
@@ -332,13 +344,10 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
 #endif
             {   /* the next task's first blocks, while this one's V pass runs */
                 const int64_t ni = h + 1 < kv_heads ? i : i + 1, nh = h + 1 < kv_heads ? h + 1 : 0;
-                if (ni < num_rows) {
-                    const int64_t nlen = lens[ni], nstart = (window > 0 && nlen > window) ? nlen - window : 0;
-                    const int64_t *ntable = tables + (qseq ? qseq[ni] : ni) * table_stride;
-                    for (int64_t b = nstart / block_size; b < nstart / block_size + AHEAD; b++)
-                        prefetch_block(kc + nh * row_bytes, vc + nh * row_bytes, ntable, b, block_size, nstart, nlen,
-                                       tok_stride, row_bytes);
-                }
+                if (ni < num_rows)
+                    prefetch_first_blocks(kc + nh * row_bytes, vc + nh * row_bytes,
+                                          tables + (qseq ? qseq[ni] : ni) * table_stride, block_size,
+                                          context_start(lens[ni], window), lens[ni], tok_stride, row_bytes);
             }
             for (int64_t g = 0; g < group; g++) {
                 sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
