@@ -8,6 +8,14 @@
  *       times x16 = 256 xa + xb (an int16) by vpmaddwd, then 128 sum x16 (sq) taken off: half the
  *       operations of two signed-byte passes, which needed vpabsb/vpsignb per chunk and part.
  * Both give the exact integer s, so the results are the portable kernel's, bit for bit.
+ *
+ * Register use decides the speed here (16 ymm registers). A pass takes both halves of the group
+ * (16 rows) against 2 activation rows: the chunk's weight registers serve both rows and both
+ * parts, each activation broadcast serves both halves, and the int16/int32 sums of the pass fit
+ * beside them. Passes of 4 rows over one half at a time spilled the weights, and every multiply
+ * then waited on two loads (a stack reload and a broadcast). The empty asm after each chunk keeps
+ * GCC from reassociating the integer sums across chunks (it would compute every product first and
+ * spill them all).
  * Build: -mavx2 -mfma -mf16c (x86-64-v3). */
 #include <immintrin.h>
 #include <string.h>
@@ -16,35 +24,10 @@
 
 const char *gguf_kernel_isa(void) { return "avx2"; }
 
-#define R_MAX 4     /* activation rows per pass here: 2 * R_MAX accumulators + 8 weight registers */
+#define R_MAX 2     /* activation rows per pass (above) */
 
-/* int32 [8 rows] of sum_j q_j x_j over one part (xa or xb) of a Q4 block: q[c] = weights
- * 4c..4c+3 of 8 rows (u8 0..15), x = the part's 32 s8 values. */
-static inline __attribute__((always_inline)) __m256i dot_q4(const __m256i q[8], const int8_t *x) {
-    const int32_t *x4 = (const int32_t *)x;
-    __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(x4[0]));
-    for (int c = 1; c < 8; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[c], _mm256_set1_epi32(x4[c])));
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-}
-
-/* The 8 rows' int32 sums of u_j x16_j over chunks c0 .. c1 - 1 of one half of an 8-bit block,
- * u = q + 128 as stored (w: the half's chunks, 64 bytes apart), x16 = the block's 32 values of
- * 256 xa + xb: vpmaddwd multiplies the zero-extended weights by x16 in 16-bit lanes, 2 weights
- * a lane pair (<= 2 * 255 * 32639, and <= 32 of those a block: int32). lo holds rows 0..3 and hi
- * rows 4..7, two partial sums a row, joined at the end. */
-static inline __attribute__((always_inline)) __m256i
-dot_q8(const uint8_t *w, const int16_t *x16, const int c0, const int c1) {
-    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-    for (int c = c0; c < c1; c++) {
-        int64_t x4;
-        memcpy(&x4, x16 + 4 * c, 8);
-        const __m256i x = _mm256_set1_epi64x(x4);
-        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 64 * c))), x));
-        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 64 * c + 16))), x));
-    }
-    /* hadd: rows 0 1 4 5 | 2 3 6 7 (64-bit pairs), put in order */
-    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo, hi), 0xD8);
-}
+/* Keep the sums in registers in the order written (above). */
+#define KEEP_ORDER(v) __asm__("" : "+x"(v))
 
 /* s = sum_j q_j x16_j from the stored u = q + 128: minus 128 sum_j x16_j (sq). */
 static inline __attribute__((always_inline)) __m256 unbias(__m256i su, int32_t sq) {
@@ -55,86 +38,117 @@ static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sa, 8), sb));
 }
 
-/* One half (8 rows, h) of a group against R activation rows. The halves run one after the other
- * over the group's blocks (the second re-reads them from L1): with both at once the 2 R
- * accumulators, 8 weight registers and temporaries exceed the 16 registers and spill. */
+/* A 4-bit group (kinds 4 and 14, 16 rows) against R <= 2 activation rows. Chunk c's 64 bytes
+ * hold the low nibbles q[4c .. 4c+3] and the high nibbles q[4c+16 .. 4c+19] of rows 0..7 (first
+ * 32 bytes) and 8..15: four weight registers, multiplied by the broadcast 4 bytes of each row's
+ * part (xa, xb) at 4c and 4c + 16. Sums per row, part and half in int16 (8 chunks of pairs
+ * <= 2 * 15 * 127: <= 30480), widened once a block. */
 static inline __attribute__((always_inline)) void
-half_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
-    __m256 acc[R_MAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
-    if (kind == GGUF_Q4 || kind == GGUF_K4) {
-        const __m256i low4 = _mm256_set1_epi8(0x0f);
-        for (int64_t b = 0; b < nb; b++, wg += pb) {
-            if (h == 0) gguf_prefetch_block(wg, pb);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[R_MAX][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, wg += pb) {
+        gguf_prefetch_block(wg, pb);
+        __m256i s[R_MAX][2][2];                    /* [row][part][half] */
+        for (int c = 0; c < 4; c++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
+            const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+            const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+            for (int r = 0; r < R; r++) {
+                const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
+                for (int p = 0; p < 2; p++) {
+                    const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]), xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
+                    const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+                    const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+                    s[r][p][0] = c ? _mm256_add_epi16(s[r][p][0], t0) : t0;
+                    s[r][p][1] = c ? _mm256_add_epi16(s[r][p][1], t1) : t1;
+                    KEEP_ORDER(s[r][p][0]);
+                    KEEP_ORDER(s[r][p][1]);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
             const __m256 d = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
                                              : _mm256_loadu_ps((const float *)(wg + 32 * h));
             const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
                                              : _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
-            __m256i q[8];
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32 * h));
-                q[c] = _mm256_and_si256(v, low4);
-                q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            }
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const int8_t *x = a->xq + rb * 64;
-                const __m256 s = two_parts(dot_q4(q, x), dot_q4(q, x + 32));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
-            }
-        }
-    } else if (kind == GGUF_Q8) {
-        for (int64_t b = 0; b < nb; b++, wg += pb) {
-            if (h == 0) gguf_prefetch_block(wg, pb);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const __m256 s = unbias(dot_q8(wg + qo + 32 * h, a->x16 + rb * 32, 0, 8), a->sq[rb]);
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-            }
-        }
-    } else {                                   /* GGUF_K8: a scale per half of the block, then m */
-        for (int64_t b = 0; b < nb; b++, wg += pb) {
-            if (h == 0) gguf_prefetch_block(wg, pb);
-            const __m256 d0 = _mm256_loadu_ps((const float *)(wg + 32 * h));
-            const __m256 d1 = _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
-            const __m256 m = _mm256_loadu_ps((const float *)(wg + 128 + 32 * h));
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const __m256 dx = _mm256_set1_ps(a->dx[rb]);
-                const int16_t *x16 = a->x16 + rb * 32;
-                const __m256 s0 = unbias(dot_q8(wg + qo + 32 * h, x16, 0, 4), a->sq0[rb]);
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s0, _mm256_mul_ps(d0, dx)));
-                const __m256 s1 = unbias(dot_q8(wg + qo + 32 * h, x16, 4, 8), a->sq[rb] - a->sq0[rb]);
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s1, _mm256_mul_ps(d1, dx)));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
+                const __m256 sf = two_parts(_mm256_madd_epi16(s[r][0][h], ones), _mm256_madd_epi16(s[r][1][h], ones));
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r]);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
+/* An 8-bit group (kinds 8 and 18, 16 rows) against R <= 2 activation rows. Chunk c's 64 bytes
+ * hold u = q[4c .. 4c+3] + 128 of rows 0..3, 4..7, 8..11, 12..15: widened to 16 bits once for
+ * both rows (four registers), each multiplied by the row's broadcast 4 values of x16; vpmaddwd
+ * leaves two int32 sums a row, joined by one hadd a block. Kind 18 closes its first sum after
+ * chunk 3 (weights 0..15, scale d0) and starts the second (d1). */
 static inline __attribute__((always_inline)) void
-group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
-    half_dot(wg, kind, nb, a, R, 0, out);
-    half_dot(wg, kind, nb, a, R, 1, out);
+q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+    const int parts = kind == GGUF_K8 ? 2 : 1, cn = 8 / parts;
+    __m256 acc[R_MAX][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, wg += pb) {
+        gguf_prefetch_block(wg, pb);
+        for (int part = 0; part < parts; part++) {
+            __m256i s[R_MAX][2][2];                /* [row][half][rows 0..3 | 4..7 of the half] */
+            for (int c = part * cn; c < part * cn + cn; c++) {
+                const uint8_t *wc = wg + qo + 64 * c;
+                __m256i w[2][2];
+                for (int h = 0; h < 2; h++)
+                    for (int k = 0; k < 2; k++) w[h][k] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * h + 16 * k)));
+                for (int r = 0; r < R; r++) {
+                    int64_t x4;
+                    memcpy(&x4, a->x16 + (r * nb + b) * 32 + 4 * c, 8);
+                    const __m256i x = _mm256_set1_epi64x(x4);
+                    for (int h = 0; h < 2; h++)
+                        for (int k = 0; k < 2; k++) {
+                            const __m256i t = _mm256_madd_epi16(w[h][k], x);
+                            s[r][h][k] = c == part * cn ? t : _mm256_add_epi32(s[r][h][k], t);
+                            KEEP_ORDER(s[r][h][k]);
+                        }
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = kind == GGUF_Q8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
+                                                 : _mm256_loadu_ps((const float *)(wg + 64 * part + 32 * h));
+                for (int r = 0; r < R; r++) {
+                    const int64_t rb = r * nb + b;
+                    const int32_t sq = kind == GGUF_Q8 ? a->sq[rb] : part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
+                    /* hadd: rows 0 1 4 5 | 2 3 6 7 (64-bit pairs), put in order */
+                    const __m256i su = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][h][0], s[r][h][1]), 0xD8);
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(unbias(su, sq), _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                }
+            }
+        }
+        if (kind == GGUF_K8)
+            for (int h = 0; h < 2; h++) {
+                const __m256 m = _mm256_loadu_ps((const float *)(wg + 128 + 32 * h));
+                for (int r = 0; r < R; r++)
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
-#define ROWS(K) switch (R) {   /* R as a constant: the accumulators stay in registers */ \
-        case 1: group_dot(wg, K, nb, a, 1, out); break;                                \
-        case 2: group_dot(wg, K, nb, a, 2, out); break;                                \
-        case 3: group_dot(wg, K, nb, a, 3, out); break;                                \
-        default: group_dot(wg, K, nb, a, R_MAX, out); break;                           \
-    }
-
-static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    switch (kind) {   /* and the kind: one specialized loop each */
-        case GGUF_Q4: ROWS(GGUF_Q4); break;
-        case GGUF_Q8: ROWS(GGUF_Q8); break;
-        case GGUF_K4: ROWS(GGUF_K4); break;
-        default: ROWS(GGUF_K8); break;
+/* R and the kind as constants: one specialized loop each, the sums in registers. */
+static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    switch (kind) {
+        case GGUF_Q4: R == 2 ? q4_rows(wg, GGUF_Q4, nb, a, 2, out) : q4_rows(wg, GGUF_Q4, nb, a, 1, out); break;
+        case GGUF_K4: R == 2 ? q4_rows(wg, GGUF_K4, nb, a, 2, out) : q4_rows(wg, GGUF_K4, nb, a, 1, out); break;
+        case GGUF_Q8: R == 2 ? q8_rows(wg, GGUF_Q8, nb, a, 2, out) : q8_rows(wg, GGUF_Q8, nb, a, 1, out); break;
+        default: R == 2 ? q8_rows(wg, GGUF_K8, nb, a, 2, out) : q8_rows(wg, GGUF_K8, nb, a, 1, out); break;
     }
 }
 
@@ -142,7 +156,7 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
     /* Rows past R_MAX re-read the group's weights from L1 (they are a few KB). */
     for (int r0 = 0; r0 < R; r0 += R_MAX) {
         const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
-        group_dot_upto4(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
+        group_dot_upto2(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
     }
 }
 
