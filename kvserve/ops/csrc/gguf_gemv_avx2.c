@@ -24,7 +24,7 @@
 
 const char *gguf_kernel_isa(void) { return "avx2"; }
 
-#define R_MAX 2     /* activation rows per pass (above) */
+#define R_MAX 2     /* activation rows per pass (above; group_dot_pairs.h runs them) */
 
 /* Keep the sums in registers in the order written (above). */
 #define KEEP_ORDER(v) __asm__("" : "+x"(v))
@@ -142,22 +142,12 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
-/* R and the kind as constants: one specialized loop each, the sums in registers. */
-static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    switch (kind) {
-        case GGUF_Q4: R == 2 ? q4_rows(wg, GGUF_Q4, nb, a, 2, out) : q4_rows(wg, GGUF_Q4, nb, a, 1, out); break;
-        case GGUF_K4: R == 2 ? q4_rows(wg, GGUF_K4, nb, a, 2, out) : q4_rows(wg, GGUF_K4, nb, a, 1, out); break;
-        case GGUF_Q8: R == 2 ? q8_rows(wg, GGUF_Q8, nb, a, 2, out) : q8_rows(wg, GGUF_Q8, nb, a, 1, out); break;
-        default: R == 2 ? q8_rows(wg, GGUF_K8, nb, a, 2, out) : q8_rows(wg, GGUF_K8, nb, a, 1, out); break;
-    }
+/* The pass for any kind (group_dot_pairs.h). */
+static inline __attribute__((always_inline)) void
+rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+    if (kind == GGUF_Q4 || kind == GGUF_K4) q4_rows(wg, kind, nb, a, R, out);
+    else q8_rows(wg, kind, nb, a, R, out);
 }
 
-void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    /* Rows past R_MAX re-read the group's weights from L1 (they are a few KB). */
-    for (int r0 = 0; r0 < R; r0 += R_MAX) {
-        const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
-        group_dot_upto2(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
-    }
-}
-
+#include "group_dot_pairs.h"
 #include "f32_tile_avx2.h"

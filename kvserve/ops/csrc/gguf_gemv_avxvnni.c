@@ -27,100 +27,81 @@
 
 const char *gguf_kernel_isa(void) { return "avxvnni"; }
 
-#define R_MAX 4     /* activation rows per pass: R_MAX accumulators + 8 weight registers */
+#define R_MAX 2     /* activation rows per pass (above; group_dot_pairs.h runs them) */
 
-/* 256 sum_j u_j xa_j + sum_j u_j xb_j for one half's 8 rows over chunks c0 .. c1 - 1: u[c] holds
- * weights 4c..4c+3 of each row (as u8), x the block's 32 xa then 32 xb. */
-static inline __attribute__((always_inline)) __m256i
-dot_two_parts(const __m256i u[8], const int8_t *x, const int c0, const int c1) {
-    const int32_t *xa = (const int32_t *)x, *xb = xa + 8;
-    __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();
-    for (int c = c0; c < c1; c++) {
-        sa = DPBUSD(sa, u[c], _mm256_set1_epi32(xa[c]));
-        sb = DPBUSD(sb, u[c], _mm256_set1_epi32(xb[c]));
-    }
-    return _mm256_add_epi32(_mm256_slli_epi32(sa, 8), sb);
+/* Keep the sums in registers in the order written (gguf_gemv_avx2.c). */
+#define KEEP_ORDER(v) __asm__("" : "+x"(v))
+
+/* 256 sum_j u_j xa_j + sum_j u_j xb_j, less 128 sq for 8-bit kinds (their u = q + 128). */
+static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256i sb, int32_t unbias) {
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(sa, 8), sb), _mm256_set1_epi32(unbias)));
 }
 
+/* A group (16 rows) of any kind against R <= 2 activation rows. Per chunk c: 4-bit kinds hold the
+ * low nibbles q[4c .. 4c+3] and the high ones q[4c+16 .. 4c+19] of rows 0..7, then 8..15 (four
+ * u8 registers once unpacked), multiplied by xa and xb at 4c and 4c + 16; 8-bit kinds hold u =
+ * q[4c .. 4c+3] + 128 of rows 0..7, then 8..15 (two registers), times xa and xb at 4c. Kind 18
+ * closes its first sums after chunk 3 (weights 0..15, scale d0), then sums chunks 4..7 (d1). */
 static inline __attribute__((always_inline)) void
-half_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int h, float *out) {
-    __m256 acc[R_MAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+    const int four = kind == GGUF_Q4 || kind == GGUF_K4;
+    const int sums = kind == GGUF_K8 ? 2 : 1, cn = four ? 4 : 8 / sums;   /* chunks per sum */
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[R_MAX][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, wg += pb) {
-        if (h == 0) gguf_prefetch_block(wg, pb);
-        __m256i u[8];
-        if (kind == GGUF_Q4 || kind == GGUF_K4) {
-            const __m256 d = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                                             : _mm256_loadu_ps((const float *)(wg + 32 * h));
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32 * h));
-                u[c] = _mm256_and_si256(v, low4);
-                u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        gguf_prefetch_block(wg, pb);
+        for (int k = 0; k < sums; k++) {
+            __m256i s[R_MAX][2][2];                /* [row][part xa | xb][half] */
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < 2; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
+            for (int c = k * cn; c < k * cn + cn; c++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
+                const __m256i lo0 = four ? _mm256_and_si256(v0, low4) : v0;
+                const __m256i lo1 = four ? _mm256_and_si256(v1, low4) : v1;
+                const __m256i hi0 = four ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : v0;
+                const __m256i hi1 = four ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : v1;
+                for (int r = 0; r < R; r++) {
+                    const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
+                    for (int p = 0; p < 2; p++) {
+                        const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]);
+                        s[r][p][0] = DPBUSD(s[r][p][0], lo0, xl);
+                        s[r][p][1] = DPBUSD(s[r][p][1], lo1, xl);
+                        if (four) {
+                            const __m256i xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
+                            s[r][p][0] = DPBUSD(s[r][p][0], hi0, xh);
+                            s[r][p][1] = DPBUSD(s[r][p][1], hi1, xh);
+                        }
+                        KEEP_ORDER(s[r][p][0]);
+                        KEEP_ORDER(s[r][p][1]);
+                    }
+                }
             }
-            const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
-                                             : _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const __m256 s = _mm256_cvtepi32_ps(dot_two_parts(u, a->xq + rb * 64, 0, 8));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
-            }
-        } else if (kind == GGUF_Q8) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)));
-            for (int c = 0; c < 8; c++) u[c] = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32 * h));
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const __m256i si = _mm256_sub_epi32(dot_two_parts(u, a->xq + rb * 64, 0, 8),
-                                                    _mm256_set1_epi32(128 * a->sq[rb]));
-                const __m256 s = _mm256_cvtepi32_ps(si);
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-            }
-        } else {                               /* GGUF_K8: a scale per half of the block, then m */
-            const __m256 d0 = _mm256_loadu_ps((const float *)(wg + 32 * h));
-            const __m256 d1 = _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
-            const __m256 m = _mm256_loadu_ps((const float *)(wg + 128 + 32 * h));
-            for (int c = 0; c < 8; c++) u[c] = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32 * h));
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const int8_t *x = a->xq + rb * 64;
-                const __m256 dx = _mm256_set1_ps(a->dx[rb]);
-                const __m256 s0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot_two_parts(u, x, 0, 4),
-                                                                       _mm256_set1_epi32(128 * a->sq0[rb])));
-                const __m256 s1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot_two_parts(u, x, 4, 8),
-                                                                       _mm256_set1_epi32(128 * (a->sq[rb] - a->sq0[rb]))));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s0, _mm256_mul_ps(d0, dx)));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s1, _mm256_mul_ps(d1, dx)));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = kind == GGUF_Q4 || kind == GGUF_Q8
+                                     ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
+                                     : _mm256_loadu_ps((const float *)(wg + 64 * k + 32 * h));
+                for (int r = 0; r < R; r++) {
+                    const int64_t rb = r * nb + b;
+                    const int32_t sq = four ? 0 : kind == GGUF_Q8 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(two_parts(s[r][0][h], s[r][1][h], 128 * sq),
+                                                                       _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                }
             }
         }
+        if (kind != GGUF_Q8)
+            for (int h = 0; h < 2; h++) {
+                const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
+                               : _mm256_loadu_ps((const float *)(wg + (kind == GGUF_K4 ? 64 : 128) + 32 * h));
+                for (int r = 0; r < R; r++)
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
+            }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r]);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
-#define ROWS(K) switch (R) {   /* R as a constant: the accumulators stay in registers */               \
-        case 1: half_dot(wg, K, nb, a, 1, 0, out); half_dot(wg, K, nb, a, 1, 1, out); break;          \
-        case 2: half_dot(wg, K, nb, a, 2, 0, out); half_dot(wg, K, nb, a, 2, 1, out); break;          \
-        case 3: half_dot(wg, K, nb, a, 3, 0, out); half_dot(wg, K, nb, a, 3, 1, out); break;          \
-        default: half_dot(wg, K, nb, a, R_MAX, 0, out); half_dot(wg, K, nb, a, R_MAX, 1, out); break; \
-    }
-
-static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    switch (kind) {   /* and the kind: one specialized loop each */
-        case GGUF_Q4: ROWS(GGUF_Q4); break;
-        case GGUF_Q8: ROWS(GGUF_Q8); break;
-        case GGUF_K4: ROWS(GGUF_K4); break;
-        default: ROWS(GGUF_K8); break;
-    }
-}
-
-void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    /* Rows past R_MAX re-read the group's weights from L1 (they are a few KB). */
-    for (int r0 = 0; r0 < R; r0 += R_MAX) {
-        const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
-        group_dot_upto4(wg, kind, nb, &ar, R - r0 < R_MAX ? R - r0 : R_MAX, out + r0 * GGUF_ROWS);
-    }
-}
-
+#include "group_dot_pairs.h"
 #include "f32_tile_avx2.h"

@@ -1,0 +1,28 @@
+/* gguf_group_dot (gguf_gemv.h) for a kernel file whose passes take a group against at most 2
+ * activation rows: the file defines, before including this once,
+ *   static inline __attribute__((always_inline)) void
+ *   rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out);
+ * (R <= 2) and this runs it over the rows in pairs, with R and the kind as constants in every
+ * call: one specialized loop each, the sums in registers. Rows past the first pair re-read the
+ * group's weights from L1 (they are a few KB). Used by the AVX2 and AVX-VNNI kernels (16 vector
+ * registers). */
+#ifndef KVSERVE_GROUP_DOT_PAIRS_H
+#define KVSERVE_GROUP_DOT_PAIRS_H
+
+static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    switch (kind) {
+        case GGUF_Q4: R == 2 ? rows_dot(wg, GGUF_Q4, nb, a, 2, out) : rows_dot(wg, GGUF_Q4, nb, a, 1, out); break;
+        case GGUF_K4: R == 2 ? rows_dot(wg, GGUF_K4, nb, a, 2, out) : rows_dot(wg, GGUF_K4, nb, a, 1, out); break;
+        case GGUF_Q8: R == 2 ? rows_dot(wg, GGUF_Q8, nb, a, 2, out) : rows_dot(wg, GGUF_Q8, nb, a, 1, out); break;
+        default: R == 2 ? rows_dot(wg, GGUF_K8, nb, a, 2, out) : rows_dot(wg, GGUF_K8, nb, a, 1, out); break;
+    }
+}
+
+void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    for (int r0 = 0; r0 < R; r0 += 2) {
+        const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
+        group_dot_upto2(wg, kind, nb, &ar, R - r0 < 2 ? R - r0 : 2, out + r0 * GGUF_ROWS);
+    }
+}
+
+#endif
