@@ -34,7 +34,7 @@ from kvserve.ops import kv_int8
 from kvserve.ops.attention import AttentionMetadata
 from kvserve.runner.layer_stack import CLayerStack
 from kvserve.runner.sampler import (Sampler, SamplerOutput, SamplingRow, TokenLogprobs, apply_token_bitmask,
-                                    token_logprobs)
+                                    argmax_rows, token_logprobs)
 
 # (logits [R, V], one SamplingRow per fed position, draft token ids per request) -> per request
 # the accepted drafts + one token: kvserve.spec.rejection.RejectionSampler
@@ -298,7 +298,7 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare(out)
         rows = torch.tensor(meta.query_start_loc[1:], dtype=torch.long) - 1
         logits = self.model.compute_logits(self._hidden(out, input_ids, positions, meta, rows))
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits).tolist()
 
     def _sampling_row(self, req, constrained: bool = False) -> SamplingRow:
         return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,

@@ -28,11 +28,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension, [N] int64 (a 0-d tensor for a 1-d x), by torch's rule:
+    the first maximum, a NaN counting as the largest. Every greedy choice and exponential race
+    takes it. A CPU float32 tensor goes through numpy, whose argmax gives the same index about 8
+    times faster than torch's CPU argmax over a vocabulary-sized row (docs/benchmarks-notes.md)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(np.argmax(x.detach().numpy(), axis=-1), dtype=np.int64))
+    return x.argmax(dim=-1)
 
 
 @dataclass
@@ -256,15 +267,15 @@ def _greedy_and_sample(proc: ProcessedLogits, rows: list[SamplingRow]) -> torch.
     """Argmax for greedy rows, a draw from `proc.probs` for the rest. Returns [N] token ids."""
     logits = proc.logits
     if proc.probs is None:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     dev = logits.device
     tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
     g_idx = [i for i, g in enumerate(proc.greedy) if g]
     if g_idx:
         gi = torch.tensor(g_idx, device=dev)
-        tokens[gi] = logits[gi].argmax(dim=-1)
+        tokens[gi] = argmax_rows(logits[gi]).to(dev)
     q = exponential_noise([rows[i].generator for i in proc.sampled_rows], logits.shape[1], dev)
-    tokens[torch.tensor(proc.sampled_rows, device=dev)] = proc.probs.div(q).argmax(dim=-1)
+    tokens[torch.tensor(proc.sampled_rows, device=dev)] = argmax_rows(proc.probs.div(q)).to(dev)
     return tokens
 
 

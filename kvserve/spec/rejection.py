@@ -12,7 +12,7 @@ probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the next token i
 norm(max(0, p_j - q_j)) and the step ends; when all k are accepted a bonus token is drawn from
 p_{k+1}. Every emitted token then follows the target's distribution exactly, whatever the draft.
 Greedy requests (temperature < 1e-5): drafts are accepted while each equals the argmax of the
-processed logits (torch's argmax, the normal greedy sampler's tie rule), then that argmax is
+processed logits (argmax_rows, the normal greedy sampler's tie rule), then that argmax is
 emitted: the same tokens as decoding one at a time.
 
 Deterministic drafts (q one-hot, n-gram lookup) are verified by sampling each position as
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.runner.sampler import (SamplerOutput, SamplingRow, exponential_noise, process_logits,
+from kvserve.runner.sampler import (SamplerOutput, SamplingRow, argmax_rows, exponential_noise, process_logits,
                                     token_logprobs)
 
 
@@ -94,7 +94,7 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:
 def verify_greedy(target_logits: torch.Tensor, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [B], next token [B]) at temperature 0: drafts are accepted while each
     equals the target's argmax, then the argmax at the first mismatch (or after the last draft)."""
-    argmax = target_logits.argmax(dim=-1)
+    argmax = argmax_rows(target_logits)
     match = (argmax[drafts.position_rows()] == drafts.token_ids) & drafts.valid()
     num_accepted = _leading_true(match)
     return num_accepted, argmax[drafts.first_rows + num_accepted]
@@ -128,7 +128,7 @@ def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
     shared = [b for b in range(b_count) if gens[b] is None]
     if shared:     # no seed: every position's race at once (how many rows it draws is free)
         rows = torch.tensor([firsts[b] + j for b in shared for j in range(counts[b] + 1)], dtype=torch.long)
-        tokens = target_probs[rows].div(exponential_noise([None] * len(rows), vocab)).argmax(dim=-1).tolist()
+        tokens = argmax_rows(target_probs[rows].div(exponential_noise([None] * len(rows), vocab))).tolist()
         at = 0
         for b in shared:
             n = counts[b]
@@ -144,7 +144,7 @@ def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
             continue
         for j in range(counts[b] + 1):    # one row per emitted token, as plain decoding draws
             noise = exponential_noise([g], vocab)
-            token = int(target_probs[firsts[b] + j:firsts[b] + j + 1].div(noise).argmax(dim=-1))
+            token = int(argmax_rows(target_probs[firsts[b] + j:firsts[b] + j + 1].div(noise)))
             if j < counts[b] and token == int(drafts.token_ids[b, j]):
                 continue
             num_accepted[b], next_token[b] = j, token
@@ -182,7 +182,7 @@ def verify_sampled(target_probs: torch.Tensor, drafts: Drafts,
         empty = residual.sum(dim=1) <= 0
         residual[empty] = p[empty]
         dist[rejected] = residual
-    next_token = dist.div_(exponential_noise(generators or [None] * len(dist), vocab)).argmax(dim=-1)
+    next_token = argmax_rows(dist.div_(exponential_noise(generators or [None] * len(dist), vocab)))
     return num_accepted, next_token
 
 

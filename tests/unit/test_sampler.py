@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvserve.runner.sampler import Sampler, SamplingRow
+from kvserve.runner.sampler import Sampler, SamplingRow, argmax_rows
 from kvserve.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -208,3 +210,15 @@ def test_sampling_params_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
     assert str(err.value).split()[0] == field
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-2.0, -1.0, 0.0, 1.0, 2.0, float("inf"), float("-inf"), float("nan")]),
+                         min_size=1, max_size=40), min_size=1, max_size=6).filter(lambda rows: len({len(r) for r in rows}) == 1))
+def test_argmax_rows_is_torch_argmax(rows):
+    """The numpy path gives torch's index on ties (the first), infinities and NaNs (the first NaN)."""
+    x = torch.tensor(rows, dtype=torch.float32)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[0]), x[0].argmax(dim=-1))            # a 1-d row: a 0-d index
+    assert torch.equal(argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # a strided view
+    assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))   # other dtypes: torch itself
