@@ -273,9 +273,9 @@ def _greedy_and_sample(proc: ProcessedLogits, rows: list[SamplingRow]) -> torch.
     g_idx = [i for i, g in enumerate(proc.greedy) if g]
     if g_idx:
         gi = torch.tensor(g_idx, device=dev)
-        tokens[gi] = argmax_rows(logits[gi]).to(dev)
+        tokens[gi] = argmax_rows(logits[gi])
     q = exponential_noise([rows[i].generator for i in proc.sampled_rows], logits.shape[1], dev)
-    tokens[torch.tensor(proc.sampled_rows, device=dev)] = argmax_rows(proc.probs.div(q)).to(dev)
+    tokens[torch.tensor(proc.sampled_rows, device=dev)] = argmax_rows(proc.probs.div(q))
     return tokens
 
 
