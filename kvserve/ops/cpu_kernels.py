@@ -132,7 +132,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.paged_attention.restype = None
     lib.paged_attention.argtypes = [p] * 7 + [i64, p] + [i64] * 5 + [f32, i64, i64, i64]
     lib.gguf_gemv.restype = ctypes.c_int
-    lib.gguf_gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
+    lib.gguf_gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64]
     lib.gguf_gemm_f32.restype = ctypes.c_int
     lib.gguf_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
     lib.gguf_gemv_isa.restype = ctypes.c_char_p
@@ -249,21 +249,24 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, accumulate: bool = False, isa: str | None = None,
-              f32: bool = False) -> torch.Tensor:
+              f32: bool = False, one_part: bool = False) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
     kvserve.ops.gguf_blocks.pack_gguf_parts (`kind` 4: Q4_0/Q4_1, 8: Q8_0/Q5_0, 14: Q4_K, 18:
     Q5_K/Q6_K/Q3_K): [M, n] float32, written
     into `out` when given (added to it with accumulate=True). `isa`: a build other than the
     selected one (tests). f32: through the float32 tiles (what prompt tokens take in the layer
-    stack) instead of the integer dot products. See csrc/gguf_gemv.c."""
+    stack) instead of the integer dot products. one_part: the activations as one 8-bit part per
+    block (the gguf-a8 format) instead of two. See csrc/gguf_gemv.c."""
+    if f32 and one_part:
+        raise ValueError("one_part applies to the integer GEMV, not to the float32 tiles (f32=True)")
     lib = library(isa)
     M, K = x.shape
     if out is None:
         out = torch.empty(M, n, dtype=torch.float32)
-    fn = lib.gguf_gemm_f32 if f32 else lib.gguf_gemv
-    rc = fn(w.data_ptr(), kind, n, K, x.data_ptr(), x.stride(0), M, out.data_ptr(),
+    args = (w.data_ptr(), kind, n, K, x.data_ptr(), x.stride(0), M, out.data_ptr(),
             out.stride(0), bias.data_ptr() if bias is not None else None, int(accumulate),
             torch.get_num_threads())
+    rc = lib.gguf_gemm_f32(*args) if f32 else lib.gguf_gemv(*args, int(one_part))
     if rc != 0:
         raise ValueError(f"gguf_gemv failed ({rc}): kind {kind}, K={K} (the kind must be one of "
                          f"4, 8, 14, 18 from pack_gguf_parts, and K a multiple of 32)")
@@ -283,7 +286,7 @@ class StackModel(ctypes.Structure):
                                              "intermediate", "block_size", "window", "kv_format")] \
         + [("eps", ctypes.c_double), ("scale", ctypes.c_double)] \
         + [(n, ctypes.c_void_p) for n in ("embed", "norm", "cos", "sin")] \
-        + [("layers", ctypes.POINTER(StackLayer))]
+        + [("layers", ctypes.POINTER(StackLayer)), ("act_one_part", ctypes.c_int64)]
 
 
 def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -291,7 +294,7 @@ def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, s
                 out: torch.Tensor, isa: str | None = None) -> None:
     """Every layer of a flat batch in one call (csrc/layer_stack.c): token ids, positions, KV
     slots and sequence indices int64 [T], `prompt` bool [T] (prompt tokens take the float32
-    GEMM, the others the integer GEMV), block tables int64 [B, nblk] (rows contiguous) ->
+    GEMM, the others the integer GEMV; with model.act_one_part every token takes the GEMV), block tables int64 [B, nblk] (rows contiguous) ->
     out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows."""
     rc = library(isa).layer_stack(ctypes.byref(model), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                                   seq.data_ptr(), prompt.data_ptr(), ids.shape[0], tables.data_ptr(), tables.stride(0),

@@ -21,9 +21,10 @@ from kvserve.ops.attention import AttentionMetadata
 
 
 class CLayerStack:
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, one_part: bool = False):
         self.model = model
         self.isa = cpu_kernels.selected_isa()       # the kernel build, fixed for the engine's life
+        self.one_part = one_part       # activations as one 8-bit part (gguf-a8): every token on the GEMV
         self._kv_caches = None         # the pools the layer table points at
         self._layers = None
         self._struct = None
@@ -37,14 +38,18 @@ class CLayerStack:
         attn = model.layers[0].self_attn
         if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP or model.embed_tokens.weight.dtype != torch.float32:
             return None
+        parts = set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not isinstance(lin.quant_method, GgufMethod) or lin.gguf_packed is None:
                     return None
+                parts.add(lin.quant_method.one_part)
             if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
                 return None
-        return cls(model)
+        if len(parts) != 1:            # one activation precision for the whole stack
+            return None
+        return cls(model, one_part=parts.pop())
 
     @staticmethod
     def runs(kv_caches) -> bool:
@@ -73,7 +78,7 @@ class CLayerStack:
             kv_caches[0][0].shape[1], a.sliding_window or 0, cpu_kernels.kv_format(kv_caches[0][0].dtype),
             m.layers[0].input_layernorm.eps, a.scale,
             ptr(m.embed_tokens.weight), ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
-            ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)))
+            ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)), int(self.one_part))
         self._layers, self._kv_caches = layers, kv_caches
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -82,7 +87,7 @@ class CLayerStack:
         `out_rows` (int64), [len(out_rows), hidden]. `prompt_lens`: each sequence's prompt
         length; its tokens at positions below it are prompt tokens (their linears run the float32
         GEMM, the others the integer GEMV; a generated token recomputed after preemption is not
-        one; see csrc/gguf_gemv.h)."""
+        one; see csrc/gguf_gemv.h). With one_part every token runs the integer GEMV."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         qsl = meta.query_start_loc

@@ -95,6 +95,19 @@ def test_gemv_matches_dequantized_matmul(qtype, isa):
         assert ((got - ref).abs() <= bound + 1e-6).all(), (m, (got - ref).abs().max())
 
 
+def quantize_block_np(xb32: np.ndarray, one_part: bool = False):
+    """One block of 32 float32 activations as the contract quantizes it, in numpy: xa, xb (int64;
+    xb all 0 with one_part) and dx (float32)."""
+    f = np.float32
+    amax = f(np.abs(xb32).max())
+    amax = amax if amax >= f(1e-30) else f(0)
+    inv = f(127) / amax if amax > 0 else f(0)
+    v = xb32 * inv
+    xa = np.rint(v)
+    xb = np.zeros(32) if one_part else np.clip(np.rint((v - xa) * f(256)), -127, 127)
+    return xa.astype(np.int64), xb.astype(np.int64), amax / f(127 * 256)
+
+
 def reference_q8_0_gemv(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
     """The contract of csrc/gguf_gemv.h for Q8_0 weights, in numpy float32 (each operation rounded
     to float32, in the order the contract gives): each block of 32 activations becomes two signed
@@ -109,15 +122,8 @@ def reference_q8_0_gemv(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
     for r, row in enumerate(x.numpy().astype(np.float32)):
         acc = np.zeros(n, dtype=np.float32)
         for b in range(k // 32):
-            xb32 = row[32 * b:32 * b + 32]
-            amax = f(np.abs(xb32).max())
-            amax = amax if amax >= f(1e-30) else f(0)
-            inv = f(127) / amax if amax > 0 else f(0)
-            v = xb32 * inv
-            xa = np.rint(v)
-            xb = np.clip(np.rint((v - xa) * f(256)), -127, 127)
-            s = (q[:, b, :] * (256 * xa.astype(np.int64) + xb.astype(np.int64))).sum(axis=1)
-            dx = amax / f(127 * 256)
+            xa, xb, dx = quantize_block_np(row[32 * b:32 * b + 32])
+            s = (q[:, b, :] * (256 * xa + xb)).sum(axis=1)
             acc = acc + s.astype(np.float32) * (d[:, b] * dx)
         out[r] = acc
     return out
@@ -140,16 +146,17 @@ def test_q8_0_gemv_is_the_contract_bit_for_bit(isa):
     assert torch.equal(got, torch.from_numpy(reference_q8_0_gemv(bt, x)))
 
 
+@pytest.mark.parametrize("one_part", [False, True])     # two activation parts, or one (gguf-a8)
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_every_isa_gives_the_portable_bits(qtype, isa):
+def test_every_isa_gives_the_portable_bits(qtype, isa, one_part):
     _lib_or_skip(isa)
     _lib_or_skip("portable")
     for n, k, m in ((37, 32, 9), (5, 64, 17), (100, 576, 8), (21, 1536, 5), (16, 576, 3)):
         _, packed, kind = weights(qtype, n, k, seed=n + k)
         x = acts(m, k, seed=k)
-        want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable")
-        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa)
+        want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", one_part=one_part)
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, one_part=one_part)
         assert torch.equal(got, want), (n, k, m, (got - want).abs().max())
 
 

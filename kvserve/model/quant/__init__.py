@@ -20,6 +20,10 @@ per format:
            Without a C compiler: Q4 blocks in int4pack for 1-2 rows, fbgemm fp16 above, and a
            fp16 LM head (Int4Method(batch_fp16=True), Fp16Method (fp16.py)) where
            torch has fbgemm (x86); dense float32 weights where it has not (Arm).
+    gguf-a8 gguf with the activations as one 8-bit part per block of 32 (llama.cpp's precision)
+           instead of two: half the integer work per token, and prompt tokens take the integer
+           GEMV too; outside eval-quality's bound on the default model (docs/benchmarks-notes.md),
+           so never the default. Without the C kernels it falls back as gguf does.
 
 blocks.py holds BlockTensor (GGUF blocks not dequantized), base.py the shard staging all packed
 formats share. The default for GGUF models is the fastest format within the quality bound of
@@ -41,12 +45,13 @@ from kvserve.ops import cpu_kernels
 # The block packing lives next to its kernel; re-exported for callers of the old kvserve.model.quant.
 from kvserve.ops.gguf_blocks import pack_gguf_parts, pack_gguf_rows, unpack_gguf_rows
 
-__all__ = ["FORMATS", "GROUP", "KEEP_BLOCKS", "DEFAULT_GGUF", "DESCRIPTION", "BlockTensor", "is_q4",
+__all__ = ["FORMATS", "GGUF_FORMATS", "GROUP", "KEEP_BLOCKS", "DEFAULT_GGUF", "DESCRIPTION", "BlockTensor", "is_q4",
            "Int8Method", "quantize_int8_rows", "Int4Method", "quantize_int4_rows", "Fp16Method",
            "fp16_prepack", "GgufMethod", "pack_gguf_parts", "pack_gguf_rows", "unpack_gguf_rows",
            "method_for", "head_method_for", "apply_quantization"]
 
-FORMATS = ("none", "int8", "int4", "gguf")
+FORMATS = ("none", "int8", "int4", "gguf", "gguf-a8")
+GGUF_FORMATS = {"gguf": False, "gguf-a8": True}     # format -> activations as one 8-bit part
 
 
 # ---------------------------------------------------------------- choosing methods
@@ -63,12 +68,12 @@ def method_for(fmt: str, in_features: int, out_features: int):
         return None
     if fmt == "int8":
         return Int8Method()
-    if fmt == "gguf" and cpu_kernels.available():
-        return GgufMethod() if in_features % GROUP == 0 else None
-    if fmt == "gguf" and not has_fbgemm():
+    if fmt in GGUF_FORMATS and cpu_kernels.available():
+        return GgufMethod(one_part=GGUF_FORMATS[fmt]) if in_features % GROUP == 0 else None
+    if fmt in GGUF_FORMATS and not has_fbgemm():
         return None            # no C kernels and no fbgemm (Arm without a compiler): dense float32
-    if fmt in ("int4", "gguf"):
-        return Int4Method(batch_fp16=fmt == "gguf") if Int4Method.supports(in_features) else None
+    if fmt == "int4" or fmt in GGUF_FORMATS:
+        return Int4Method(batch_fp16=fmt != "int4") if Int4Method.supports(in_features) else None
     raise ValueError(f"quantization {fmt!r} is not supported (choose from {list(FORMATS)})")
 
 
@@ -78,9 +83,9 @@ def head_method_for(fmt: str, in_features: int, out_features: int):
     int8-activation head; dense float32 where it has not); int4 uses int8 for the head (an int4
     head loses too much quality; the figures: docs/benchmarks-notes.md, "Weight formats in
     kvserve.model.quant")."""
-    if fmt == "gguf":
+    if fmt in GGUF_FORMATS:
         if cpu_kernels.available() and in_features % GROUP == 0:
-            return GgufMethod()
+            return GgufMethod(one_part=GGUF_FORMATS[fmt])
         return Fp16Method() if has_fbgemm() else None
     if fmt == "int4":
         return Int8Method()
@@ -110,7 +115,7 @@ def apply_quantization(model: nn.Module, fmt: str) -> None:
 
 
 # GGUF qtypes the loader hands over as blocks (not dequantized), per format.
-KEEP_BLOCKS = {"int4": _q4_types(), "gguf": _packable_types()}
+KEEP_BLOCKS = {"int4": _q4_types(), "gguf": _packable_types(), "gguf-a8": _packable_types()}
 
 # The default for GGUF models: the fastest format within the quality bound of `kvserve eval-quality`
 # (the figures: docs/benchmarks-notes.md, "Weight formats in kvserve.model.quant").
@@ -121,4 +126,5 @@ DESCRIPTION = {
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, LM head included",
     "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q8_0 and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size",
+    "gguf-a8": "gguf with activations as one 8-bit part per block (llama.cpp's precision): faster batches and prompts, less accurate",
 }

@@ -24,10 +24,15 @@ class GgufMethod(_PackedMethod):
     whose kinds differ, stays a dense float32 tensor.
 
     Used when the C kernels are built (cpu_kernels.available()); otherwise the gguf format falls
-    back to torch kernels (kvserve.model.quant.method_for)."""
+    back to torch kernels (kvserve.model.quant.method_for).
 
-    def __init__(self):
+    one_part (the gguf-a8 format): the activations as one 8-bit part per block, llama.cpp's
+    precision, at half the integer work; the layer stack then runs prompt tokens through the
+    integer GEMV too (csrc/layer_stack.c)."""
+
+    def __init__(self, one_part: bool = False):
         self.isa = cpu_kernels.selected_isa()       # the kernel build, fixed for the layer's life
+        self.one_part = one_part
 
     def load(self, layer, w, offset: int, whole: bool) -> None:
         parts = self._stage(layer, offset, w, w.shape[0])      # blocks stay blocks until pack
@@ -51,7 +56,8 @@ class GgufMethod(_PackedMethod):
             bias = layer.bias.float() if layer.bias is not None else None
             return F.linear(x.float(), layer.dense_weight, bias).to(x.dtype)
         return self._run_2d(layer, x, lambda x2: cpu_kernels.gguf_gemv(
-            layer.gguf_packed, layer.gguf_kind, layer.out_features, x2.float().contiguous(), isa=self.isa))
+            layer.gguf_packed, layer.gguf_kind, layer.out_features, x2.float().contiguous(), isa=self.isa,
+            one_part=self.one_part))
 
     def dequantized(self, layer) -> torch.Tensor:
         if layer.gguf_packed is not None:

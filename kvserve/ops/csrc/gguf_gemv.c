@@ -67,12 +67,12 @@ static inline __attribute__((always_inline)) q8f pick(q8i mask, q8f a, q8f b) { 
 }
 
 /* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), x16, dx, sx, sq and
- * sq0 (gguf_acts_t). The sum sx runs j = 0..31 in order (no
+ * sq0 (gguf_acts_t); one_part: every xb = 0 (the gguf-a8 format) and sx = dx sq. The sum sx runs j = 0..31 in order (no
  * reassociation: -ffp-contract=off, no -ffast-math); the rest is element-wise, in 8-float
  * vectors, and the max and the integer sums do not depend on their order. Blocks are
  * independent of each other, so the threads split a call's rows by block. */
 static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, float *sx, int32_t *sq,
-                           int32_t *sq0) {
+                           int32_t *sq0, int one_part) {
     q8f x[4], m = {0};
     for (int c = 0; c < 4; c++) {
         x[c] = *(const q8f_unaligned *)(p + 8 * c);   /* one 32-byte load (a memcpy went through the stack) */
@@ -89,7 +89,7 @@ static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, 
     for (int c = 0; c < 4; c++) {
         const q8f v = x[c] * inv;                         /* in [-127, 127] */
         const q8f a = rint8(v);
-        q8f rb = rint8((v - a) * 256.f);                  /* in [-128, 128] */
+        q8f rb = one_part ? (q8f){0} : rint8((v - a) * 256.f);   /* in [-128, 128] */
         rb = pick(rb > lim, lim, pick(rb < -lim, -lim, rb));
         const q8i ia = __builtin_convertvector(a, q8i), ib = __builtin_convertvector(rb, q8i);
         const q8i v16 = 256 * ia + ib;                    /* x16, exact in int32 */
@@ -104,7 +104,10 @@ static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, 
     }
     *sq0 = th;
     *dx = amax / (127.f * 256.f);
-    *sx = sum;
+    /* One part: the m term takes the sum of the quantized values, as the d q term does (llama.cpp's
+     * Q8_1 s), so the two errors cancel: the exact sum beside sum q x~ (q in 0..15, not centered)
+     * left 4x the error in the product. Two parts: the exact sum (their error is ~2^-15). */
+    *sx = one_part ? *dx * (float)t : sum;
     *sq = t;
 }
 
@@ -145,18 +148,19 @@ static quantized_rows_t quantized_rows(void *ws, int64_t M, int64_t K) {
 
 /* Block b (32 floats at src) of activation row r of the M rows of K in ws: the quantization
  * gguf_gemv_team does, for callers that produce a row and quantize it in the same pass
- * (layer_stack.c, after a norm or SiLU), saving a phase and its barrier. */
-void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src) {
+ * (layer_stack.c, after a norm or SiLU), saving a phase and its barrier. one_part: xb = 0. */
+void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src, int64_t one_part) {
     const quantized_rows_t q = quantized_rows(ws, M, K);
     const int64_t rb = r * (K / 32) + b;
-    quantize_block(src, q.xq + rb * 64, q.x16 + rb * 32, q.dx + rb, q.sx + rb, q.sq + rb, q.sq0 + rb);
+    quantize_block(src, q.xq + rb * 64, q.x16 + rb * 32, q.dx + rb, q.sx + rb, q.sq + rb, q.sq0 + rb, one_part != 0);
 }
 
 /* The GEMV of M rows already quantized into ws (gguf_quantize_block, or the loop in
  * gguf_gemv_team), shared by the threads of an enclosing OpenMP region; y rows as in
- * gguf_gemv_team. Ends with a barrier. */
+ * gguf_gemv_team; one_part as they were quantized. Ends with a barrier. */
 void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const int64_t *rows, int64_t M,
-                              float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws) {
+                              float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws,
+                              int64_t one_part) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
     const quantized_rows_t q = quantized_rows(ws, M, K);
@@ -174,7 +178,7 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
             for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
                 const gguf_acts_t a = {q.xq + r0 * K * 2, q.x16 + r0 * K, q.dx + r0 * nb, q.sx + r0 * nb,
-                                       q.sq + r0 * nb, q.sq0 + r0 * nb};
+                                       q.sq + r0 * nb, q.sq0 + r0 * nb, one_part != 0};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
@@ -188,28 +192,29 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
 /* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
  * `omp for` below splits its loop over them; without OpenMP one thread does it all). kind and K
  * must have been checked (gguf_gemv_check); ws holds gguf_workspace_bytes(M, K) bytes, 64-byte
- * aligned. rows: the M rows of x and y to compute (NULL: rows 0 .. M-1). */
+ * aligned. rows: the M rows of x and y to compute (NULL: rows 0 .. M-1). one_part: activations as
+ * one 8-bit part per block (the gguf-a8 format), else two. */
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                     const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
-                    int64_t accumulate, void *ws) {
+                    int64_t accumulate, void *ws, int64_t one_part) {
     const int64_t nb = K / 32;
     #pragma omp for schedule(static)
     for (int64_t rb = 0; rb < M * nb; rb++) {           /* (row, block) pairs: a decode's one row splits too */
         const int64_t r = rb / nb, b = rb % nb;
-        gguf_quantize_block(ws, M, K, r, b, x + (rows ? rows[r] : r) * ldx + b * 32);
+        gguf_quantize_block(ws, M, K, r, b, x + (rows ? rows[r] : r) * ldx + b * 32, one_part);
     }
-    gguf_gemv_quantized_team(w, kind, N, K, rows, M, y, ldy, bias, accumulate, ws);
+    gguf_gemv_quantized_team(w, kind, N, K, rows, M, y, ldy, bias, accumulate, ws, one_part);
 }
 
 int gguf_gemv_check(int64_t kind, int64_t K) { return !gguf_packed_block_bytes(kind) || K % 32 || K <= 0 ? -1 : 0; }
 
 /* y[r][n] (+)= sum_k x[r][k] W[n][k] (+ bias[n]) for r < M, n < N, with W packed (a kind of
  * gguf_gemv.h).
- * x: M rows, leading dimension ldx; y: leading dimension ldy. Returns 0, or -1 for a bad kind /
- * K, -3 when out of memory. */
+ * x: M rows, leading dimension ldx; y: leading dimension ldy; one_part: activations as one 8-bit
+ * part per block (gguf-a8). Returns 0, or -1 for a bad kind / K, -3 when out of memory. */
 int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
               int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
-              int64_t num_threads) {
+              int64_t num_threads, int64_t one_part) {
     if (gguf_gemv_check(kind, K)) return -1;
     if (M <= 0 || N <= 0) return 0;
     const size_t bytes = (size_t)gguf_workspace_bytes(M, K);
@@ -217,7 +222,7 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
     if (!ws) return -3;
     (void)num_threads;
     #pragma omp parallel num_threads(num_threads)
-    gguf_gemv_team(w, kind, N, K, x, ldx, NULL, M, y, ldy, bias, accumulate, ws);
+    gguf_gemv_team(w, kind, N, K, x, ldx, NULL, M, y, ldy, bias, accumulate, ws, one_part);
     free(ws);
     return 0;
 }

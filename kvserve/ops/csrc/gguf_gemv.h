@@ -22,8 +22,12 @@
  *
  * Activations: each row, per block of 32, becomes two signed 8-bit parts (gguf_gemv.c,
  * quantize_block): v = x 127 / max|x|, xa = rint(v), xb = rint((v - xa) 256) clamped to +-127, so
- * x ~= dx (256 xa + xb) with dx = max|x| / (127 256): about 15 bits, where llama.cpp's single
- * 8-bit part costs SmolLM2 2% of perplexity.
+ * x ~= dx (256 xa + xb) with dx = max|x| / (127 256): about 15 bits. The gguf-a8 format takes one
+ * part, as llama.cpp does (xb = 0, gguf_acts_t.one_part; sx = dx sq, the sum of the quantized
+ * values, so the m term's error cancels the d q term's): the same formulas below with every xb
+ * zero, so a kernel that skips the xb products gives the bits of one that multiplies the zeros.
+ * One part is just outside eval-quality's top-1 bound on the default model, so it is opt-in
+ * (figures: docs/benchmarks-notes.md).
  *
  * What every kernel computes, exactly (the same bits on every ISA; tests compare them):
  *   for each of the 16 rows i and each activation row r < R:
@@ -32,7 +36,7 @@
  *       kinds 4, 8, 14:
  *         s   = sum_j q_ij (256 xa_rj + xb_rj)          integers, exact in int32
  *         acc = acc + (float)s * (d_i * dx_rb)           float32, rounded after each operation
- *         kinds 4, 14: acc = acc + m_i * sx_rb           sx: the float sum of the block's x
+ *         kinds 4, 14: acc = acc + m_i * sx_rb           sx: the float sum of the block's x (one part: dx sq)
  *       kind 18:
  *         s0  = sum_{j<16} q_ij (256 xa_rj + xb_rj),  s1 = the same over j >= 16
  *         acc = acc + (float)s0 * (d0_i * dx_rb)
@@ -93,13 +97,14 @@ typedef struct {
     const int16_t *x16;
     const float *dx, *sx;
     const int32_t *sq, *sq0;
+    int one_part;            /* 1: every xb is 0 (kernels may skip the xb products); 0: two parts */
 } gguf_acts_t;
 
 /* The activations of rows r0.. of `a` (nb blocks a row): kernels that take fewer than
  * GGUF_TILE_M rows per pass over a group's weights run the rest from here. */
 static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, int64_t nb) {
     const gguf_acts_t ar = {a->xq + r0 * nb * 64, a->x16 + r0 * nb * 32, a->dx + r0 * nb, a->sx + r0 * nb,
-                            a->sq + r0 * nb, a->sq0 + r0 * nb};
+                            a->sq + r0 * nb, a->sq0 + r0 * nb, a->one_part};
     return ar;
 }
 

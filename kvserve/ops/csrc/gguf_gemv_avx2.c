@@ -42,9 +42,10 @@ static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256
  * hold the low nibbles q[4c .. 4c+3] and the high nibbles q[4c+16 .. 4c+19] of rows 0..7 (first
  * 32 bytes) and 8..15: four weight registers, multiplied by the broadcast 4 bytes of each row's
  * part (xa, xb) at 4c and 4c + 16. Sums per row, part and half in int16 (8 chunks of pairs
- * <= 2 * 15 * 127: <= 30480), widened once a block. */
+ * <= 2 * 15 * 127: <= 30480), widened once a block. P = 1 (one-part activations, xb = 0): the xa
+ * products only, half the multiplies, and s = 256 sa, what two_parts gives with sb = 0. */
 static inline __attribute__((always_inline)) void
-q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 acc[R_MAX][2];
@@ -59,7 +60,7 @@ q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
             const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
             for (int r = 0; r < R; r++) {
                 const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
-                for (int p = 0; p < 2; p++) {
+                for (int p = 0; p < P; p++) {
                     const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]), xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
                     const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
                     const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
@@ -77,7 +78,9 @@ q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                                              : _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const __m256 sf = two_parts(_mm256_madd_epi16(s[r][0][h], ones), _mm256_madd_epi16(s[r][1][h], ones));
+                const __m256i sa = _mm256_madd_epi16(s[r][0][h], ones);
+                const __m256 sf = P == 2 ? two_parts(sa, _mm256_madd_epi16(s[r][1][h], ones))
+                                         : _mm256_cvtepi32_ps(_mm256_slli_epi32(sa, 8));
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
             }
@@ -142,10 +145,11 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
-/* The pass for any kind (group_dot_pairs.h). */
+/* The pass for any kind (group_dot_pairs.h). The 8-bit kinds multiply x16 = 256 xa + xb whatever
+ * the parts (P): one-part activations save them nothing. */
 static inline __attribute__((always_inline)) void
-rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
-    if (kind == GGUF_Q4 || kind == GGUF_K4) q4_rows(wg, kind, nb, a, R, out);
+rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
+    if (kind == GGUF_Q4 || kind == GGUF_K4) q4_rows(wg, kind, nb, a, R, P, out);
     else q8_rows(wg, kind, nb, a, R, out);
 }
 

@@ -10,21 +10,23 @@
 const char *gguf_kernel_isa(void) { return "avx512vnni"; }
 
 /* 256 sum_j q_j xa_j + sum_j q_j xb_j for the 16 rows over chunks c0 .. c1 - 1: q[c] holds
- * weights 4c..4c+3 of each row, x the block's 32 xa then 32 xb. */
+ * weights 4c..4c+3 of each row, x the block's 32 xa then 32 xb. P = 1 (one-part activations, every
+ * xb = 0): 256 sum_j q_j xa_j, the same integer from half the multiplies. */
 static inline __attribute__((always_inline)) __m512i
-dot_two_parts(const __m512i q[8], const int8_t *x, const int c0, const int c1) {
+dot_two_parts(const __m512i q[8], const int8_t *x, const int c0, const int c1, const int P) {
     const int32_t *xa = (const int32_t *)x, *xb = xa + 8;
     __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
     for (int c = c0; c < c1; c++) {
         sa = _mm512_dpbusd_epi32(sa, q[c], _mm512_set1_epi32(xa[c]));
-        sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xb[c]));
+        if (P == 2) sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xb[c]));
     }
-    return _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb);
+    return P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb) : _mm512_slli_epi32(sa, 8);
 }
 
-/* kind and R are constants at every call (gguf_group_dot's switch): one specialized loop each. */
+/* kind, R and P (activation parts) are constants at every call (gguf_group_dot's switch): one
+ * specialized loop each. */
 static inline __attribute__((always_inline)) void
-group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
     __m512 acc[GGUF_TILE_M];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
@@ -44,7 +46,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             }
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const __m512 s = _mm512_cvtepi32_ps(dot_two_parts(q, a->xq + rb * 64, 0, 8));
+                const __m512 s = _mm512_cvtepi32_ps(dot_two_parts(q, a->xq + rb * 64, 0, 8, P));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
             }
@@ -57,7 +59,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const __m512i si = _mm512_sub_epi32(dot_two_parts(q, a->xq + rb * 64, 0, 8),
+                const __m512i si = _mm512_sub_epi32(dot_two_parts(q, a->xq + rb * 64, 0, 8, P),
                                                     _mm512_set1_epi32(128 * a->sq[rb]));
                 const __m512 s = _mm512_cvtepi32_ps(si);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
@@ -72,9 +74,9 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
                 const int8_t *x = a->xq + rb * 64;
-                const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 0, 4),
+                const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 0, 4, P),
                                                                        _mm512_set1_epi32(128 * a->sq0[rb])));
-                const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 4, 8),
+                const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 4, 8, P),
                                                                        _mm512_set1_epi32(128 * (a->sq[rb] - a->sq0[rb]))));
                 const __m512 dx = _mm512_set1_ps(a->dx[rb]);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s0, _mm512_mul_ps(d0, dx)));
@@ -86,23 +88,24 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * GGUF_ROWS, acc[r]);
 }
 
-#define ROWS(K) switch (R) {   /* R as a constant: the accumulators stay in registers */ \
-        case 1: group_dot(wg, K, nb, a, 1, out); break;                                \
-        case 2: group_dot(wg, K, nb, a, 2, out); break;                                \
-        case 3: group_dot(wg, K, nb, a, 3, out); break;                                \
-        case 4: group_dot(wg, K, nb, a, 4, out); break;                                \
-        case 5: group_dot(wg, K, nb, a, 5, out); break;                                \
-        case 6: group_dot(wg, K, nb, a, 6, out); break;                                \
-        case 7: group_dot(wg, K, nb, a, 7, out); break;                                \
-        default: group_dot(wg, K, nb, a, 8, out); break;                               \
+#define ROWS(K, P) switch (R) {   /* R as a constant: the accumulators stay in registers */ \
+        case 1: group_dot(wg, K, nb, a, 1, P, out); break;                                \
+        case 2: group_dot(wg, K, nb, a, 2, P, out); break;                                \
+        case 3: group_dot(wg, K, nb, a, 3, P, out); break;                                \
+        case 4: group_dot(wg, K, nb, a, 4, P, out); break;                                \
+        case 5: group_dot(wg, K, nb, a, 5, P, out); break;                                \
+        case 6: group_dot(wg, K, nb, a, 6, P, out); break;                                \
+        case 7: group_dot(wg, K, nb, a, 7, P, out); break;                                \
+        default: group_dot(wg, K, nb, a, 8, P, out); break;                               \
     }
+#define KIND(K) if (a->one_part) { ROWS(K, 1) } else { ROWS(K, 2) }
 
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     switch (kind) {
-        case GGUF_Q4: ROWS(GGUF_Q4); break;
-        case GGUF_Q8: ROWS(GGUF_Q8); break;
-        case GGUF_K4: ROWS(GGUF_K4); break;
-        default: ROWS(GGUF_K8); break;
+        case GGUF_Q4: KIND(GGUF_Q4); break;
+        case GGUF_Q8: KIND(GGUF_Q8); break;
+        case GGUF_K4: KIND(GGUF_K4); break;
+        default: KIND(GGUF_K8); break;
     }
 }
 

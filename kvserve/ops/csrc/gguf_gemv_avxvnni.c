@@ -37,13 +37,19 @@ static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(sa, 8), sb), _mm256_set1_epi32(unbias)));
 }
 
+/* two_parts with sb = 0 (one-part activations): the same integer, the same float. */
+static inline __attribute__((always_inline)) __m256 one_part(__m256i sa, int32_t unbias) {
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_slli_epi32(sa, 8), _mm256_set1_epi32(unbias)));
+}
+
 /* A group (16 rows) of any kind against R <= 2 activation rows. Per chunk c: 4-bit kinds hold the
  * low nibbles q[4c .. 4c+3] and the high ones q[4c+16 .. 4c+19] of rows 0..7, then 8..15 (four
  * u8 registers once unpacked), multiplied by xa and xb at 4c and 4c + 16; 8-bit kinds hold u =
  * q[4c .. 4c+3] + 128 of rows 0..7, then 8..15 (two registers), times xa and xb at 4c. Kind 18
- * closes its first sums after chunk 3 (weights 0..15, scale d0), then sums chunks 4..7 (d1). */
+ * closes its first sums after chunk 3 (weights 0..15, scale d0), then sums chunks 4..7 (d1).
+ * P = 1 (one-part activations, xb = 0): the xa products only. */
 static inline __attribute__((always_inline)) void
-rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
+rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
     const int four = kind == GGUF_Q4 || kind == GGUF_K4;
     const int sums = kind == GGUF_K8 ? 2 : 1, cn = four ? 4 : 8 / sums;   /* chunks per sum */
@@ -55,7 +61,7 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
         for (int k = 0; k < sums; k++) {
             __m256i s[R_MAX][2][2];                /* [row][part xa | xb][half] */
             for (int r = 0; r < R; r++)
-                for (int p = 0; p < 2; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
+                for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
             for (int c = k * cn; c < k * cn + cn; c++) {
                 const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
                 const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
@@ -65,7 +71,7 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
                 const __m256i hi1 = four ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : v1;
                 for (int r = 0; r < R; r++) {
                     const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
-                    for (int p = 0; p < 2; p++) {
+                    for (int p = 0; p < P; p++) {
                         const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]);
                         s[r][p][0] = DPBUSD(s[r][p][0], lo0, xl);
                         s[r][p][1] = DPBUSD(s[r][p][1], lo1, xl);
@@ -86,8 +92,8 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
                 for (int r = 0; r < R; r++) {
                     const int64_t rb = r * nb + b;
                     const int32_t sq = four ? 0 : kind == GGUF_Q8 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
-                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(two_parts(s[r][0][h], s[r][1][h], 128 * sq),
-                                                                       _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                    const __m256 sf = P == 2 ? two_parts(s[r][0][h], s[r][1][h], 128 * sq) : one_part(s[r][0][h], 128 * sq);
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
                 }
             }
         }

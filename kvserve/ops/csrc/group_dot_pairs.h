@@ -1,22 +1,30 @@
 /* gguf_group_dot (gguf_gemv.h) for a kernel file whose passes take a group against at most 2
  * activation rows: the file defines, before including this once,
  *   static inline __attribute__((always_inline)) void
- *   rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out);
- * (R <= 2) and this runs it over the rows in pairs, with R and the kind as constants in every
- * call: one specialized loop each, the sums in registers. Rows past the first pair re-read the
+ *   rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P,
+ *            float *out);
+ * (R <= 2; P: activation parts, 2, or 1 when a->one_part) and this runs it over the rows in pairs,
+ * with R, P and the kind as constants in every call: one specialized loop each, the sums in
+ * registers. Rows past the first pair re-read the
  * group's weights from L1 (they are a few KB). Used by the AVX2 and AVX-VNNI kernels (16 vector
  * registers). */
 #ifndef KVSERVE_GROUP_DOT_PAIRS_H
 #define KVSERVE_GROUP_DOT_PAIRS_H
 
+#define PAIRS_R(K, P) (R == 2 ? rows_dot(wg, K, nb, a, 2, P, out) : rows_dot(wg, K, nb, a, 1, P, out))
+#define PAIRS_KIND(K) (a->one_part ? PAIRS_R(K, 1) : PAIRS_R(K, 2))
+
 static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     switch (kind) {
-        case GGUF_Q4: R == 2 ? rows_dot(wg, GGUF_Q4, nb, a, 2, out) : rows_dot(wg, GGUF_Q4, nb, a, 1, out); break;
-        case GGUF_K4: R == 2 ? rows_dot(wg, GGUF_K4, nb, a, 2, out) : rows_dot(wg, GGUF_K4, nb, a, 1, out); break;
-        case GGUF_Q8: R == 2 ? rows_dot(wg, GGUF_Q8, nb, a, 2, out) : rows_dot(wg, GGUF_Q8, nb, a, 1, out); break;
-        default: R == 2 ? rows_dot(wg, GGUF_K8, nb, a, 2, out) : rows_dot(wg, GGUF_K8, nb, a, 1, out); break;
+        case GGUF_Q4: PAIRS_KIND(GGUF_Q4); break;
+        case GGUF_K4: PAIRS_KIND(GGUF_K4); break;
+        case GGUF_Q8: PAIRS_KIND(GGUF_Q8); break;
+        default: PAIRS_KIND(GGUF_K8); break;
     }
 }
+
+#undef PAIRS_KIND
+#undef PAIRS_R
 
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     for (int r0 = 0; r0 < R; r0 += 2) {

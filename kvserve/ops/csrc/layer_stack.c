@@ -17,7 +17,9 @@
  * table (its own key included: this step's K/V are written before attention runs).
  *
  * Every linear is a GGUF-packed weight (gguf_gemv.c): prompt tokens (prompt[t] != 0) go through
- * its float32 GEMM, the others (decodes) through its integer GEMV. Activations and norms are
+ * its float32 GEMM, the others (decodes) through its integer GEMV. With activations as one 8-bit
+ * part (act_one_part: the gguf-a8 format, llama.cpp's precision) every token takes the integer
+ * GEMV, which then does twice the float32 GEMM's work per cycle. Activations and norms are
  * float32, the KV pool float32, IEEE half or int8 rows with a scale (kv_format.h). Each
  * token's numbers are computed on their own, in a fixed order, and its kernels depend only on whether it is a prompt
  * token: the output does not depend on the other tokens of the batch, the thread count or the
@@ -40,10 +42,11 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
                         int64_t accumulate, void *ws);
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                     const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
-                    int64_t accumulate, void *ws);
-void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src);
+                    int64_t accumulate, void *ws, int64_t one_part);
+void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src, int64_t one_part);
 void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const int64_t *rows, int64_t M,
-                              float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws);
+                              float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws,
+                              int64_t one_part);
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
@@ -65,6 +68,7 @@ typedef struct {
     const float *norm;                               /* final RMSNorm [hidden] */
     const float *cos, *sin;                          /* [max_positions][head_dim], sin signed */
     const stack_layer_t *layers;
+    int64_t act_one_part;          /* 1: activations as one 8-bit part (gguf-a8), every token on the GEMV */
 } stack_model_t;
 
 #define LANES 8
@@ -123,19 +127,22 @@ static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads,
     }
 }
 
-/* The rows of one linear: prompt tokens through the float32 GEMM, the others (decodes) through the
- * integer GEMV (gguf_gemv.h). A token's path depends only on whether it is a prompt token, never
- * on the batch: its numbers stay independent of what else shares the step. */
+/* The rows of one linear: prompt tokens through the float32 GEMM, the others (decodes; every
+ * token with one_part) through the integer GEMV (gguf_gemv.h). A token's path depends only on
+ * whether it is a prompt token, never on the batch: its numbers stay independent of what else
+ * shares the step. */
 typedef struct {
     const int64_t *f_rows, *i_rows;
-    const int64_t *i_index;        /* token t's position in i_rows (decode tokens) */
+    const int64_t *i_index;        /* token t's position in i_rows (GEMV tokens) */
     int64_t nf, ni;
     void *ws_f, *ws_i;
+    const uint8_t *via_f32;        /* token t takes the float32 GEMM */
+    int64_t one_part;
 } row_split_t;
 
 static void linear(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x,
                    int64_t ldx, float *y, int64_t ldy, const float *bias, int64_t accumulate) {
-    if (rs->ni) gguf_gemv_team(w, kind, N, K, x, ldx, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i);
+    if (rs->ni) gguf_gemv_team(w, kind, N, K, x, ldx, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i, rs->one_part);
     if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
 }
 
@@ -144,25 +151,25 @@ static void linear(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_
 static void linear_quantized(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_t N, int64_t K,
                              const float *x, int64_t ldx, float *y, int64_t ldy, const float *bias,
                              int64_t accumulate) {
-    if (rs->ni) gguf_gemv_quantized_team(w, kind, N, K, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i);
+    if (rs->ni) gguf_gemv_quantized_team(w, kind, N, K, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i,
+                                         rs->one_part);
     if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
 }
 
-/* Block b of token t's row of K floats (src), quantized for the next linear when t is a decode
- * token (prompt tokens take the float32 GEMM, which reads x itself). */
-static inline void quantize_row_block(const row_split_t *rs, const uint8_t *prompt, int64_t t, int64_t K, int64_t b,
-                                      const float *src) {
-    if (!prompt[t]) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src);
+/* Block b of token t's row of K floats (src), quantized for the next linear when t takes the GEMV
+ * (the float32 GEMM reads x itself). */
+static inline void quantize_row_block(const row_split_t *rs, int64_t t, int64_t K, int64_t b, const float *src) {
+    if (!rs->via_f32[t]) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src, rs->one_part);
 }
 
 /* A phase of the step (call it from every thread of the region): x = rmsnorm(h) * w for every
- * token, the decode tokens' rows quantized for the next linear (linear_quantized). */
-static void norm_and_quantize(const row_split_t *rs, const uint8_t *prompt, int64_t T, const float *h, const float *w,
-                              float eps, int64_t H, float *x) {
+ * token, the GEMV tokens' rows quantized for the next linear (linear_quantized). */
+static void norm_and_quantize(const row_split_t *rs, int64_t T, const float *h, const float *w, float eps, int64_t H,
+                              float *x) {
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         rmsnorm(h + t * H, w, eps, H, x + t * H);
-        for (int64_t b = 0; b < H / 32; b++) quantize_row_block(rs, prompt, t, H, b, x + t * H + 32 * b);
+        for (int64_t b = 0; b < H / 32; b++) quantize_row_block(rs, t, H, b, x + t * H + 32 * b);
     }
 }
 
@@ -183,8 +190,13 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     }
     const int64_t kmax = H > qs ? (H > I ? H : I) : (qs > I ? qs : I);
     const int64_t nmax = nqkv > 2 * I ? (nqkv > H ? nqkv : H) : (2 * I > H ? 2 * I : H);
+    uint8_t *via_f32 = malloc(T > 0 ? T : 1);
+    if (!via_f32) return -3;
     int64_t nf = 0;
-    for (int64_t t = 0; t < T; t++) nf += prompt[t] != 0;
+    for (int64_t t = 0; t < T; t++) {
+        via_f32[t] = prompt[t] && !m->act_one_part;
+        nf += via_f32[t];
+    }
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     const size_t ws_bytes = ((size_t)gguf_workspace_bytes(T - nf, kmax) + 63) / 64 * 64;
     const size_t wsf_bytes = nf ? ((size_t)gguf_f32_workspace_bytes(nf, nmax, kmax, threads) + 63) / 64 * 64 : 64;
@@ -198,9 +210,9 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     int64_t *i_index = malloc(sizeof(int64_t) * T);
     int rc = -3;
     if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws || !ws_f || !f_rows || !i_rows || !i_index) goto done;
-    row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws};
+    row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws, via_f32, m->act_one_part != 0};
     for (int64_t t = 0; t < T; t++) {
-        if (prompt[t]) f_rows[rs.nf++] = t;
+        if (via_f32[t]) f_rows[rs.nf++] = t;
         else {
             i_index[t] = rs.ni;
             i_rows[rs.ni++] = t;
@@ -216,7 +228,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
         }
         for (int64_t l = 0; l < m->num_layers; l++) {
             const stack_layer_t *L = &m->layers[l];
-            norm_and_quantize(&rs, prompt, T, h, L->ln1, eps, H, x);
+            norm_and_quantize(&rs, T, h, L->ln1, eps, H, x);
             linear_quantized(&rs, L->qkv, L->qkv_kind, nqkv, H, x, H, qkv, nqkv, L->qkv_bias, 0);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -231,7 +243,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
                                  m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
                                  m->kv_format);
             linear(&rs, L->o, L->o_kind, H, qs, att, qs, h, H, L->o_bias, 1);
-            norm_and_quantize(&rs, prompt, T, h, L->ln2, eps, H, x);
+            norm_and_quantize(&rs, T, h, L->ln2, eps, H, x);
             linear_quantized(&rs, L->gate_up, L->gate_up_kind, 2 * I, H, x, H, gu, 2 * I, NULL, 0);
             #pragma omp for schedule(static)
             for (int64_t tb = 0; tb < T * (I / 32); tb++) {   /* (token, block of 32): one token splits too */
@@ -239,7 +251,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
                 const float *g = gu + t * 2 * I + 32 * b, *u = g + I;
                 float *a = act + t * I + 32 * b;
                 for (int i = 0; i < 32; i++) a[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
-                quantize_row_block(&rs, prompt, t, I, b, a);
+                quantize_row_block(&rs, t, I, b, a);
             }
             linear_quantized(&rs, L->down, L->down_kind, H, I, act, I, h, H, NULL, 1);
         }
@@ -249,5 +261,6 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     rc = 0;
 done:
     free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws); free(ws_f); free(f_rows); free(i_rows); free(i_index);
+    free(via_f32);
     return rc;
 }

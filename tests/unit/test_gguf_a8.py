@@ -1,0 +1,121 @@
+"""The gguf-a8 format's one-part activations (csrc/gguf_gemv.h, gguf_acts_t.one_part): each block
+of 32 activations as one signed 8-bit part, xa = rint(x 127 / max|x|), the m term taking the sum of
+the quantized values (llama.cpp's Q8_1 s). Every ISA build computes exactly that contract, checked
+against an independent numpy float32 version, and within 2^-8 of a block's max |x| per weight of
+the dequantized matmul. (Every build against the portable one: test_gguf_gemv.py, and
+csrc/gemv_check.c's one-part cases for NEON and AVX-VNNI.)"""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from kvserve.model.quant import BlockTensor, pack_gguf_rows
+from kvserve.ops import cpu_kernels
+from tests.unit.test_gguf_gemv import quantize_block_np
+from tests.unit.test_gguf_kquants import random_blocks
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler")
+HOST_ISAS = cpu_kernels.host_isas()
+f = np.float32
+
+
+def _lib_or_skip(isa):
+    if cpu_kernels.library(isa) is None:
+        pytest.skip("C kernels unavailable")
+
+
+def weights(qtype, n, k, seed):
+    """Quantized Gaussian weights (Q4_0, Q4_1, Q8_0), or random K-quant blocks (no Python
+    quantizer writes those)."""
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        rng = np.random.default_rng(seed)
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        w[0, :32] += 0.3                    # an offset block: Q4_1's m term matters
+        bt = BlockTensor(quantize(w, qtype), qtype, (n, k))
+    else:
+        bt = random_blocks(qtype, n, k, seed)
+    packed, kind = pack_gguf_rows(bt)
+    return bt, packed, kind
+
+
+def acts(m, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(4).add(0.1)
+    x[0, 5] = 40.0                          # an outlier
+    if m > 1:
+        x[m - 1, 32:64] = 0.0               # an all-zero block
+    return x
+
+
+def reference_one_part(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
+    """The contract for Q4_0 / Q4_1 / Q8_0 blocks with one part, in numpy float32 (every operation
+    rounded to float32 in the contract's order): xa = rint(x 127 / max|x|), dx = max|x| / (127 256),
+    s = sum q 256 xa (exact), acc += s (d dx); Q4 kinds also acc += m (dx sq), sq = sum 256 xa
+    (Q4_0's m is -8 d)."""
+    n, k = bt.shape
+    qt = bt.qtype
+    bs = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[qt]
+    raw = bt.raw.reshape(n, k // 32, bs)
+    d = raw[:, :, :2].copy().view(np.float16).astype(np.float32)[:, :, 0]
+    if qt == Q.Q8_0:
+        q, m = raw[:, :, 2:].view(np.int8).astype(np.int64), None
+    else:
+        qs = raw[:, :, bs - 16:].astype(np.int64)
+        q = np.concatenate([qs & 15, qs >> 4], axis=2)                       # weights 0..15, 16..31
+        m = (raw[:, :, 2:4].copy().view(np.float16).astype(np.float32)[:, :, 0] if qt == Q.Q4_1
+             else (d * f(-8)).astype(np.float32))
+    out = np.zeros((x.shape[0], n), dtype=np.float32)
+    for r, row in enumerate(x.numpy().astype(np.float32)):
+        acc = np.zeros(n, dtype=np.float32)
+        for b in range(k // 32):
+            xa, _, dx = quantize_block_np(row[32 * b:32 * b + 32], one_part=True)
+            s = (q[:, b, :] * (256 * xa)).sum(axis=1)
+            acc = acc + s.astype(np.float32) * (d[:, b] * dx)
+            if m is not None:
+                acc = acc + m[:, b] * (dx * f(256 * xa.sum()))
+        out[r] = acc
+    return out
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_one_part_is_the_contract_bit_for_bit(qtype, isa):
+    _lib_or_skip(isa)
+    bt, packed, kind = weights(qtype, 37, 256, seed=3)
+    x = acts(5, 256, seed=9)
+    ties = torch.randint(-126, 126, (1, 256), generator=torch.Generator().manual_seed(2)).float() + 0.5
+    ties[:, ::32] = 127.0                   # the block max is 127: v = x, every xa a tie
+    x = torch.cat([x, ties, torch.zeros(1, 256)])
+    got = cpu_kernels.gguf_gemv(packed, kind, 37, x, isa=isa, one_part=True)
+    assert torch.equal(got, torch.from_numpy(reference_one_part(bt, x)))
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+def test_one_part_error_bound(qtype, isa):
+    """|error| <= sum_k |w_k| 2^-8 max|x| of k's block (xa's rounding is 2^-8 / 2 of it, float32
+    rounding far below): the same bound as llama.cpp's 8-bit activations."""
+    _lib_or_skip(isa)
+    n, k = 40, 256
+    bt, packed, kind = weights(qtype, n, k, seed=5)
+    W = torch.from_numpy(dequantize(bt.raw, qtype)).reshape(n, k).double()
+    for m in (1, 2, 3, 8, 9, 17):
+        x = acts(m, k, seed=m)
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, one_part=True).double()
+        block_max = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double()
+        bound = block_max @ W.abs().t() * 2 ** -8
+        err = (got - x.double() @ W.t()).abs()
+        assert (err <= bound + 1e-6).all(), (m, err.max())
+        two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa).double()
+        assert not torch.equal(got, two)    # the parts differ: one_part reached the kernel
+
+
+def test_one_part_is_for_the_integer_gemv_only():
+    _lib_or_skip(None)
+    _, packed, kind = weights(Q.Q4_1, 16, 64, seed=1)
+    with pytest.raises(ValueError, match="one_part"):
+        cpu_kernels.gguf_gemv(packed, kind, 16, torch.randn(2, 64), f32=True, one_part=True)
