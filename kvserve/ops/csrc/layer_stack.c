@@ -133,12 +133,16 @@ static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads,
  * shares the step. */
 typedef struct {
     const int64_t *f_rows, *i_rows;
-    const int64_t *i_index;        /* token t's position in i_rows (GEMV tokens) */
+    const int64_t *i_index;        /* token t's position in i_rows; -1: t takes the float32 GEMM */
     int64_t nf, ni;
     void *ws_f, *ws_i;
-    const uint8_t *via_f32;        /* token t takes the float32 GEMM */
     int64_t one_part;
 } row_split_t;
+
+/* Whether token t's linears take the float32 GEMM: prompt tokens, unless activations are one part. */
+static inline int via_f32(const stack_model_t *m, const uint8_t *prompt, int64_t t) {
+    return prompt[t] && !m->act_one_part;
+}
 
 static void linear(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x,
                    int64_t ldx, float *y, int64_t ldy, const float *bias, int64_t accumulate) {
@@ -159,7 +163,7 @@ static void linear_quantized(const row_split_t *rs, const uint8_t *w, int64_t ki
 /* Block b of token t's row of K floats (src), quantized for the next linear when t takes the GEMV
  * (the float32 GEMM reads x itself). */
 static inline void quantize_row_block(const row_split_t *rs, int64_t t, int64_t K, int64_t b, const float *src) {
-    if (!rs->via_f32[t]) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src, rs->one_part);
+    if (rs->i_index[t] >= 0) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src, rs->one_part);
 }
 
 /* A phase of the step (call it from every thread of the region): x = rmsnorm(h) * w for every
@@ -190,13 +194,8 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     }
     const int64_t kmax = H > qs ? (H > I ? H : I) : (qs > I ? qs : I);
     const int64_t nmax = nqkv > 2 * I ? (nqkv > H ? nqkv : H) : (2 * I > H ? 2 * I : H);
-    uint8_t *via_f32 = malloc(T > 0 ? T : 1);
-    if (!via_f32) return -3;
     int64_t nf = 0;
-    for (int64_t t = 0; t < T; t++) {
-        via_f32[t] = prompt[t] && !m->act_one_part;
-        nf += via_f32[t];
-    }
+    for (int64_t t = 0; t < T; t++) nf += via_f32(m, prompt, t);
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     const size_t ws_bytes = ((size_t)gguf_workspace_bytes(T - nf, kmax) + 63) / 64 * 64;
     const size_t wsf_bytes = nf ? ((size_t)gguf_f32_workspace_bytes(nf, nmax, kmax, threads) + 63) / 64 * 64 : 64;
@@ -210,10 +209,12 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     int64_t *i_index = malloc(sizeof(int64_t) * T);
     int rc = -3;
     if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws || !ws_f || !f_rows || !i_rows || !i_index) goto done;
-    row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws, via_f32, m->act_one_part != 0};
+    row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws, m->act_one_part != 0};
     for (int64_t t = 0; t < T; t++) {
-        if (via_f32[t]) f_rows[rs.nf++] = t;
-        else {
+        if (via_f32(m, prompt, t)) {
+            f_rows[rs.nf++] = t;
+            i_index[t] = -1;
+        } else {
             i_index[t] = rs.ni;
             i_rows[rs.ni++] = t;
         }
@@ -261,6 +262,5 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     rc = 0;
 done:
     free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws); free(ws_f); free(f_rows); free(i_rows); free(i_index);
-    free(via_f32);
     return rc;
 }
