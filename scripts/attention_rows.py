@@ -9,11 +9,18 @@ With --sequences S, a decode step instead: one row for each of S sequences, cont
 batched decode reads from memory, not from cache).
 
     python3 scripts/attention_rows.py --sequences 64 --context-range 50:400
+
+With --base, an A/B in one process: the kernels built from another tree's kvserve/ops/csrc (e.g.
+`git archive <rev> kvserve/ops/csrc | tar -x -C /tmp/base`) and from this checkout, alternated over
+--rounds (medians and their ratio), for R query rows of one sequence.
+
+    python3 scripts/attention_rows.py --base /tmp/base/kvserve/ops/csrc --context 2048 --rows 1,9,64
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -78,9 +85,14 @@ def main() -> None:
     p.add_argument("--isas", default=None, help="comma-separated builds (default: every one this CPU runs but portable)")
     p.add_argument("--sequences", type=int, default=0, help="a decode step of this many sequences instead")
     p.add_argument("--context-range", default="50:400", help="with --sequences: contexts uniform in LO:HI")
+    p.add_argument("--base", default=None, help="A/B against the kernels of this kvserve/ops/csrc directory")
+    p.add_argument("--rounds", type=int, default=6, help="with --base: alternated rounds")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     isas = args.isas.split(",") if args.isas else [i for i in cpu_kernels.host_isas() if i != "portable"]
+    if args.base:
+        compare(args, isas)
+        return
     if args.sequences:
         lo, hi = (int(v) for v in args.context_range.split(":"))
         for isa in isas:
@@ -97,6 +109,27 @@ def main() -> None:
             os.environ["KVSERVE_ISA"] = isa          # the build cpu_kernels.paged_attention loads
             times.append(step_seconds(rows, args.context, args.layers, args.reps))
         print(f"{rows:>5} " + " ".join(f"{t * 1e3:>12.2f}" for t in times))
+
+
+def compare(args, isas: list[str]) -> None:
+    """Median ms per step of the base tree's kernels and this checkout's, alternated round by round."""
+    from kernel_ab import kernel_libraries          # scripts/ is the script's own directory
+    load, current = cpu_kernels.library, {}
+    cpu_kernels.library = lambda isa=None: current["lib"]
+    try:
+        for isa in isas:
+            libs = kernel_libraries(args.base, isa)
+            for rows in [int(r) for r in args.rows.split(",")]:
+                times = {"base": [], "new": []}
+                for r in range(args.rounds):
+                    for name in ("base", "new") if r % 2 == 0 else ("new", "base"):
+                        current["lib"] = libs[name]
+                        times[name].append(step_seconds(rows, args.context, args.layers, max(1, args.reps // 3)))
+                b, n = statistics.median(times["base"]), statistics.median(times["new"])
+                print(f"{isa:>12} {rows:>4} rows, {args.context} context: base {b * 1e3:.2f} ms, new {n * 1e3:.2f} ms, "
+                      f"new / base {n / b:.3f}")
+    finally:
+        cpu_kernels.library = load
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ activation rows: kvserve's C GEMV per ISA build vs fbgemm's fp16 GEMM and MKL's 
 same values. Prints a table and writes JSON (--output).
 
     python3 scripts/gemv_rows.py --threads 2 --rows 1,2,4,8,16,32,64,128,256,512
+    python3 scripts/gemv_rows.py --one-part --isas avx2 --rows 1,2,3,5,9    # gguf-a8's GEMV
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--isas", default=None, help="comma-separated builds (default: every one this CPU runs but portable)")
+    p.add_argument("--one-part", action="store_true",
+                   help="activations as one 8-bit part per block (the gguf-a8 format) instead of two")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,7 +59,8 @@ def main() -> None:
         r = {"rows": M}
         for isa in isas:
             r[f"c_{isa}"] = best_of(lambda: [cpu_kernels.gguf_gemv(m.gguf_packed, m.gguf_kind, m.out_features,
-                                                                   xs[m.in_features], isa=isa) for m in lins], args.reps)
+                                                                   xs[m.in_features], isa=isa,
+                                                                   one_part=args.one_part) for m in lins], args.reps)
         if fp16 is not None:
             r["fbgemm_fp16"] = best_of(lambda: [torch.ops.quantized.linear_dynamic_fp16(xs[m.in_features], w)
                                                 for m, w in zip(lins, fp16)], args.reps)
@@ -66,7 +70,7 @@ def main() -> None:
               + f" {r.get('fbgemm_fp16', float('nan')) * 1e3:>12.2f} {r['fp32'] * 1e3:>10.2f}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"threads": args.threads, "machine": machine_info(), "results": results}, f, indent=1)
+            json.dump({"threads": args.threads, "one_part": args.one_part, "machine": machine_info(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
  *   C=kvserve/ops/csrc; gcc -O3 -ffp-contract=off -fno-fast-math -mavx2 -mfma -mf16c -I$C \
  *       scripts/group_dot_rate.c $C/gguf_gemv_avx2.c -o /tmp/group_dot_rate
  *   /tmp/group_dot_rate 18 8 4     # nb = K / 32 blocks, rows, kind (4, 8, 14 or 18)
+ *   /tmp/group_dot_rate 18 8 4 1   # the same with one-part activations (gguf-a8: every xb 0)
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -23,9 +24,10 @@ static double now(void) {
 
 int main(int argc, char **argv) {
     const int nb = argc > 1 ? atoi(argv[1]) : 18, R = argc > 2 ? atoi(argv[2]) : 8, kind = argc > 3 ? atoi(argv[3]) : 4;
+    const int one_part = argc > 4 && atoi(argv[4]) != 0;
     const int64_t pb = gguf_packed_block_bytes(kind);
     if (pb == 0 || nb < 1 || R < 1 || R > GGUF_TILE_M) {
-        fprintf(stderr, "usage: %s NB ROWS(1..%d) KIND(4|8|14|18)\n", argv[0], GGUF_TILE_M);
+        fprintf(stderr, "usage: %s NB ROWS(1..%d) KIND(4|8|14|18) [ONE_PART(0|1)]\n", argv[0], GGUF_TILE_M);
         return 2;
     }
     enum { GROUPS = 8 };   /* cycled through, so no call reuses the previous one's registers */
@@ -49,14 +51,14 @@ int main(int argc, char **argv) {
         int32_t s = 0, s0 = 0;
         for (int j = 0; j < 32; j++) {
             a[j] = (int8_t)(rand() % 255 - 127);
-            a[32 + j] = (int8_t)(rand() % 255 - 127);
+            a[32 + j] = one_part ? 0 : (int8_t)(rand() % 255 - 127);
             x16[i * 32 + j] = (int16_t)(256 * a[j] + a[32 + j]);
             s += x16[i * 32 + j];
             if (j < 16) s0 += x16[i * 32 + j];
         }
         sq[i] = s, sq0[i] = s0, dx[i] = 1e-4f, sx[i] = 0.5f;
     }
-    const gguf_acts_t acts = {xq, x16, dx, sx, sq, sq0};
+    const gguf_acts_t acts = {xq, x16, dx, sx, sq, sq0, one_part};
     float out[GGUF_TILE_M * GGUF_ROWS];
     double best = 1e30, check = 0;
     for (int rep = 0; rep < 20; rep++) {
@@ -69,7 +71,7 @@ int main(int argc, char **argv) {
         const double dt = (now() - t0) / calls;
         best = dt < best ? dt : best;
     }
-    printf("%s kind %d, K %d, %d rows: %.3f us a call, %.2f GMAC/s (checksum %.6g)\n", gguf_kernel_isa(), kind,
+    printf("%s kind %d%s, K %d, %d rows: %.3f us a call, %.2f GMAC/s (checksum %.6g)\n", gguf_kernel_isa(), kind, one_part ? " one part" : "",
            32 * nb, R, best * 1e6, (double)GGUF_ROWS * 32 * nb * R / best / 1e9, check);
     return 0;
 }

@@ -271,14 +271,16 @@ def threads():
 
 
 def token_rows(meta, seed=0):
-    """One kernel row per token of the batch (prompt tokens and decodes alike), in shuffled order:
+    """One kernel row per token of the batch (prompt tokens and decodes alike), in shuffled order
+    (seed None: in order):
     qrow (its row in q), qseq (its sequence's table row), lens (its position + 1)."""
     rows = []
     for b, seq_len in enumerate(meta.seq_lens):
         q0, q1 = meta.query_start_loc[b], meta.query_start_loc[b + 1]
         start = seq_len - (q1 - q0)
         rows += [(q0 + i, b, start + i + 1) for i in range(q1 - q0)]
-    random.Random(seed).shuffle(rows)
+    if seed is not None:             # None: in order, each sequence's rows one after the other
+        random.Random(seed).shuffle(rows)
     return tuple(torch.tensor(col, dtype=torch.long) for col in zip(*rows))
 
 
@@ -338,12 +340,18 @@ def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, k
     if kv != "float32":
         kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)
-    rows = token_rows(meta, seed=5)
+    assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, token_rows(meta, seed=5), window)
+
+
+def assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, window):
+    """Each row's output is bitwise the same in the batch `rows` and alone, with 1 or 2 threads, on
+    every ISA build the host runs."""
     per_isa = {}
     for isa in HOST_ISAS:
         use_isa(isa)
         threads(2)
         batch = run_kernel(q, kc, vc, meta, rows, 0.25, window)
+        assert not batch[rows[0]].isnan().any(), isa          # every row was written
         threads(1)
         assert torch.equal(run_kernel(q, kc, vc, meta, rows, 0.25, window), batch), isa
         threads(2)
@@ -354,3 +362,23 @@ def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, k
         per_isa[isa] = batch
     for isa, out in per_isa.items():
         assert torch.equal(out, per_isa["portable"]), isa
+
+
+RUN_CHUNKS = [(20, 9), (0, 12), (33, 5), (7, 1), (50, 2), (0, 1), (3, 17)]
+
+
+@needs_cc
+@pytest.mark.parametrize("kv", ["float32", "int8", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_c_kernel_rows_of_one_sequence_keep_their_bits(use_isa, threads, kv, d, group, block_size):
+    """Rows of one sequence at consecutive positions, in order (a verification's rows, a prompt
+    chunk's tokens), go through the kernel as runs that read each K/V row once for all of them:
+    every row's output is bitwise the one it gets alone, with 1 or 2 threads, on every ISA build."""
+    rng = random.Random(d * 10 + group)
+    q, k, v, kc, vc, meta = make_batch(rng, RUN_CHUNKS, block_size, 360 // block_size, 2 * group, 2, d)
+    if kv != "float32":
+        kc, vc = _pools(kv, kc, vc)
+        write_kv(k, v, kc, vc, meta.slot_mapping)
+    assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, token_rows(meta, seed=None), None)

@@ -14,7 +14,9 @@
  *
  * One task per (row, kv head); the group of num_heads / kv_heads query heads that share a KV head
  * is computed together, so every K and V row is read once per task. Two passes: scores (kept in
- * a per-task buffer), then softmax and the weighted sum of V.
+ * a per-task buffer), then softmax and the weighted sum of V. Rows of one sequence at consecutive
+ * positions (a prompt chunk, a speculative verification) go as runs of up to MAX_RUN rows per
+ * task, each K and V row read once for all of them (attend_run), with every row's bits unchanged.
  *
  * Every sum has a fixed order (8 partial sums combined by a fixed tree, no fused multiply-add;
  * built with -ffp-contract=off and without -ffast-math): the bits do not depend on the thread
@@ -28,6 +30,9 @@
 #include "fixed_math.h"
 #include "half.h"
 #include "kv_format.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__F16C__)
 #include <immintrin.h>
 #elif defined(__aarch64__)
@@ -207,16 +212,24 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
 /* head_dim = 8 C: the weighted sum of V for G query heads of a group in passes over the
  * context's V rows, each pass taking P of the C 8-float chunks of every head (G P accumulators in
  * registers, each V chunk read and converted once per pass for the G heads); scores and oh are
- * the first head's. P is the largest divisor of C with G P <= the registers set aside for it:
- * with 32 vector registers (AVX-512) a group of up to 3 heads of 64 takes one pass, with 16
- * (AVX2, NEON, portable) two. The K pass fetched the V rows ahead (prefetch_block), so every
- * pass finds them in cache. Every output element gets the same additions in the same order
+ * the first head's. P is the largest divisor of C with G P <= the registers set aside for it.
+ * Beside the accumulators a pass holds the G weights, the V chunk and a product: with 32 vector
+ * registers (AVX-512) 24 accumulators fit (a group of 3 heads of 64 in one pass), with 16 (AVX2)
+ * 8 do. 12 left GCC one register short, and the spilled accumulator's store and reload sat on
+ * every key (docs/benchmarks-notes.md). The K pass fetched the V rows ahead (prefetch_block), so
+ * every pass finds them in cache. Every output element gets the same additions in the same order
  * whatever the passes. */
 #if defined(__AVX512F__)
 #define JOINT_ACCUMULATORS 24
+#define RUN_ACCUMULATORS 24
 #else
 #define JOINT_ACCUMULATORS 12
+#define RUN_ACCUMULATORS 8
 #endif
+
+/* Chunks per pass for G heads and a budget of A accumulators: all C when they fit, else 8 or 4
+ * (they divide 8 and 16). */
+#define CHUNKS_PER_PASS(G, C, A) ((A) / (G) >= (C) ? (C) : (A) / (G) >= 8 ? 8 : 4)
 
 static inline __attribute__((always_inline)) void
 weighted_v_pass(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t start,
@@ -246,7 +259,7 @@ static inline __attribute__((always_inline)) void
 weighted_v(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t start,
            int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim, const int fmt, const int G,
            const int C) {
-    const int P = JOINT_ACCUMULATORS / G >= C ? C : JOINT_ACCUMULATORS / G >= 8 ? 8 : 4;   /* divides 8 and 16 */
+    const int P = CHUNKS_PER_PASS(G, C, JOINT_ACCUMULATORS);
     for (int c0 = 0; c0 < C; c0 += P)
         weighted_v_pass(vc, table, block_size, tok_stride, start, len, scores, n, oh, head_dim, fmt, G, c0, P);
 }
@@ -269,18 +282,30 @@ static inline float softmax_numerators(float *restrict sc, int64_t n, float mx) 
     return s;
 }
 
+/* What every task of a call shares. */
+typedef struct {
+    const float *q;
+    const uint8_t *kc, *vc;
+    float *out;
+    const int64_t *qrow, *qseq, *tables, *lens;
+    int64_t table_stride, num_rows, num_heads, kv_heads, head_dim, block_size, window;
+    int64_t group, row_bytes, tok_stride;
+    float scale;
+} attn_call_t;
+
+/* Task (row i, KV head h): row i's group of query heads over its own context. */
 static inline __attribute__((always_inline)) void
-attend(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *qrow,
-       const int64_t *qseq, const int64_t *tables, int64_t table_stride, const int64_t *lens,
-       int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-       float scale, int64_t window, const int fmt, const int C) {
-    const int64_t group = num_heads / kv_heads;
-    const int64_t row_bytes = fmt == KV_INT8 ? head_dim + 4 : fmt == KV_F16 ? head_dim * 2 : head_dim * 4;
-    const int64_t tok_stride = kv_heads * row_bytes;       /* bytes between slots */
-    const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
-    #pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_rows; i++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
+attend_row(const attn_call_t *a, int64_t i, int64_t h, const int fmt, const int C) {
+    const float *q = a->q;
+    float *out = a->out;
+    const int64_t *qrow = a->qrow, *qseq = a->qseq, *tables = a->tables, *lens = a->lens;
+    const int64_t table_stride = a->table_stride, num_rows = a->num_rows, num_heads = a->num_heads;
+    const int64_t kv_heads = a->kv_heads, head_dim = a->head_dim, block_size = a->block_size, window = a->window;
+    const int64_t group = a->group, row_bytes = a->row_bytes, tok_stride = a->tok_stride;
+    const float scale = a->scale;
+    const uint8_t *kc = a->kc, *vc = a->vc;
+    {
+        {
             const int64_t len = lens[i];
             const int64_t start = context_start(len, window);
             const int64_t n = len - start;
@@ -291,7 +316,7 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
             float mx[MAX_GROUP], sum[MAX_GROUP];
             if (!scores) {                       /* out of memory: a visible NaN, never a crash */
                 for (int64_t d = 0; d < group * head_dim; d++) oh[d] = NAN;
-                continue;
+                return;
             }
             for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
 #if KEYS8
@@ -381,6 +406,239 @@ attend(const float *q, const void *k_cache, const void *v_cache, float *out, con
             free(scores);
         }
     }
+}
+
+/* A run: rows i0 .. i0 + R - 1 of one sequence at consecutive positions (lens[i0] + r), no window
+ * (a prompt chunk's tokens, or a verification's): task (run, KV head h) takes the R L query
+ * heads ("lanes", row-major) of its rows together, so each K and V row of the shared context is
+ * read and converted once per task instead of once per row. Every lane gets the single-row task's
+ * numbers bit for bit:
+ *   scores: each key's dot product is row_dot8's (or dot8_keys', the same bits) times the same
+ *       scale, whichever way a key is taken; keys past a lane's own context are scored too and
+ *       never read;
+ *   maximum and softmax_numerators: over the lane's own n = len scores, from the start of its
+ *       buffer, as attend_row does;
+ *   the V sums: each output element adds w v over its keys in key order, from 0; here the keys
+ *       [0, lens[i0]) that every row sees go tile by tile (the sums continue through memory, which
+ *       keeps their values), then each row's own later keys. */
+#define MAX_RUN 8            /* rows per run task */
+#define TASKS_PER_THREAD 4   /* runs are cut so a call has about this many tasks per thread */
+#define V_TILE 64            /* keys per tile of the joint V pass: their rows stay in L1 */
+
+static inline __attribute__((always_inline)) void
+v_lanes_pass(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0,
+             int64_t p1, const float *const *sc, float *const *o, int64_t head_dim, const int fmt, const int G,
+             const int c0, const int P, const int cont) {
+    v8f acc[RUN_ACCUMULATORS];
+    UNROLL for (int g = 0; g < G; g++)
+        UNROLL for (int c = 0; c < P; c++) {
+            if (cont) memcpy(&acc[g * P + c], o[g] + 8 * (c0 + c), 32);
+            else acc[g * P + c] = (v8f){0};
+        }
+    for (int64_t p = p0; p < p1;) {
+        const int64_t off = p % block_size, run = (block_size - off < p1 - p) ? block_size - off : p1 - p;
+        const uint8_t *vr = vh + (table[p / block_size] * block_size + off) * tok_stride;
+        for (int64_t j = 0; j < run; j++, p++, vr += tok_stride) {
+            const float vs = row_scale(vr, head_dim, fmt);
+            float w[3];
+            UNROLL for (int g = 0; g < G; g++) w[g] = sc[g][p] * vs;
+            UNROLL for (int c = 0; c < P; c++) {
+                const v8f vv = load8(vr, c0 + c, fmt);
+                UNROLL for (int g = 0; g < G; g++) acc[g * P + c] += w[g] * vv;
+            }
+        }
+    }
+    UNROLL for (int g = 0; g < G; g++)
+        UNROLL for (int c = 0; c < P; c++) memcpy(o[g] + 8 * (c0 + c), &acc[g * P + c], 32);
+}
+
+/* The V sums of `lanes` lanes over keys [p0, p1), continuing (cont) or from 0: V_LANES lanes at
+ * a time, in passes of at least 4 chunks (weighted_v's register budget: 3 lanes of 8 chunks with
+ * AVX-512, 2 of 4 elsewhere). */
+#define V_LANES (RUN_ACCUMULATORS >= 24 ? 3 : 2)
+static inline __attribute__((always_inline)) void
+v_lanes(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0, int64_t p1,
+        const float *const *sc, float *const *o, int64_t lanes, int64_t head_dim, const int fmt, const int C,
+        const int cont) {
+#define PASSES(G) do { \
+        const int P = CHUNKS_PER_PASS(G, C, RUN_ACCUMULATORS); \
+        for (int c0 = 0; c0 < C; c0 += P) \
+            v_lanes_pass(vh, table, block_size, tok_stride, p0, p1, sc + l, o + l, head_dim, fmt, G, c0, P, cont); \
+    } while (0)
+    for (int64_t l = 0; l < lanes;) {      /* G and P compile-time constants in each branch */
+        const int G = lanes - l >= V_LANES ? V_LANES : (int)(lanes - l);
+#if V_LANES >= 3
+        if (G == 3) PASSES(3);
+        else
+#endif
+        if (G == 2) PASSES(2);
+        else PASSES(1);
+        l += G;
+    }
+#undef PASSES
+}
+
+/* Task (run of R rows from i0, KV head h), head_dim = 8 C (C > 0). Returns 0, or -1 when out of
+ * memory (the caller then runs the rows one by one). */
+static inline __attribute__((always_inline)) int
+attend_run(const attn_call_t *a, int64_t i0, int64_t R, int64_t h, const int fmt, const int C) {
+    const int64_t group = a->group, head_dim = a->head_dim, block_size = a->block_size, tok_stride = a->tok_stride;
+    const int64_t lanes = R * group, len0 = a->lens[i0], n_all = len0 + R - 1;
+    const int64_t *table = a->tables + a->qseq[i0] * a->table_stride;
+    const uint8_t *kh = a->kc + h * a->row_bytes, *vh = a->vc + h * a->row_bytes;
+    v8f *qv = aligned_alloc(32, sizeof(v8f) * lanes * C);
+    float *scores = malloc(sizeof(float) * lanes * n_all);
+    const float **sc = malloc(sizeof(float *) * lanes);
+    float **o = malloc(sizeof(float *) * lanes);
+    float *mx = malloc(sizeof(float) * lanes * 2), *sum = mx + lanes;
+#if KEYS8
+    v8f *mx8 = aligned_alloc(32, sizeof(v8f) * lanes);   /* 8-key groups every lane sees: lane-wise maxima */
+#else
+    void *mx8 = mx;
+#endif
+    if (!qv || !scores || !sc || !o || !mx || !mx8) {
+        free(qv); free(scores); free(sc); free(o); free(mx);
+#if KEYS8
+        free(mx8);
+#endif
+        return -1;
+    }
+    for (int64_t l = 0; l < lanes; l++) {
+        mx[l] = -INFINITY;
+#if KEYS8
+        mx8[l] = (v8f){0} - INFINITY;
+#endif
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t l = r * group + g, head = h * group + g;
+            memcpy(qv + l * C, a->q + (a->qrow[i0 + r] * a->num_heads + head) * head_dim, 32 * C);
+            sc[l] = scores + l * n_all;
+            o[l] = a->out + (a->qrow[i0 + r] * a->num_heads + head) * head_dim;
+        }
+    /* K: every lane's scores over the run's keys [0, n_all), each K row converted once. */
+    prefetch_first_blocks(kh, vh, table, block_size, 0, n_all, tok_stride, a->row_bytes);
+    for (int64_t p = 0, t = 0; p < n_all;) {
+        const int64_t off = p % block_size, run = (block_size - off < n_all - p) ? block_size - off : n_all - p;
+        const uint8_t *kr = kh + (table[p / block_size] * block_size + off) * tok_stride;
+        prefetch_block(kh, vh, table, p / block_size + AHEAD, block_size, 0, n_all, tok_stride, a->row_bytes);
+        int64_t j = 0;
+#if KEYS8
+        for (; j + 8 <= run; j += 8, t += 8, kr += 8 * tok_stride) {
+            v8f kb[8 * MAX_C], ks;
+            UNROLL for (int u = 0; u < 8; u++) {
+                ks[u] = a->scale * row_scale(kr + u * tok_stride, head_dim, fmt);
+                UNROLL for (int c = 0; c < C; c++) kb[u * C + c] = load8(kr + u * tok_stride, c, fmt);
+            }
+            for (int64_t l = 0; l < lanes; l++) {
+                const v8f sv = dot8_keys(qv + l * C, kb, C) * ks;
+                memcpy(scores + l * n_all + t, &sv, 32);
+                if (t + 8 <= len0) {                /* keys every lane sees: lane-wise maxima */
+                    const v8i up = sv > mx8[l];
+                    mx8[l] = (v8f)(((v8i)sv & up) | ((v8i)mx8[l] & ~up));
+                } else {                            /* each lane's own keys only */
+                    for (int u = 0; u < 8 && t + u < len0 + l / group; u++) mx[l] = sv[u] > mx[l] ? sv[u] : mx[l];
+                }
+            }
+        }
+#endif
+        for (; j < run; j++, t++, kr += tok_stride) {
+            const float ks = a->scale * row_scale(kr, head_dim, fmt);
+            v8f kk[MAX_C];
+            UNROLL for (int c = 0; c < C; c++) kk[c] = load8(kr, c, fmt);
+            for (int64_t l = 0; l < lanes; l++) {
+                const float sv = row_dot8(qv + l * C, kk, C) * ks;
+                scores[l * n_all + t] = sv;
+                if (t < len0 + l / group && sv > mx[l]) mx[l] = sv;
+            }
+        }
+        p += run;
+    }
+    for (int64_t l = 0; l < lanes; l++) {        /* each lane over its own context: len0 + its row */
+#if KEYS8
+        for (int u = 0; u < 8; u++) mx[l] = mx8[l][u] > mx[l] ? mx8[l][u] : mx[l];   /* a maximum: any order */
+#endif
+        sum[l] = softmax_numerators(scores + l * n_all, len0 + l / group, mx[l]);
+    }
+    /* V: the keys every row sees, tile by tile for all lanes; then each row's own later keys. */
+    for (int64_t p = 0; p < len0; p += V_TILE)
+        v_lanes(vh, table, block_size, tok_stride, p, p + V_TILE < len0 ? p + V_TILE : len0, sc, o, lanes,
+                head_dim, fmt, C, p > 0);
+    for (int64_t r = 1; r < R; r++)
+        v_lanes(vh, table, block_size, tok_stride, len0, len0 + r, sc + r * group, o + r * group, group, head_dim,
+                fmt, C, len0 > 0);
+    for (int64_t l = 0; l < lanes; l++) {
+        const float inv = 1.f / sum[l];
+        for (int64_t d = 0; d < head_dim; d++) o[l][d] *= inv;
+    }
+    free(qv); free(scores); free(sc); free(o); free(mx);
+#if KEYS8
+    free(mx8);
+#endif
+    return 0;
+}
+
+/* Whether row b continues the run of row b - 1: the same sequence, the next position, no window. */
+static inline int continues_run(const attn_call_t *a, int64_t b) {
+    return a->window <= 0 && a->qseq && a->qseq[b] == a->qseq[b - 1] && a->lens[b] == a->lens[b - 1] + 1;
+}
+
+/* The tasks of a call: rows in order, each run cut into pieces of ceil(len / want) rows (at most
+ * MAX_RUN; want 0: every row alone). Returns their number; first (when not NULL): with k < 0,
+ * every task's first row and then num_rows; with k >= 0, task k's first row and its end. */
+static int64_t split_runs(const attn_call_t *a, int64_t want, int64_t k, int64_t *first) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < a->num_rows;) {
+        int64_t e = i + 1;
+        while (want && e < a->num_rows && continues_run(a, e)) e++;
+        int64_t per = want ? (e - i + want - 1) / want : 1;
+        per = per > MAX_RUN ? MAX_RUN : per;
+        for (int64_t s = i; s < e; s += per, n++) {      /* pieces [s, min(s + per, e)) */
+            if (first && k < 0) first[n] = s;
+            if (first && k == n) {
+                first[0] = s;
+                first[1] = s + per < e ? s + per : e;
+                return n + 1;
+            }
+        }
+        i = e;
+    }
+    if (first && k < 0) first[n] = a->num_rows;
+    return n;
+}
+
+static inline __attribute__((always_inline)) void
+attend(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *qrow,
+       const int64_t *qseq, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+       int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+       float scale, int64_t window, const int fmt, const int C) {
+    const int64_t row_bytes = fmt == KV_INT8 ? head_dim + 4 : fmt == KV_F16 ? head_dim * 2 : head_dim * 4;
+    const attn_call_t a = {q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, out, qrow, qseq, tables, lens,
+                           table_stride, num_rows, num_heads, kv_heads, head_dim, block_size, window,
+                           num_heads / kv_heads, row_bytes, kv_heads * row_bytes, scale};
+    /* Tasks: (task, KV head), a task being one row or a run of up to MAX_RUN rows (head_dim = 8 C;
+     * runs are cut so a call has about 4 tasks per thread where its rows allow). Which rows share
+     * a task changes no bit, only the speed. Every thread derives the same list (split_runs), from
+     * its own copy, or by a scan per task when that copy could not be allocated. */
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t want = C ? (TASKS_PER_THREAD * threads + kv_heads - 1) / kv_heads : 0;
+    const int64_t ntask = split_runs(&a, want, -1, NULL);
+    int64_t *first = malloc(sizeof(int64_t) * (ntask + 1));
+    if (first) split_runs(&a, want, -1, first);
+    #pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t k = 0; k < ntask; k++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t bounds[2];
+            if (!first) split_runs(&a, want, k, bounds);
+            const int64_t i0 = first ? first[k] : bounds[0], R = (first ? first[k + 1] : bounds[1]) - i0;
+            if (C && R > 1 && attend_run(&a, i0, R, h, fmt, C) == 0) continue;
+            for (int64_t i = i0; i < i0 + R; i++) attend_row(&a, i, h, fmt, C);
+        }
+    free(first);
 }
 
 /* The work of one call shared by the threads of an enclosing OpenMP parallel region (layer_stack.c):
