@@ -2,11 +2,10 @@
 
 A decode-only step (no prompt tokens) of `rows` token rows takes about a + b * rows seconds: a is
 the weights' pass and the step's fixed work, b the compute of one row. How large b is against a
-depends on the CPU: on this project's 2-core machines an extra row costs about a sixth of a
-one-row step with the AVX-512 VNNI kernels and about a third with the AVX2 ones
-(docs/benchmarks.md), and a step of many rows is compute-bound everywhere. `StepCostModel` fits
-a and b by exponentially weighted least squares over the steps it is shown, so a draft token's
-price is measured on the machine that pays it, never assumed per ISA.
+depends on the CPU, its kernels and the context (docs/benchmarks-notes.md measures it), and a
+step of many rows is compute-bound everywhere. `StepCostModel` fits a and b by exponentially
+weighted least squares over the steps it is shown, so a draft token's price is measured on the
+machine that pays it, never assumed per ISA.
 
 `row_share(batch_rows)`: b B / (a + b B) for a step of B rows without drafts, the fraction of
 the step's throughput one extra row costs. A draft whose chance of being accepted is below it
