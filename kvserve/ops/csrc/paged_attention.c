@@ -214,10 +214,12 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
  * registers, each V chunk read and converted once per pass for the G heads); scores and oh are
  * the first head's. P is the largest divisor of C with G P <= the registers set aside for it.
  * Beside the accumulators a pass holds the G weights, the V chunk and a product: with 32 vector
- * registers (AVX-512) 24 accumulators fit (a group of 3 heads of 64 in one pass), with 16 (AVX2)
- * 8 do. 12 left GCC one register short, and the spilled accumulator's store and reload sat on
- * every key (docs/benchmarks-notes.md). The K pass fetched the V rows ahead (prefetch_block), so
- * every pass finds them in cache. Every output element gets the same additions in the same order
+ * registers (AVX-512) 24 accumulators fit (a group of 3 heads of 64 in one pass), with 16 (AVX2,
+ * NEON, portable) 8 do. A single row's pass (JOINT_ACCUMULATORS) keeps 12 there, one register
+ * short: its spilled accumulator measured no slower than passes of 8 (docs/benchmarks-notes.md).
+ * A run's joint pass (RUN_ACCUMULATORS) takes 8: with 12 the spill's store and reload sat on
+ * every key and made it slower. The K pass fetched the V rows ahead (prefetch_block), so every
+ * pass finds them in cache. Every output element gets the same additions in the same order
  * whatever the passes. */
 #if defined(__AVX512F__)
 #define JOINT_ACCUMULATORS 24
@@ -409,7 +411,7 @@ attend_row(const attn_call_t *a, int64_t i, int64_t h, const int fmt, const int 
 }
 
 /* A run: rows i0 .. i0 + R - 1 of one sequence at consecutive positions (lens[i0] + r), no window
- * (a prompt chunk's tokens, or a verification's): task (run, KV head h) takes the R L query
+ * (a prompt chunk's tokens, or a verification's): task (run, KV head h) takes the R x group query
  * heads ("lanes", row-major) of its rows together, so each K and V row of the shared context is
  * read and converted once per task instead of once per row. Every lane gets the single-row task's
  * numbers bit for bit:
