@@ -12,9 +12,11 @@ batched decode reads from memory, not from cache).
 
 With --base, an A/B in one process: the kernels built from another tree's kvserve/ops/csrc (e.g.
 `git archive <rev> kvserve/ops/csrc | tar -x -C /tmp/base`) and from this checkout, alternated over
---rounds (medians and their ratio), for R query rows of one sequence.
+--rounds (medians and their ratio), for R query rows of one sequence, or with --sequences for that
+decode step.
 
     python3 scripts/attention_rows.py --base /tmp/base/kvserve/ops/csrc --context 2048 --rows 1,9,64
+    python3 scripts/attention_rows.py --base /tmp/base/kvserve/ops/csrc --sequences 64
 """
 from __future__ import annotations
 
@@ -119,15 +121,22 @@ def compare(args, isas: list[str]) -> None:
     try:
         for isa in isas:
             libs = kernel_libraries(args.base, isa)
-            for rows in [int(r) for r in args.rows.split(",")]:
+            if args.sequences:
+                lo, hi = (int(v) for v in args.context_range.split(":"))
+                shapes = [(f"{args.sequences} sequences, contexts {lo}..{hi}",
+                           lambda: decode_step_seconds(args.sequences, lo, hi, args.layers, max(1, args.reps // 6)))]
+            else:
+                shapes = [(f"{rows:>4} rows, {args.context} context",
+                           lambda rows=rows: step_seconds(rows, args.context, args.layers, max(1, args.reps // 3)))
+                          for rows in [int(r) for r in args.rows.split(",")]]
+            for label, seconds in shapes:
                 times = {"base": [], "new": []}
                 for r in range(args.rounds):
                     for name in ("base", "new") if r % 2 == 0 else ("new", "base"):
                         current["lib"] = libs[name]
-                        times[name].append(step_seconds(rows, args.context, args.layers, max(1, args.reps // 3)))
+                        times[name].append(seconds())
                 b, n = statistics.median(times["base"]), statistics.median(times["new"])
-                print(f"{isa:>12} {rows:>4} rows, {args.context} context: base {b * 1e3:.2f} ms, new {n * 1e3:.2f} ms, "
-                      f"new / base {n / b:.3f}")
+                print(f"{isa:>12} {label}: base {b * 1e3:.2f} ms, new {n * 1e3:.2f} ms, new / base {n / b:.3f}")
     finally:
         cpu_kernels.library = load
 

@@ -209,18 +209,17 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
 }
 #endif
 
-/* head_dim = 8 C: the weighted sum of V for G query heads of a group in passes over the
- * context's V rows, each pass taking P of the C 8-float chunks of every head (G P accumulators in
- * registers, each V chunk read and converted once per pass for the G heads); scores and oh are
- * the first head's. P is the largest divisor of C with G P <= the registers set aside for it.
- * Beside the accumulators a pass holds the G weights, the V chunk and a product: with 32 vector
- * registers (AVX-512) 24 accumulators fit (a group of 3 heads of 64 in one pass), with 16 (AVX2,
- * NEON, portable) 8 do. A single row's pass (JOINT_ACCUMULATORS) keeps 12 there, one register
- * short: its spilled accumulator measured no slower than passes of 8 (docs/benchmarks-notes.md).
- * A run's joint pass (RUN_ACCUMULATORS) takes 8: with 12 the spill's store and reload sat on
- * every key and made it slower. The K pass fetched the V rows ahead (prefetch_block), so every
- * pass finds them in cache. Every output element gets the same additions in the same order
- * whatever the passes. */
+/* head_dim = 8 C: the weighted sum of V for G lanes (query heads: of a row's group, or of a run's
+ * rows) in passes over the context's V rows, each pass taking P of the C 8-float chunks of every
+ * lane (G P accumulators in registers, each V chunk read and converted once per pass for the G
+ * lanes). P is the largest divisor of C with G P <= the registers set aside for it. Beside the
+ * accumulators a pass holds the G weights, the V chunk and a product: with 32 vector registers
+ * (AVX-512) 24 accumulators fit (3 lanes of 64 in one pass), with 16 (AVX2, NEON, portable) 8 do.
+ * A single row's pass (JOINT_ACCUMULATORS) keeps 12 there, one register short: its spilled
+ * accumulator measured no slower than passes of 8 (docs/benchmarks-notes.md). A run's joint pass
+ * (RUN_ACCUMULATORS) takes 8: with 12 the spill's store and reload sat on every key and made it
+ * slower. The K pass fetched the V rows ahead (prefetch_block), so every pass finds them in cache.
+ * Every output element gets the same additions in the same order whatever the passes. */
 #if defined(__AVX512F__)
 #define JOINT_ACCUMULATORS 24
 #define RUN_ACCUMULATORS 24
@@ -233,37 +232,57 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
  * (they divide 8 and 16). */
 #define CHUNKS_PER_PASS(G, C, A) ((A) / (G) >= (C) ? (C) : (A) / (G) >= 8 ? 8 : 4)
 
+/* Pass over keys [p0, p1) for G lanes (query heads, each with its own scores and output): chunks
+ * c0 .. c0 + P - 1 of each lane's weighted sum of V. Lane g's weight for the key at position p is
+ * sc[g][p - origin]; its sums start from 0 or, with cont, continue from o[g] (a sum kept in memory
+ * keeps its value, so a pass split over key ranges adds in the same order as one pass). */
 static inline __attribute__((always_inline)) void
-weighted_v_pass(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t start,
-                int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim, const int fmt, const int G,
-                const int c0, const int P) {
+v_pass(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0, int64_t p1,
+       const float *const *sc, int64_t origin, float *const *o, int64_t head_dim, const int fmt, const int G,
+       const int c0, const int P, const int cont) {
     v8f acc[JOINT_ACCUMULATORS];            /* fixed size, not a VLA: it stays in registers */
-    UNROLL for (int i = 0; i < G * P; i++) acc[i] = (v8f){0};
-    for (int64_t p = start, t = 0; p < len;) {
-        const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
-        const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride;
-        for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
+    UNROLL for (int g = 0; g < G; g++)
+        UNROLL for (int c = 0; c < P; c++) {
+            if (cont) memcpy(&acc[g * P + c], o[g] + 8 * (c0 + c), 32);
+            else acc[g * P + c] = (v8f){0};
+        }
+    for (int64_t p = p0; p < p1;) {
+        const int64_t off = p % block_size, run = (block_size - off < p1 - p) ? block_size - off : p1 - p;
+        const uint8_t *vr = vh + (table[p / block_size] * block_size + off) * tok_stride;
+        for (int64_t j = 0; j < run; j++, p++, vr += tok_stride) {
             const float vs = row_scale(vr, head_dim, fmt);
             float w[3];
-            UNROLL for (int g = 0; g < G; g++) w[g] = scores[g * n + t] * vs;
+            UNROLL for (int g = 0; g < G; g++) w[g] = sc[g][p - origin] * vs;
             UNROLL for (int c = 0; c < P; c++) {     /* chunk by chunk: G P + 1 registers */
                 const v8f vv = load8(vr, c0 + c, fmt);
                 UNROLL for (int g = 0; g < G; g++) acc[g * P + c] += w[g] * vv;
             }
         }
-        p += run;
     }
     UNROLL for (int g = 0; g < G; g++)
-        UNROLL for (int c = 0; c < P; c++) memcpy(oh + g * head_dim + 8 * (c0 + c), &acc[g * P + c], 32);
+        UNROLL for (int c = 0; c < P; c++) memcpy(o[g] + 8 * (c0 + c), &acc[g * P + c], 32);
 }
 
+/* The weighted V sums of `lanes` lanes over keys [p0, p1) (v_pass's arguments): up to max_g lanes
+ * together (1, 2 or 3), each set in passes of the chunks that A accumulators hold
+ * (CHUNKS_PER_PASS; A: JOINT_ACCUMULATORS for a single row, RUN_ACCUMULATORS for a run). */
 static inline __attribute__((always_inline)) void
-weighted_v(const uint8_t *vc, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t start,
-           int64_t len, const float *scores, int64_t n, float *oh, int64_t head_dim, const int fmt, const int G,
-           const int C) {
-    const int P = CHUNKS_PER_PASS(G, C, JOINT_ACCUMULATORS);
-    for (int c0 = 0; c0 < C; c0 += P)
-        weighted_v_pass(vc, table, block_size, tok_stride, start, len, scores, n, oh, head_dim, fmt, G, c0, P);
+v_sums(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0, int64_t p1,
+       const float *const *sc, int64_t origin, float *const *o, int64_t lanes, const int max_g, int64_t head_dim,
+       const int fmt, const int C, const int A, const int cont) {
+#define PASSES(G) do { \
+        const int P = CHUNKS_PER_PASS(G, C, A); \
+        for (int c0 = 0; c0 < C; c0 += P) \
+            v_pass(vh, table, block_size, tok_stride, p0, p1, sc + l, origin, o + l, head_dim, fmt, G, c0, P, cont); \
+    } while (0)
+    for (int64_t l = 0; l < lanes;) {      /* G and P compile-time constants in each branch */
+        const int G = lanes - l >= max_g ? max_g : (int)(lanes - l);
+        if (G == 3) PASSES(3);
+        else if (G == 2) PASSES(2);
+        else PASSES(1);
+        l += G;
+    }
+#undef PASSES
 }
 
 /* exp(s - mx) in place over n scores, returning their sum (8 partial sums, fixed tree). */
@@ -298,116 +317,103 @@ typedef struct {
 /* Task (row i, KV head h): row i's group of query heads over its own context. */
 static inline __attribute__((always_inline)) void
 attend_row(const attn_call_t *a, int64_t i, int64_t h, const int fmt, const int C) {
-    const float *q = a->q;
-    float *out = a->out;
-    const int64_t *qrow = a->qrow, *qseq = a->qseq, *tables = a->tables, *lens = a->lens;
-    const int64_t table_stride = a->table_stride, num_rows = a->num_rows, num_heads = a->num_heads;
-    const int64_t kv_heads = a->kv_heads, head_dim = a->head_dim, block_size = a->block_size, window = a->window;
-    const int64_t group = a->group, row_bytes = a->row_bytes, tok_stride = a->tok_stride;
-    const float scale = a->scale;
-    const uint8_t *kc = a->kc, *vc = a->vc;
-    {
-        {
-            const int64_t len = lens[i];
-            const int64_t start = context_start(len, window);
-            const int64_t n = len - start;
-            const int64_t *table = tables + (qseq ? qseq[i] : i) * table_stride;
-            const float *qh = q + qrow[i] * num_heads * head_dim + h * group * head_dim;
-            float *oh = out + qrow[i] * num_heads * head_dim + h * group * head_dim;
-            float *scores = (float *)malloc(sizeof(float) * group * (n > 0 ? n : 1));
-            float mx[MAX_GROUP], sum[MAX_GROUP];
-            if (!scores) {                       /* out of memory: a visible NaN, never a crash */
-                for (int64_t d = 0; d < group * head_dim; d++) oh[d] = NAN;
-                return;
-            }
-            for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
-#if KEYS8
-            v8f mx8[MAX_GROUP];                 /* the 8-key path's running maxima, lane by lane */
-            for (int64_t g = 0; g < group; g++) mx8[g] = (v8f){0} - INFINITY;
-#endif
-            v8f qv[MAX_GROUP * MAX_C];                  /* the group's queries, as 8-float chunks */
-            for (int64_t g = 0; C && g < group; g++)
-                for (int c = 0; c < C; c++) memcpy(&qv[g * C + c], qh + g * head_dim + 8 * c, 32);
-            /* Walk the context block by block (no division per key): positions p in
-             * [start, len), slot = table[p / block_size] * block_size + p % block_size. */
-            const uint8_t *kh = kc + h * row_bytes, *vh = vc + h * row_bytes;
-            prefetch_first_blocks(kh, vh, table, block_size, start, len, tok_stride, row_bytes);
-            for (int64_t p = start, t = 0; p < len;) {
-                const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
-                const uint8_t *kr = kh + (table[p / block_size] * block_size + off) * tok_stride;
-                prefetch_block(kh, vh, table, p / block_size + AHEAD, block_size, start, len, tok_stride, row_bytes);
-                int64_t j = 0;
-#if KEYS8
-                for (; C && j + 8 <= run; j += 8, t += 8, kr += 8 * tok_stride) {   /* 8 keys at once */
-                    v8f kb[8 * MAX_C], ks;               /* their rows, converted once for the group */
-                    UNROLL for (int u = 0; u < 8; u++) {
-                        ks[u] = scale * row_scale(kr + u * tok_stride, head_dim, fmt);
-                        UNROLL for (int c = 0; c < C; c++) kb[u * C + c] = load8(kr + u * tok_stride, c, fmt);
-                    }
-                    for (int64_t g = 0; g < group; g++) {
-                        const v8f sv = dot8_keys(qv + g * C, kb, C) * ks;
-                        memcpy(scores + g * n + t, &sv, 32);
-                        const v8i up = sv > mx8[g];          /* lane-wise; the lanes meet after the pass */
-                        mx8[g] = (v8f)(((v8i)sv & up) | ((v8i)mx8[g] & ~up));
-                    }
-                }
-#endif
-                for (; j < run; j++, t++, kr += tok_stride) {
-                    const float ks = scale * row_scale(kr, head_dim, fmt);
-                    v8f kk[MAX_C];                       /* the K row, converted once for the group */
-                    UNROLL for (int c = 0; c < C; c++) kk[c] = load8(kr, c, fmt);
-                    for (int64_t g = 0; g < group; g++) {
-                        const float s = (C ? row_dot8(qv + g * C, kk, C)
-                                           : row_dot(qh + g * head_dim, kr, head_dim, fmt)) * ks;
-                        scores[g * n + t] = s;
-                        if (s > mx[g]) mx[g] = s;
-                    }
-                }
-                p += run;
-            }
-#if KEYS8
-            for (int64_t g = 0; g < group; g++)    /* a maximum does not depend on the order */
-                for (int u = 0; u < 8; u++) mx[g] = mx8[g][u] > mx[g] ? mx8[g][u] : mx[g];
-#endif
-            {   /* the next task's first blocks, while this one's V pass runs */
-                const int64_t ni = h + 1 < kv_heads ? i : i + 1, nh = h + 1 < kv_heads ? h + 1 : 0;
-                if (ni < num_rows)
-                    prefetch_first_blocks(kc + nh * row_bytes, vc + nh * row_bytes,
-                                          tables + (qseq ? qseq[ni] : ni) * table_stride, block_size,
-                                          context_start(lens[ni], window), lens[ni], tok_stride, row_bytes);
-            }
-            for (int64_t g = 0; g < group; g++) {
-                sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
-                if (!C) memset(oh + g * head_dim, 0, sizeof(float) * head_dim);   /* row_axpy adds */
-            }
-            /* head_dim = 8 C: weighted_v, groups of 2 or 3 heads together, larger ones head by head;
-             * any other head_dim: the row_axpy loop below. */
-            if (C && group == 3)
-                weighted_v(vh, table, block_size, tok_stride, start, len, scores, n, oh, head_dim, fmt, 3, C);
-            else if (C && group == 2)
-                weighted_v(vh, table, block_size, tok_stride, start, len, scores, n, oh, head_dim, fmt, 2, C);
-            else
-                for (int64_t g = 0; C && g < group; g++)
-                    weighted_v(vh, table, block_size, tok_stride, start, len, scores + g * n, n,
-                               oh + g * head_dim, head_dim, fmt, 1, C);
-            for (int64_t p = start, t = 0; p < len && !C;) {
-                const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
-                const uint8_t *vr = vc + (table[p / block_size] * block_size + off) * tok_stride + h * row_bytes;
-                for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
-                    const float vs = row_scale(vr, head_dim, fmt);
-                    for (int64_t g = 0; g < group; g++)
-                        row_axpy(oh + g * head_dim, scores[g * n + t] * vs, vr, head_dim, fmt);
-                }
-                p += run;
-            }
-            for (int64_t g = 0; g < group; g++) {
-                const float inv = 1.f / sum[g];
-                float *og = oh + g * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) og[d] *= inv;
-            }
-            free(scores);
-        }
+    const int64_t head_dim = a->head_dim, block_size = a->block_size, group = a->group;
+    const int64_t row_bytes = a->row_bytes, tok_stride = a->tok_stride, window = a->window;
+    const int64_t len = a->lens[i];
+    const int64_t start = context_start(len, window);
+    const int64_t n = len - start;
+    const int64_t *table = a->tables + (a->qseq ? a->qseq[i] : i) * a->table_stride;
+    const float *qh = a->q + (a->qrow[i] * a->num_heads + h * group) * head_dim;
+    float *oh = a->out + (a->qrow[i] * a->num_heads + h * group) * head_dim;
+    float *scores = (float *)malloc(sizeof(float) * group * (n > 0 ? n : 1));
+    float mx[MAX_GROUP], sum[MAX_GROUP];
+    if (!scores) {                       /* out of memory: a visible NaN, never a crash */
+        for (int64_t d = 0; d < group * head_dim; d++) oh[d] = NAN;
+        return;
     }
+    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
+#if KEYS8
+    v8f mx8[MAX_GROUP];                 /* the 8-key path's running maxima, lane by lane */
+    for (int64_t g = 0; g < group; g++) mx8[g] = (v8f){0} - INFINITY;
+#endif
+    v8f qv[MAX_GROUP * MAX_C];                  /* the group's queries, as 8-float chunks */
+    for (int64_t g = 0; C && g < group; g++)
+        for (int c = 0; c < C; c++) memcpy(&qv[g * C + c], qh + g * head_dim + 8 * c, 32);
+    /* Walk the context block by block (no division per key): positions p in [start, len),
+     * slot = table[p / block_size] * block_size + p % block_size. */
+    const uint8_t *kh = a->kc + h * row_bytes, *vh = a->vc + h * row_bytes;
+    prefetch_first_blocks(kh, vh, table, block_size, start, len, tok_stride, row_bytes);
+    for (int64_t p = start, t = 0; p < len;) {
+        const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
+        const uint8_t *kr = kh + (table[p / block_size] * block_size + off) * tok_stride;
+        prefetch_block(kh, vh, table, p / block_size + AHEAD, block_size, start, len, tok_stride, row_bytes);
+        int64_t j = 0;
+#if KEYS8
+        for (; C && j + 8 <= run; j += 8, t += 8, kr += 8 * tok_stride) {   /* 8 keys at once */
+            v8f kb[8 * MAX_C], ks;               /* their rows, converted once for the group */
+            UNROLL for (int u = 0; u < 8; u++) {
+                ks[u] = a->scale * row_scale(kr + u * tok_stride, head_dim, fmt);
+                UNROLL for (int c = 0; c < C; c++) kb[u * C + c] = load8(kr + u * tok_stride, c, fmt);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const v8f sv = dot8_keys(qv + g * C, kb, C) * ks;
+                memcpy(scores + g * n + t, &sv, 32);
+                const v8i up = sv > mx8[g];          /* lane-wise; the lanes meet after the pass */
+                mx8[g] = (v8f)(((v8i)sv & up) | ((v8i)mx8[g] & ~up));
+            }
+        }
+#endif
+        for (; j < run; j++, t++, kr += tok_stride) {
+            const float ks = a->scale * row_scale(kr, head_dim, fmt);
+            v8f kk[MAX_C];                       /* the K row, converted once for the group */
+            UNROLL for (int c = 0; c < C; c++) kk[c] = load8(kr, c, fmt);
+            for (int64_t g = 0; g < group; g++) {
+                const float s = (C ? row_dot8(qv + g * C, kk, C)
+                                   : row_dot(qh + g * head_dim, kr, head_dim, fmt)) * ks;
+                scores[g * n + t] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
+        }
+        p += run;
+    }
+#if KEYS8
+    for (int64_t g = 0; g < group; g++)    /* a maximum does not depend on the order */
+        for (int u = 0; u < 8; u++) mx[g] = mx8[g][u] > mx[g] ? mx8[g][u] : mx[g];
+#endif
+    {   /* the next task's first blocks, while this one's V pass runs */
+        const int64_t ni = h + 1 < a->kv_heads ? i : i + 1, nh = h + 1 < a->kv_heads ? h + 1 : 0;
+        if (ni < a->num_rows)
+            prefetch_first_blocks(a->kc + nh * row_bytes, a->vc + nh * row_bytes,
+                                  a->tables + (a->qseq ? a->qseq[ni] : ni) * a->table_stride, block_size,
+                                  context_start(a->lens[ni], window), a->lens[ni], tok_stride, row_bytes);
+    }
+    const float *sc[MAX_GROUP];
+    float *o[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        sum[g] = softmax_numerators(scores + g * n, n, mx[g]);
+        sc[g] = scores + g * n;
+        o[g] = oh + g * head_dim;
+        if (!C) memset(o[g], 0, sizeof(float) * head_dim);   /* row_axpy adds */
+    }
+    /* head_dim = 8 C: v_sums, groups of 2 or 3 heads together, larger ones head by head; any
+     * other head_dim: the row_axpy loop below. */
+    if (C)
+        v_sums(vh, table, block_size, tok_stride, start, len, sc, start, o, group, group <= 3 ? (int)group : 1,
+               head_dim, fmt, C, JOINT_ACCUMULATORS, 0);
+    for (int64_t p = start, t = 0; p < len && !C;) {
+        const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
+        const uint8_t *vr = vh + (table[p / block_size] * block_size + off) * tok_stride;
+        for (int64_t j = 0; j < run; j++, t++, vr += tok_stride) {
+            const float vs = row_scale(vr, head_dim, fmt);
+            for (int64_t g = 0; g < group; g++) row_axpy(o[g], scores[g * n + t] * vs, vr, head_dim, fmt);
+        }
+        p += run;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < head_dim; d++) o[g][d] *= inv;
+    }
+    free(scores);
 }
 
 /* A run: rows i0 .. i0 + R - 1 of one sequence at consecutive positions (lens[i0] + r), no window
@@ -427,58 +433,8 @@ attend_row(const attn_call_t *a, int64_t i, int64_t h, const int fmt, const int 
 #define TASKS_PER_THREAD 4   /* runs are cut so a call has about this many tasks per thread */
 #define V_TILE 64            /* keys per tile of the joint V pass: their rows stay in L1 */
 
-static inline __attribute__((always_inline)) void
-v_lanes_pass(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0,
-             int64_t p1, const float *const *sc, float *const *o, int64_t head_dim, const int fmt, const int G,
-             const int c0, const int P, const int cont) {
-    v8f acc[RUN_ACCUMULATORS];
-    UNROLL for (int g = 0; g < G; g++)
-        UNROLL for (int c = 0; c < P; c++) {
-            if (cont) memcpy(&acc[g * P + c], o[g] + 8 * (c0 + c), 32);
-            else acc[g * P + c] = (v8f){0};
-        }
-    for (int64_t p = p0; p < p1;) {
-        const int64_t off = p % block_size, run = (block_size - off < p1 - p) ? block_size - off : p1 - p;
-        const uint8_t *vr = vh + (table[p / block_size] * block_size + off) * tok_stride;
-        for (int64_t j = 0; j < run; j++, p++, vr += tok_stride) {
-            const float vs = row_scale(vr, head_dim, fmt);
-            float w[3];
-            UNROLL for (int g = 0; g < G; g++) w[g] = sc[g][p] * vs;
-            UNROLL for (int c = 0; c < P; c++) {
-                const v8f vv = load8(vr, c0 + c, fmt);
-                UNROLL for (int g = 0; g < G; g++) acc[g * P + c] += w[g] * vv;
-            }
-        }
-    }
-    UNROLL for (int g = 0; g < G; g++)
-        UNROLL for (int c = 0; c < P; c++) memcpy(o[g] + 8 * (c0 + c), &acc[g * P + c], 32);
-}
-
-/* The V sums of `lanes` lanes over keys [p0, p1), continuing (cont) or from 0: V_LANES lanes at
- * a time, in passes of at least 4 chunks (weighted_v's register budget: 3 lanes of 8 chunks with
- * AVX-512, 2 of 4 elsewhere). */
+/* Lanes a run's V sums take together: 3 with AVX-512's budget, 2 elsewhere (v_sums). */
 #define V_LANES (RUN_ACCUMULATORS >= 24 ? 3 : 2)
-static inline __attribute__((always_inline)) void
-v_lanes(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0, int64_t p1,
-        const float *const *sc, float *const *o, int64_t lanes, int64_t head_dim, const int fmt, const int C,
-        const int cont) {
-#define PASSES(G) do { \
-        const int P = CHUNKS_PER_PASS(G, C, RUN_ACCUMULATORS); \
-        for (int c0 = 0; c0 < C; c0 += P) \
-            v_lanes_pass(vh, table, block_size, tok_stride, p0, p1, sc + l, o + l, head_dim, fmt, G, c0, P, cont); \
-    } while (0)
-    for (int64_t l = 0; l < lanes;) {      /* G and P compile-time constants in each branch */
-        const int G = lanes - l >= V_LANES ? V_LANES : (int)(lanes - l);
-#if V_LANES >= 3
-        if (G == 3) PASSES(3);
-        else
-#endif
-        if (G == 2) PASSES(2);
-        else PASSES(1);
-        l += G;
-    }
-#undef PASSES
-}
 
 /* Task (run of R rows from i0, KV head h), head_dim = 8 C (C > 0). Returns 0, or -1 when out of
  * memory (the caller then runs the rows one by one). */
@@ -488,28 +444,19 @@ attend_run(const attn_call_t *a, int64_t i0, int64_t R, int64_t h, const int fmt
     const int64_t lanes = R * group, len0 = a->lens[i0], n_all = len0 + R - 1;
     const int64_t *table = a->tables + a->qseq[i0] * a->table_stride;
     const uint8_t *kh = a->kc + h * a->row_bytes, *vh = a->vc + h * a->row_bytes;
-    v8f *qv = aligned_alloc(32, sizeof(v8f) * lanes * C);
-    float *scores = malloc(sizeof(float) * lanes * n_all);
-    const float **sc = malloc(sizeof(float *) * lanes);
-    float **o = malloc(sizeof(float *) * lanes);
-    float *mx = malloc(sizeof(float) * lanes * 2), *sum = mx + lanes;
-#if KEYS8
-    v8f *mx8 = aligned_alloc(32, sizeof(v8f) * lanes);   /* 8-key groups every lane sees: lane-wise maxima */
-#else
-    void *mx8 = mx;
-#endif
-    if (!qv || !scores || !sc || !o || !mx || !mx8) {
-        free(qv); free(scores); free(sc); free(o); free(mx);
-#if KEYS8
-        free(mx8);
-#endif
-        return -1;
-    }
+    /* One allocation, carved: the queries and 8-key maxima (v8f), the lanes' score and output
+     * pointers, then the scores and each lane's maximum and sum (floats). */
+    const size_t vec_bytes = sizeof(v8f) * lanes * (C + 1), ptr_bytes = 2 * sizeof(void *) * lanes;
+    const size_t bytes = (vec_bytes + ptr_bytes + sizeof(float) * lanes * (n_all + 2) + 31) / 32 * 32;
+    char *mem = aligned_alloc(32, bytes);
+    if (!mem) return -1;
+    v8f *qv = (v8f *)mem, *mx8 = qv + lanes * C;   /* mx8: lane-wise maxima over keys every lane sees */
+    const float **sc = (const float **)(mem + vec_bytes);
+    float **o = (float **)(sc + lanes);
+    float *scores = (float *)(mem + vec_bytes + ptr_bytes), *mx = scores + lanes * n_all, *sum = mx + lanes;
     for (int64_t l = 0; l < lanes; l++) {
         mx[l] = -INFINITY;
-#if KEYS8
         mx8[l] = (v8f){0} - INFINITY;
-#endif
     }
     for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < group; g++) {
@@ -564,19 +511,16 @@ attend_run(const attn_call_t *a, int64_t i0, int64_t R, int64_t h, const int fmt
     }
     /* V: the keys every row sees, tile by tile for all lanes; then each row's own later keys. */
     for (int64_t p = 0; p < len0; p += V_TILE)
-        v_lanes(vh, table, block_size, tok_stride, p, p + V_TILE < len0 ? p + V_TILE : len0, sc, o, lanes,
-                head_dim, fmt, C, p > 0);
+        v_sums(vh, table, block_size, tok_stride, p, p + V_TILE < len0 ? p + V_TILE : len0, sc, 0, o, lanes,
+               V_LANES, head_dim, fmt, C, RUN_ACCUMULATORS, p > 0);
     for (int64_t r = 1; r < R; r++)
-        v_lanes(vh, table, block_size, tok_stride, len0, len0 + r, sc + r * group, o + r * group, group, head_dim,
-                fmt, C, len0 > 0);
+        v_sums(vh, table, block_size, tok_stride, len0, len0 + r, sc + r * group, 0, o + r * group, group, V_LANES,
+               head_dim, fmt, C, RUN_ACCUMULATORS, len0 > 0);
     for (int64_t l = 0; l < lanes; l++) {
         const float inv = 1.f / sum[l];
         for (int64_t d = 0; d < head_dim; d++) o[l][d] *= inv;
     }
-    free(qv); free(scores); free(sc); free(o); free(mx);
-#if KEYS8
-    free(mx8);
-#endif
+    free(mem);
     return 0;
 }
 
