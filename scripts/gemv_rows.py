@@ -60,7 +60,7 @@ def main() -> None:
         for isa in isas:
             r[f"c_{isa}"] = best_of(lambda: [cpu_kernels.gguf_gemv(m.gguf_packed, m.gguf_kind, m.out_features,
                                                                    xs[m.in_features], isa=isa,
-                                                                   one_part=args.one_part) for m in lins], args.reps)
+                                                                   parts="one" if args.one_part else "two") for m in lins], args.reps)
         if fp16 is not None:
             r["fbgemm_fp16"] = best_of(lambda: [torch.ops.quantized.linear_dynamic_fp16(xs[m.in_features], w)
                                                 for m, w in zip(lins, fp16)], args.reps)

@@ -247,18 +247,24 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
             and available())
 
 
+ACT_PARTS = {"two": 0, "one": 1, "mixed": 2}      # GGUF_TWO_PARTS, GGUF_ONE_PART, GGUF_MIXED_PARTS (gguf_gemv.h)
+
+
 def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, accumulate: bool = False, isa: str | None = None,
-              f32: bool = False, one_part: bool = False) -> torch.Tensor:
+              f32: bool = False, parts: str = "two") -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
     kvserve.ops.gguf_blocks.pack_gguf_parts (`kind` 4: Q4_0/Q4_1, 8: Q8_0/Q5_0, 14: Q4_K, 18:
     Q5_K/Q6_K/Q3_K): [M, n] float32, written
     into `out` when given (added to it with accumulate=True). `isa`: a build other than the
     selected one (tests). f32: through the float32 tiles (what prompt tokens take in the layer
-    stack) instead of the integer dot products. one_part: the activations as one 8-bit part per
-    block (the gguf-a8 format) instead of two. See csrc/gguf_gemv.c."""
-    if f32 and one_part:
-        raise ValueError("one_part applies to the integer GEMV, not to the float32 tiles (f32=True)")
+    stack) instead of the integer dot products. parts: the activations' 8-bit parts per block of
+    32 (ACT_PARTS: "two", the gguf format; "one", gguf-a8; "mixed", gguf-mixed: one or two by
+    block). See csrc/gguf_gemv.h."""
+    if parts not in ACT_PARTS:
+        raise ValueError(f"parts must be one of {sorted(ACT_PARTS)}, got {parts!r}")
+    if f32 and parts != "two":
+        raise ValueError(f"parts={parts!r} applies to the integer GEMV, not to the float32 tiles (f32=True)")
     lib = library(isa)
     M, K = x.shape
     if out is None:
@@ -266,7 +272,7 @@ def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Te
     args = (w.data_ptr(), kind, n, K, x.data_ptr(), x.stride(0), M, out.data_ptr(),
             out.stride(0), bias.data_ptr() if bias is not None else None, int(accumulate),
             torch.get_num_threads())
-    rc = lib.gguf_gemm_f32(*args) if f32 else lib.gguf_gemv(*args, int(one_part))
+    rc = lib.gguf_gemm_f32(*args) if f32 else lib.gguf_gemv(*args, ACT_PARTS[parts])
     if rc != 0:
         raise ValueError(f"gguf_gemv failed ({rc}): kind {kind}, K={K} (the kind must be one of "
                          f"4, 8, 14, 18 from pack_gguf_parts, and K a multiple of 32)")
@@ -286,7 +292,7 @@ class StackModel(ctypes.Structure):
                                              "intermediate", "block_size", "window", "kv_format")] \
         + [("eps", ctypes.c_double), ("scale", ctypes.c_double)] \
         + [(n, ctypes.c_void_p) for n in ("embed", "norm", "cos", "sin")] \
-        + [("layers", ctypes.POINTER(StackLayer)), ("act_one_part", ctypes.c_int64)]
+        + [("layers", ctypes.POINTER(StackLayer)), ("act_parts", ctypes.c_int64)]
 
 
 def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -294,7 +300,8 @@ def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, s
                 out: torch.Tensor, isa: str | None = None) -> None:
     """Every layer of a flat batch in one call (csrc/layer_stack.c): token ids, positions, KV
     slots and sequence indices int64 [T], `prompt` bool [T] (prompt tokens take the float32
-    GEMM, the others the integer GEMV; with model.act_one_part every token takes the GEMV), block tables int64 [B, nblk] (rows contiguous) ->
+    GEMM, the others the integer GEMV; with model.act_parts other than two every token takes the
+    GEMV), block tables int64 [B, nblk] (rows contiguous) ->
     out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows."""
     rc = library(isa).layer_stack(ctypes.byref(model), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                                   seq.data_ptr(), prompt.data_ptr(), ids.shape[0], tables.data_ptr(), tables.stride(0),

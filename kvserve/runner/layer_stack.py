@@ -21,10 +21,11 @@ from kvserve.ops.attention import AttentionMetadata
 
 
 class CLayerStack:
-    def __init__(self, model: LlamaForCausalLM, one_part: bool = False):
+    def __init__(self, model: LlamaForCausalLM, parts: str = "two"):
         self.model = model
         self.isa = cpu_kernels.selected_isa()       # the kernel build, fixed for the engine's life
-        self.one_part = one_part       # activations as one 8-bit part (gguf-a8): every token on the GEMV
+        self.parts = parts             # the activations' 8-bit parts (cpu_kernels.ACT_PARTS); other than
+                                       # "two" (gguf-a8, gguf-mixed): every token on the integer GEMV
         self._kv_caches = None         # the pools the layer table points at
         self._layers = None
         self._struct = None
@@ -44,12 +45,12 @@ class CLayerStack:
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not isinstance(lin.quant_method, GgufMethod) or lin.gguf_packed is None:
                     return None
-                parts.add(lin.quant_method.one_part)
+                parts.add(lin.quant_method.parts)
             if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
                 return None
         if len(parts) != 1:            # one activation precision for the whole stack
             return None
-        return cls(model, one_part=parts.pop())
+        return cls(model, parts=parts.pop())
 
     @staticmethod
     def runs(kv_caches) -> bool:
@@ -78,7 +79,7 @@ class CLayerStack:
             kv_caches[0][0].shape[1], a.sliding_window or 0, cpu_kernels.kv_format(kv_caches[0][0].dtype),
             m.layers[0].input_layernorm.eps, a.scale,
             ptr(m.embed_tokens.weight), ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
-            ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)), int(self.one_part))
+            ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)), cpu_kernels.ACT_PARTS[self.parts])
         self._layers, self._kv_caches = layers, kv_caches
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -87,7 +88,7 @@ class CLayerStack:
         `out_rows` (int64), [len(out_rows), hidden]. `prompt_lens`: each sequence's prompt
         length; its tokens at positions below it are prompt tokens (their linears run the float32
         GEMM, the others the integer GEMV; a generated token recomputed after preemption is not
-        one; see csrc/gguf_gemv.h). With one_part every token runs the integer GEMV."""
+        one; see csrc/gguf_gemv.h). With parts other than "two" every token runs the integer GEMV."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         qsl = meta.query_start_loc

@@ -1,9 +1,11 @@
-"""The gguf-a8 format's one-part activations (csrc/gguf_gemv.h, gguf_acts_t.one_part): each block
-of 32 activations as one signed 8-bit part, xa = rint(x 127 / max|x|), the m term taking the sum of
-the quantized values (llama.cpp's Q8_1 s). Every ISA build computes exactly that contract, checked
-against an independent numpy float32 version, and within 2^-8 of a block's max |x| per weight of
-the dequantized matmul. (Every build against the portable one: test_gguf_gemv.py, and
-csrc/gemv_check.c's one-part cases for NEON and AVX-VNNI.)"""
+"""The gguf-a8 format's one-part activations (csrc/gguf_gemv.h, gguf_acts_t.parts GGUF_ONE_PART):
+each block of 32 activations as one signed 8-bit part, xa = rint(x 127 / max|x|), the m term
+taking the sum of the quantized values (llama.cpp's Q8_1 s); and gguf-mixed's (GGUF_MIXED_PARTS):
+that, except the blocks where sum xb^2 >= 8 sum xa^2, which keep both parts and the float sum.
+Every ISA build computes exactly that contract, checked against an independent numpy float32
+version; one part stays within 2^-8 of a block's max |x| per weight of the dequantized matmul,
+mixed parts within that and closer on outlier blocks. (Every build against the portable one:
+test_gguf_gemv.py, and csrc/gemv_check.c's cases for NEON and AVX-VNNI.)"""
 import shutil
 
 import numpy as np
@@ -51,11 +53,12 @@ def acts(m, k, seed):
     return x
 
 
-def reference_one_part(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
-    """The contract for Q4_0 / Q4_1 / Q8_0 blocks with one part, in numpy float32 (every operation
-    rounded to float32 in the contract's order): xa = rint(x 127 / max|x|), dx = max|x| / (127 256),
-    s = sum q 256 xa (exact), acc += s (d dx); Q4 kinds also acc += m (dx sq), sq = sum 256 xa
-    (Q4_0's m is -8 d)."""
+def reference_parts(bt: BlockTensor, x: torch.Tensor, parts: str) -> np.ndarray:
+    """The contract for Q4_0 / Q4_1 / Q8_0 blocks with one or mixed parts, in numpy float32 (every
+    operation rounded to float32 in the contract's order): xa = rint(x 127 / max|x|), dx = max|x| /
+    (127 256), xb as quantize_block_np gives it, s = sum q (256 xa + xb) (exact), acc += s (d dx);
+    Q4 kinds also acc += m sx, with sx = dx sq, sq = sum 256 xa, for a one-part block and the float
+    sum of the block's x, in order, for a two-part one (Q4_0's m is -8 d)."""
     n, k = bt.shape
     qt = bt.qtype
     bs = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[qt]
@@ -72,50 +75,75 @@ def reference_one_part(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
     for r, row in enumerate(x.numpy().astype(np.float32)):
         acc = np.zeros(n, dtype=np.float32)
         for b in range(k // 32):
-            xa, _, dx = quantize_block_np(row[32 * b:32 * b + 32], one_part=True)
-            s = (q[:, b, :] * (256 * xa)).sum(axis=1)
+            block = row[32 * b:32 * b + 32]
+            xa, xb, dx = quantize_block_np(block, parts)
+            s = (q[:, b, :] * (256 * xa + xb)).sum(axis=1)
             acc = acc + s.astype(np.float32) * (d[:, b] * dx)
             if m is not None:
-                acc = acc + m[:, b] * (dx * f(256 * xa.sum()))
+                sx = dx * f(256 * xa.sum()) if not xb.any() else np.cumsum(block, dtype=np.float32)[-1]
+                acc = acc + m[:, b] * sx
         out[r] = acc
     return out
 
 
+def outlier_rows(m, k, seed):
+    """acts() with an outlier block or two in every row, at different blocks in different rows
+    (mixed parts give those blocks two parts, the rest one)."""
+    x = acts(m, k, seed)
+    g = torch.Generator().manual_seed(seed)
+    for r in range(m):
+        for b in torch.randint(0, k // 32, (2,), generator=g).tolist():
+            x[r, 32 * b + (7 * r) % 32] = 25.0 * (1 + r % 3)
+    return x
+
+
+@pytest.mark.parametrize("parts", ["one", "mixed"])
 @pytest.mark.parametrize("isa", HOST_ISAS)
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
-def test_one_part_is_the_contract_bit_for_bit(qtype, isa):
+def test_parts_are_the_contract_bit_for_bit(qtype, isa, parts):
     _lib_or_skip(isa)
     bt, packed, kind = weights(qtype, 37, 256, seed=3)
-    x = acts(5, 256, seed=9)
+    x = outlier_rows(5, 256, seed=9)
     ties = torch.randint(-126, 126, (1, 256), generator=torch.Generator().manual_seed(2)).float() + 0.5
     ties[:, ::32] = 127.0                   # the block max is 127: v = x, every xa a tie
     x = torch.cat([x, ties, torch.zeros(1, 256)])
-    got = cpu_kernels.gguf_gemv(packed, kind, 37, x, isa=isa, one_part=True)
-    assert torch.equal(got, torch.from_numpy(reference_one_part(bt, x)))
+    if parts == "mixed":                    # both kinds of block, in different rows of a pass
+        two = [[quantize_block_np(r[32 * b:32 * b + 32].numpy(), "mixed")[1].any() for b in range(8)] for r in x]
+        assert any(map(any, two)) and not all(map(all, two))
+        assert any(two[r][b] != two[r + 1][b] for r in range(len(x) - 1) for b in range(8))
+    got = cpu_kernels.gguf_gemv(packed, kind, 37, x, isa=isa, parts=parts)
+    assert torch.equal(got, torch.from_numpy(reference_parts(bt, x, parts)))
 
 
+@pytest.mark.parametrize("parts", ["one", "mixed"])
 @pytest.mark.parametrize("isa", HOST_ISAS)
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
-def test_one_part_error_bound(qtype, isa):
+def test_parts_error_bound(qtype, isa, parts):
     """|error| <= sum_k |w_k| 2^-8 max|x| of k's block (xa's rounding is 2^-8 / 2 of it, float32
-    rounding far below): the same bound as llama.cpp's 8-bit activations."""
+    rounding far below): the same bound as llama.cpp's 8-bit activations. Mixed parts: inside it,
+    and with less squared error than one part where rows have outlier blocks."""
     _lib_or_skip(isa)
     n, k = 40, 256
     bt, packed, kind = weights(qtype, n, k, seed=5)
     W = torch.from_numpy(dequantize(bt.raw, qtype)).reshape(n, k).double()
     for m in (1, 2, 3, 8, 9, 17):
-        x = acts(m, k, seed=m)
-        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, one_part=True).double()
+        x = outlier_rows(m, k, seed=m)
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, parts=parts).double()
         block_max = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double()
         bound = block_max @ W.abs().t() * 2 ** -8
         err = (got - x.double() @ W.t()).abs()
         assert (err <= bound + 1e-6).all(), (m, err.max())
         two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa).double()
-        assert not torch.equal(got, two)    # the parts differ: one_part reached the kernel
+        assert not torch.equal(got, two)    # the parts differ: parts reached the kernel
+        if parts == "mixed":
+            one = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, parts="one").double()
+            assert err.square().sum() < (one - x.double() @ W.t()).square().sum()
 
 
-def test_one_part_is_for_the_integer_gemv_only():
+def test_parts_are_for_the_integer_gemv_only():
     _lib_or_skip(None)
     _, packed, kind = weights(Q.Q4_1, 16, 64, seed=1)
-    with pytest.raises(ValueError, match="one_part"):
-        cpu_kernels.gguf_gemv(packed, kind, 16, torch.randn(2, 64), f32=True, one_part=True)
+    with pytest.raises(ValueError, match="parts"):
+        cpu_kernels.gguf_gemv(packed, kind, 16, torch.randn(2, 64), f32=True, parts="one")
+    with pytest.raises(ValueError, match="parts"):
+        cpu_kernels.gguf_gemv(packed, kind, 16, torch.randn(2, 64), parts="three")

@@ -95,17 +95,19 @@ def test_gemv_matches_dequantized_matmul(qtype, isa):
         assert ((got - ref).abs() <= bound + 1e-6).all(), (m, (got - ref).abs().max())
 
 
-def quantize_block_np(xb32: np.ndarray, one_part: bool = False):
+def quantize_block_np(xb32: np.ndarray, parts: str = "two"):
     """One block of 32 float32 activations as the contract quantizes it, in numpy: xa, xb (int64;
-    xb all 0 with one_part) and dx (float32)."""
+    all 0 with parts "one", and with "mixed" unless sum xb^2 >= 8 sum xa^2) and dx (float32)."""
     f = np.float32
     amax = f(np.abs(xb32).max())
     amax = amax if amax >= f(1e-30) else f(0)
     inv = f(127) / amax if amax > 0 else f(0)
     v = xb32 * inv
-    xa = np.rint(v)
-    xb = np.zeros(32) if one_part else np.clip(np.rint((v - xa) * f(256)), -127, 127)
-    return xa.astype(np.int64), xb.astype(np.int64), amax / f(127 * 256)
+    xa = np.rint(v).astype(np.int64)
+    xb = np.clip(np.rint((v - xa) * f(256)), -127, 127).astype(np.int64)
+    if parts == "one" or (parts == "mixed" and (xb * xb).sum() < 8 * (xa * xa).sum()):
+        xb = np.zeros(32, dtype=np.int64)
+    return xa, xb, amax / f(127 * 256)
 
 
 def reference_q8_0_gemv(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
@@ -146,17 +148,22 @@ def test_q8_0_gemv_is_the_contract_bit_for_bit(isa):
     assert torch.equal(got, torch.from_numpy(reference_q8_0_gemv(bt, x)))
 
 
-@pytest.mark.parametrize("one_part", [False, True])     # two activation parts, or one (gguf-a8)
+@pytest.mark.parametrize("parts", ["two", "one", "mixed"])    # gguf, gguf-a8, gguf-mixed
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_every_isa_gives_the_portable_bits(qtype, isa, one_part):
+def test_every_isa_gives_the_portable_bits(qtype, isa, parts):
     _lib_or_skip(isa)
     _lib_or_skip("portable")
     for n, k, m in ((37, 32, 9), (5, 64, 17), (100, 576, 8), (21, 1536, 5), (16, 576, 3)):
         _, packed, kind = weights(qtype, n, k, seed=n + k)
         x = acts(m, k, seed=k)
-        want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", one_part=one_part)
-        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, one_part=one_part)
+        if parts == "mixed":          # outlier blocks (two parts) at different blocks in different rows
+            g = torch.Generator().manual_seed(m + k)
+            for r in range(m):
+                for b in torch.randint(0, k // 32, (2,), generator=g).tolist():
+                    x[r, 32 * b + r % 32] = 30.0 * (1 + r)
+        want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", parts=parts)
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, parts=parts)
         assert torch.equal(got, want), (n, k, m, (got - want).abs().max())
 
 

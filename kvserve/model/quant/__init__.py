@@ -24,6 +24,10 @@ per format:
            instead of two: half the integer work per token, and prompt tokens take the integer
            GEMV too; outside eval-quality's bound on the default model (docs/benchmarks-notes.md),
            so never the default. Without the C kernels it falls back as gguf does.
+    gguf-mixed  gguf with the activations as one 8-bit part per block, except the blocks whose
+           second part carries at least 2^-13 of the block's energy (an outlier's block; about 7%
+           on the default model): near gguf-a8's work, prompt tokens on the integer GEMV too, and
+           well inside eval-quality's bound. Falls back as gguf does.
 
 blocks.py holds BlockTensor (GGUF blocks not dequantized), base.py the shard staging all packed
 formats share. The default for GGUF models is the fastest format within the quality bound of
@@ -50,8 +54,8 @@ __all__ = ["FORMATS", "GGUF_FORMATS", "GROUP", "KEEP_BLOCKS", "DEFAULT_GGUF", "D
            "fp16_prepack", "GgufMethod", "pack_gguf_parts", "pack_gguf_rows", "unpack_gguf_rows",
            "method_for", "head_method_for", "apply_quantization"]
 
-FORMATS = ("none", "int8", "int4", "gguf", "gguf-a8")
-GGUF_FORMATS = {"gguf": False, "gguf-a8": True}     # format -> activations as one 8-bit part
+FORMATS = ("none", "int8", "int4", "gguf", "gguf-a8", "gguf-mixed")
+GGUF_FORMATS = {"gguf": "two", "gguf-a8": "one", "gguf-mixed": "mixed"}   # format -> the activations' parts
 
 
 # ---------------------------------------------------------------- choosing methods
@@ -69,7 +73,7 @@ def method_for(fmt: str, in_features: int, out_features: int):
     if fmt == "int8":
         return Int8Method()
     if fmt in GGUF_FORMATS and cpu_kernels.available():
-        return GgufMethod(one_part=GGUF_FORMATS[fmt]) if in_features % GROUP == 0 else None
+        return GgufMethod(parts=GGUF_FORMATS[fmt]) if in_features % GROUP == 0 else None
     if fmt in GGUF_FORMATS and not has_fbgemm():
         return None            # no C kernels and no fbgemm (Arm without a compiler): dense float32
     if fmt == "int4" or fmt in GGUF_FORMATS:
@@ -85,7 +89,7 @@ def head_method_for(fmt: str, in_features: int, out_features: int):
     kvserve.model.quant")."""
     if fmt in GGUF_FORMATS:
         if cpu_kernels.available() and in_features % GROUP == 0:
-            return GgufMethod(one_part=GGUF_FORMATS[fmt])
+            return GgufMethod(parts=GGUF_FORMATS[fmt])
         return Fp16Method() if has_fbgemm() else None
     if fmt == "int4":
         return Int8Method()
@@ -115,7 +119,7 @@ def apply_quantization(model: nn.Module, fmt: str) -> None:
 
 
 # GGUF qtypes the loader hands over as blocks (not dequantized), per format.
-KEEP_BLOCKS = {"int4": _q4_types(), "gguf": _packable_types(), "gguf-a8": _packable_types()}
+KEEP_BLOCKS = {"int4": _q4_types(), **{fmt: _packable_types() for fmt in GGUF_FORMATS}}
 
 # The default for GGUF models: the fastest format within the quality bound of `kvserve eval-quality`
 # (the figures: docs/benchmarks-notes.md, "Weight formats in kvserve.model.quant").
@@ -127,4 +131,5 @@ DESCRIPTION = {
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, LM head included",
     "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q8_0 and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size",
     "gguf-a8": "gguf with activations as one 8-bit part per block (llama.cpp's precision): faster batches and prompts, less accurate",
+    "gguf-mixed": "gguf with activations as one 8-bit part per block except where an outlier needs the second: near gguf-a8's speed, within the quality bound",
 }

@@ -26,13 +26,17 @@ class GgufMethod(_PackedMethod):
     Used when the C kernels are built (cpu_kernels.available()); otherwise the gguf format falls
     back to torch kernels (kvserve.model.quant.method_for).
 
-    one_part (the gguf-a8 format): the activations as one 8-bit part per block, llama.cpp's
-    precision, at half the integer work; the layer stack then runs prompt tokens through the
-    integer GEMV too (csrc/layer_stack.c)."""
+    parts (cpu_kernels.ACT_PARTS, csrc/gguf_gemv.h): "two" (the gguf format); "one" (gguf-a8),
+    the activations as one 8-bit part per block, llama.cpp's precision, at half the integer work;
+    "mixed" (gguf-mixed), one part except in the blocks whose second part carries enough (an
+    outlier's block), close to one part's work at well inside the quality bound. With one or mixed
+    parts the layer stack runs prompt tokens through the integer GEMV too (csrc/layer_stack.c)."""
 
-    def __init__(self, one_part: bool = False):
+    def __init__(self, parts: str = "two"):
+        if parts not in cpu_kernels.ACT_PARTS:
+            raise ValueError(f"parts must be one of {sorted(cpu_kernels.ACT_PARTS)}, got {parts!r}")
         self.isa = cpu_kernels.selected_isa()       # the kernel build, fixed for the layer's life
-        self.one_part = one_part
+        self.parts = parts
 
     def load(self, layer, w, offset: int, whole: bool) -> None:
         parts = self._stage(layer, offset, w, w.shape[0])      # blocks stay blocks until pack
@@ -57,7 +61,7 @@ class GgufMethod(_PackedMethod):
             return F.linear(x.float(), layer.dense_weight, bias).to(x.dtype)
         return self._run_2d(layer, x, lambda x2: cpu_kernels.gguf_gemv(
             layer.gguf_packed, layer.gguf_kind, layer.out_features, x2.float().contiguous(), isa=self.isa,
-            one_part=self.one_part))
+            parts=self.parts))
 
     def dequantized(self, layer) -> torch.Tensor:
         if layer.gguf_packed is not None:

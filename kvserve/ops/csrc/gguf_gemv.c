@@ -67,12 +67,13 @@ static inline __attribute__((always_inline)) q8f pick(q8i mask, q8f a, q8f b) { 
 }
 
 /* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), x16, dx, sx, sq and
- * sq0 (gguf_acts_t); one_part: every xb = 0 (the gguf-a8 format) and sx = dx sq. The sum sx runs j = 0..31 in order (no
- * reassociation: -ffp-contract=off, no -ffast-math); the rest is element-wise, in 8-float
- * vectors, and the max and the integer sums do not depend on their order. Blocks are
- * independent of each other, so the threads split a call's rows by block. */
+ * sq0 (gguf_acts_t), with the parts of gguf_gemv.h: GGUF_ONE_PART: every xb = 0 and sx = dx sq;
+ * GGUF_MIXED_PARTS: that, unless sum xb^2 >= 8 sum xa^2 (exact integers). The sum sx runs
+ * j = 0..31 in order (no reassociation: -ffp-contract=off, no -ffast-math); the rest is
+ * element-wise, in 8-float vectors, and the max and the integer sums do not depend on their order.
+ * Blocks are independent of each other, so the threads split a call's rows by block. */
 static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, float *sx, int32_t *sq,
-                           int32_t *sq0, int one_part) {
+                           int32_t *sq0, int parts) {
     q8f x[4], m = {0};
     for (int c = 0; c < 4; c++) {
         x[c] = *(const q8f_unaligned *)(p + 8 * c);   /* one 32-byte load (a memcpy went through the stack) */
@@ -85,15 +86,33 @@ static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, 
     if (!(amax >= 1e-30f)) amax = 0.f;   /* tiny blocks count as zero: 127 / amax stays finite */
     const float inv = amax > 0 ? 127.f / amax : 0.f;
     const q8f lim = {127.f, 127.f, 127.f, 127.f, 127.f, 127.f, 127.f, 127.f};
-    q8i s16 = {0}, s16h = {0};
+    q8i ia[4], ib[4], ea = {0}, eb = {0};
     for (int c = 0; c < 4; c++) {
         const q8f v = x[c] * inv;                         /* in [-127, 127] */
         const q8f a = rint8(v);
-        q8f rb = one_part ? (q8f){0} : rint8((v - a) * 256.f);   /* in [-128, 128] */
+        q8f rb = parts == GGUF_ONE_PART ? (q8f){0} : rint8((v - a) * 256.f);   /* in [-128, 128] */
         rb = pick(rb > lim, lim, pick(rb < -lim, -lim, rb));
-        const q8i ia = __builtin_convertvector(a, q8i), ib = __builtin_convertvector(rb, q8i);
-        const q8i v16 = 256 * ia + ib;                    /* x16, exact in int32 */
-        store_narrow(ia, ib, v16, qa + 8 * c, qa + 32 + 8 * c, x16 + 8 * c);
+        ia[c] = __builtin_convertvector(a, q8i);
+        ib[c] = __builtin_convertvector(rb, q8i);
+        if (parts == GGUF_MIXED_PARTS) {                  /* <= 32 128^2: exact in int32 */
+            ea += ia[c] * ia[c];
+            eb += ib[c] * ib[c];
+        }
+    }
+    int one = parts == GGUF_ONE_PART;
+    if (parts == GGUF_MIXED_PARTS) {
+        int32_t sa = 0, sb = 0;
+        for (int l = 0; l < 8; l++) {
+            sa += ea[l];
+            sb += eb[l];
+        }
+        one = sb < 8 * sa;
+    }
+    q8i s16 = {0}, s16h = {0};
+    for (int c = 0; c < 4; c++) {
+        if (one) ib[c] = (q8i){0};
+        const q8i v16 = 256 * ia[c] + ib[c];              /* x16, exact in int32 */
+        store_narrow(ia[c], ib[c], v16, qa + 8 * c, qa + 32 + 8 * c, x16 + 8 * c);
         s16 += v16;
         if (c < 2) s16h += v16;
     }
@@ -108,7 +127,7 @@ static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, 
      * Q8_1 s), so their rounding errors cancel; the exact sum beside sum q x~ (q in 0..15, not
      * centered) leaves the d q term's error whole (docs/benchmarks-notes.md, gguf-a8). Two parts:
      * the exact sum (their rounding is ~2^-15 of the block's max). */
-    *sx = one_part ? *dx * (float)t : sum;
+    *sx = one ? *dx * (float)t : sum;
     *sq = t;
 }
 
@@ -149,19 +168,19 @@ static quantized_rows_t quantized_rows(void *ws, int64_t M, int64_t K) {
 
 /* Block b (32 floats at src) of activation row r of the M rows of K in ws: the quantization
  * gguf_gemv_team does, for callers that produce a row and quantize it in the same pass
- * (layer_stack.c, after a norm or SiLU), saving a phase and its barrier. one_part: xb = 0. */
-void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src, int64_t one_part) {
+ * (layer_stack.c, after a norm or SiLU), saving a phase and its barrier. parts: gguf_gemv.h's. */
+void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src, int64_t parts) {
     const quantized_rows_t q = quantized_rows(ws, M, K);
     const int64_t rb = r * (K / 32) + b;
-    quantize_block(src, q.xq + rb * 64, q.x16 + rb * 32, q.dx + rb, q.sx + rb, q.sq + rb, q.sq0 + rb, one_part != 0);
+    quantize_block(src, q.xq + rb * 64, q.x16 + rb * 32, q.dx + rb, q.sx + rb, q.sq + rb, q.sq0 + rb, (int)parts);
 }
 
 /* The GEMV of M rows already quantized into ws (gguf_quantize_block, or the loop in
  * gguf_gemv_team), shared by the threads of an enclosing OpenMP region; y rows as in
- * gguf_gemv_team; one_part as they were quantized. Ends with a barrier. */
+ * gguf_gemv_team; parts as they were quantized. Ends with a barrier. */
 void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const int64_t *rows, int64_t M,
                               float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws,
-                              int64_t one_part) {
+                              int64_t parts) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
     const quantized_rows_t q = quantized_rows(ws, M, K);
@@ -179,7 +198,7 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
             for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
                 const gguf_acts_t a = {q.xq + r0 * K * 2, q.x16 + r0 * K, q.dx + r0 * nb, q.sx + r0 * nb,
-                                       q.sq + r0 * nb, q.sq0 + r0 * nb, one_part != 0};
+                                       q.sq + r0 * nb, q.sq0 + r0 * nb, (int)parts};
                 gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
@@ -193,37 +212,38 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
 /* The work of one call, shared by the threads of an enclosing OpenMP parallel region (each
  * `omp for` below splits its loop over them; without OpenMP one thread does it all). kind and K
  * must have been checked (gguf_gemv_check); ws holds gguf_workspace_bytes(M, K) bytes, 64-byte
- * aligned. rows: the M rows of x and y to compute (NULL: rows 0 .. M-1). one_part: activations as
- * one 8-bit part per block (the gguf-a8 format), else two. */
+ * aligned. rows: the M rows of x and y to compute (NULL: rows 0 .. M-1). parts: the activations'
+ * parts per block (gguf_gemv.h: GGUF_TWO_PARTS, GGUF_ONE_PART, GGUF_MIXED_PARTS). */
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                     const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
-                    int64_t accumulate, void *ws, int64_t one_part) {
+                    int64_t accumulate, void *ws, int64_t parts) {
     const int64_t nb = K / 32;
     #pragma omp for schedule(static)
     for (int64_t rb = 0; rb < M * nb; rb++) {           /* (row, block) pairs: a decode's one row splits too */
         const int64_t r = rb / nb, b = rb % nb;
-        gguf_quantize_block(ws, M, K, r, b, x + (rows ? rows[r] : r) * ldx + b * 32, one_part);
+        gguf_quantize_block(ws, M, K, r, b, x + (rows ? rows[r] : r) * ldx + b * 32, parts);
     }
-    gguf_gemv_quantized_team(w, kind, N, K, rows, M, y, ldy, bias, accumulate, ws, one_part);
+    gguf_gemv_quantized_team(w, kind, N, K, rows, M, y, ldy, bias, accumulate, ws, parts);
 }
 
 int gguf_gemv_check(int64_t kind, int64_t K) { return !gguf_packed_block_bytes(kind) || K % 32 || K <= 0 ? -1 : 0; }
 
 /* y[r][n] (+)= sum_k x[r][k] W[n][k] (+ bias[n]) for r < M, n < N, with W packed (a kind of
  * gguf_gemv.h).
- * x: M rows, leading dimension ldx; y: leading dimension ldy; one_part: activations as one 8-bit
- * part per block (gguf-a8). Returns 0, or -1 for a bad kind / K, -3 when out of memory. */
+ * x: M rows, leading dimension ldx; y: leading dimension ldy; parts: the activations' parts per
+ * block (gguf_gemv.h). Returns 0, or -1 for a bad kind / K, -3 when out of memory. */
 int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
               int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
-              int64_t num_threads, int64_t one_part) {
+              int64_t num_threads, int64_t parts) {
     if (gguf_gemv_check(kind, K)) return -1;
+    if (parts < GGUF_TWO_PARTS || parts > GGUF_MIXED_PARTS) return -1;
     if (M <= 0 || N <= 0) return 0;
     const size_t bytes = (size_t)gguf_workspace_bytes(M, K);
     void *ws = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!ws) return -3;
     (void)num_threads;
     #pragma omp parallel num_threads(num_threads)
-    gguf_gemv_team(w, kind, N, K, x, ldx, NULL, M, y, ldy, bias, accumulate, ws, one_part);
+    gguf_gemv_team(w, kind, N, K, x, ldx, NULL, M, y, ldy, bias, accumulate, ws, parts);
     free(ws);
     return 0;
 }

@@ -22,12 +22,21 @@
  *
  * Activations: each row, per block of 32, becomes two signed 8-bit parts (gguf_gemv.c,
  * quantize_block): v = x 127 / max|x|, xa = rint(v), xb = rint((v - xa) 256) clamped to +-127, so
- * x ~= dx (256 xa + xb) with dx = max|x| / (127 256): about 15 bits. The gguf-a8 format takes one
- * part, as llama.cpp does (xb = 0, gguf_acts_t.one_part; sx = dx sq, the sum of the quantized
- * values, so the m term's error cancels the d q term's): the same formulas below with every xb
- * zero, so a kernel that skips the xb products gives the bits of one that multiplies the zeros.
- * One part is just outside eval-quality's top-1 bound on the default model, so it is opt-in
- * (figures: docs/benchmarks-notes.md).
+ * x ~= dx (256 xa + xb) with dx = max|x| / (127 256): about 15 bits. How many parts a block keeps
+ * is the activations' `parts` (gguf_acts_t):
+ *   GGUF_TWO_PARTS (the gguf format): every block both parts.
+ *   GGUF_ONE_PART (gguf-a8): one part, as llama.cpp does: every xb = 0 and sx = dx sq, the sum of
+ *       the quantized values, so the m term's error cancels the d q term's.
+ *   GGUF_MIXED_PARTS (gguf-mixed): per block, one part where the second one carries little:
+ *       the block keeps xb (and sx = the float sum) when sum xb^2 >= 8 sum xa^2 (the residual
+ *       holds at least 2^-13 of the block's energy: blocks with an outlier, whose other values
+ *       one part would round away), else it is a one-part block as above. Integers: the choice
+ *       is the same on every build.
+ * The formulas below are the same for every block: a zero xb contributes nothing, so a kernel
+ * that skips the xb products of a block whose xb are all zero (every block with one part, any
+ * block with mixed parts; gguf_xb_zero) gives the bits of one that multiplies the zeros. One part
+ * is just outside eval-quality's top-1 bound on the default model, so it is opt-in; mixed parts
+ * are inside it (figures: docs/benchmarks-notes.md).
  *
  * What every kernel computes, exactly (the same bits on every ISA; tests compare them):
  *   for each of the 16 rows i and each activation row r < R:
@@ -92,19 +101,28 @@ static inline __attribute__((always_inline)) void gguf_prefetch_block(const uint
  * kernels that multiply 16-bit lanes). dx: scale; sx: sum of the block's float x (the m term); sq:
  * 256 sum xa + sum xb (for kernels that store 8-bit weights offset by 128), sq0 the same over
  * j < 16 (kind 18's first half; its second half's is sq - sq0). */
+enum { GGUF_TWO_PARTS = 0, GGUF_ONE_PART = 1, GGUF_MIXED_PARTS = 2 };
 typedef struct {
     const int8_t *xq;
     const int16_t *x16;
     const float *dx, *sx;
     const int32_t *sq, *sq0;
-    int one_part;            /* 1: every xb is 0 (kernels may skip the xb products); 0: two parts */
+    int parts;               /* GGUF_ONE_PART: every xb is 0 (kernels may skip the xb products);
+                                GGUF_MIXED_PARTS: some blocks' xb are (gguf_xb_zero); else two parts */
 } gguf_acts_t;
+
+/* Whether the xb of block b of activation row r are all zero (a one-part block). */
+static inline int gguf_xb_zero(const gguf_acts_t *a, int64_t r, int64_t nb, int64_t b) {
+    uint64_t w[4];
+    memcpy(w, a->xq + (r * nb + b) * 64 + 32, 32);
+    return !(w[0] | w[1] | w[2] | w[3]);
+}
 
 /* The activations of rows r0.. of `a` (nb blocks a row): kernels that take fewer than
  * GGUF_TILE_M rows per pass over a group's weights run the rest from here. */
 static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, int64_t nb) {
     const gguf_acts_t ar = {a->xq + r0 * nb * 64, a->x16 + r0 * nb * 32, a->dx + r0 * nb, a->sx + r0 * nb,
-                            a->sq + r0 * nb, a->sq0 + r0 * nb, a->one_part};
+                            a->sq + r0 * nb, a->sq0 + r0 * nb, a->parts};
     return ar;
 }
 

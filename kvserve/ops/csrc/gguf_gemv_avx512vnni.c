@@ -23,6 +23,16 @@ dot_two_parts(const __m512i q[8], const int8_t *x, const int c0, const int c1, c
     return P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb) : _mm512_slli_epi32(sa, 8);
 }
 
+/* dot_two_parts of row r's block b, with the xb products skipped (P = 1) where mixed parts left
+ * that block one part (gguf_xb_zero): the same integer. */
+static inline __attribute__((always_inline)) __m512i
+dot_row(const __m512i q[8], const gguf_acts_t *a, int64_t r, int64_t nb, int64_t b, const int c0, const int c1,
+        const int P) {
+    const int8_t *x = a->xq + (r * nb + b) * 64;
+    if (P == 2 && a->parts == GGUF_MIXED_PARTS && gguf_xb_zero(a, r, nb, b)) return dot_two_parts(q, x, c0, c1, 1);
+    return dot_two_parts(q, x, c0, c1, P);
+}
+
 /* kind, R and P (activation parts) are constants at every call (gguf_group_dot's switch): one
  * specialized loop each. */
 static inline __attribute__((always_inline)) void
@@ -46,7 +56,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             }
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const __m512 s = _mm512_cvtepi32_ps(dot_two_parts(q, a->xq + rb * 64, 0, 8, P));
+                const __m512 s = _mm512_cvtepi32_ps(dot_row(q, a, r, nb, b, 0, 8, P));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
             }
@@ -59,7 +69,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const __m512i si = _mm512_sub_epi32(dot_two_parts(q, a->xq + rb * 64, 0, 8, P),
+                const __m512i si = _mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 8, P),
                                                     _mm512_set1_epi32(128 * a->sq[rb]));
                 const __m512 s = _mm512_cvtepi32_ps(si);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
@@ -73,10 +83,9 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const int8_t *x = a->xq + rb * 64;
-                const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 0, 4, P),
+                const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 4, P),
                                                                        _mm512_set1_epi32(128 * a->sq0[rb])));
-                const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_two_parts(q, x, 4, 8, P),
+                const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 4, 8, P),
                                                                        _mm512_set1_epi32(128 * (a->sq[rb] - a->sq0[rb]))));
                 const __m512 dx = _mm512_set1_ps(a->dx[rb]);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s0, _mm512_mul_ps(d0, dx)));
@@ -98,7 +107,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
         case 7: group_dot(wg, K, nb, a, 7, P, out); break;                                \
         default: group_dot(wg, K, nb, a, 8, P, out); break;                               \
     }
-#define KIND(K) if (a->one_part) { ROWS(K, 1) } else { ROWS(K, 2) }
+#define KIND(K) if (a->parts == GGUF_ONE_PART) { ROWS(K, 1) } else { ROWS(K, 2) }
 
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     switch (kind) {

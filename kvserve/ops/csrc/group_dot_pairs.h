@@ -3,7 +3,8 @@
  *   static inline __attribute__((always_inline)) void
  *   rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P,
  *            float *out);
- * (R <= 2; P: activation parts, 2, or 1 when a->one_part) and this runs it over the rows in pairs,
+ * (R <= 2; P: activation parts, 2, or 1 when every block has one: a->parts == GGUF_ONE_PART) and
+ * this runs it over the rows in pairs,
  * with R, P and the kind as constants in every call: one specialized loop each, the sums in
  * registers. Rows past the first pair re-read the
  * group's weights from L1 (they are a few KB). Used by the AVX2 and AVX-VNNI kernels (16 vector
@@ -12,7 +13,7 @@
 #define KVSERVE_GROUP_DOT_PAIRS_H
 
 #define PAIRS_R(K, P) (R == 2 ? rows_dot(wg, K, nb, a, 2, P, out) : rows_dot(wg, K, nb, a, 1, P, out))
-#define PAIRS_KIND(K) (a->one_part ? PAIRS_R(K, 1) : PAIRS_R(K, 2))
+#define PAIRS_KIND(K) (a->parts == GGUF_ONE_PART ? PAIRS_R(K, 1) : PAIRS_R(K, 2))
 
 static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     switch (kind) {

@@ -18,8 +18,9 @@
  *
  * Every linear is a GGUF-packed weight (gguf_gemv.c): prompt tokens (prompt[t] != 0) go through
  * its float32 GEMM, the others (decodes) through its integer GEMV. With activations as one 8-bit
- * part (act_one_part: the gguf-a8 format, llama.cpp's precision) every token takes the integer
- * GEMV, which then does twice the float32 GEMM's work per cycle. Activations and norms are
+ * part per block (act_parts GGUF_ONE_PART: the gguf-a8 format, llama.cpp's precision) or one or
+ * two by block (GGUF_MIXED_PARTS: gguf-mixed; gguf_gemv.h) every token takes the integer GEMV,
+ * which then does up to twice the float32 GEMM's work per cycle. Activations and norms are
  * float32, the KV pool float32, IEEE half or int8 rows with a scale (kv_format.h). Each
  * token's numbers are computed on their own, in a fixed order, and its kernels depend only on whether it is a prompt
  * token: the output does not depend on the other tokens of the batch, the thread count or the
@@ -31,6 +32,7 @@
 #include <string.h>
 
 #include "fixed_math.h"
+#include "gguf_gemv.h"
 #include "half.h"
 #include "kv_format.h"
 
@@ -42,11 +44,11 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
                         int64_t accumulate, void *ws);
 void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                     const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
-                    int64_t accumulate, void *ws, int64_t one_part);
-void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src, int64_t one_part);
+                    int64_t accumulate, void *ws, int64_t parts);
+void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src, int64_t parts);
 void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const int64_t *rows, int64_t M,
                               float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws,
-                              int64_t one_part);
+                              int64_t parts);
 void paged_attention_team(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *qrow, const int64_t *qseq, const int64_t *tables, int64_t table_stride,
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
@@ -68,7 +70,7 @@ typedef struct {
     const float *norm;                               /* final RMSNorm [hidden] */
     const float *cos, *sin;                          /* [max_positions][head_dim], sin signed */
     const stack_layer_t *layers;
-    int64_t act_one_part;          /* 1: activations as one 8-bit part (gguf-a8), every token on the GEMV */
+    int64_t act_parts;             /* the activations' parts (gguf_gemv.h); not GGUF_TWO_PARTS: every token on the GEMV */
 } stack_model_t;
 
 #define LANES 8
@@ -128,7 +130,7 @@ static void store_kv(void *pool, int64_t slot, const float *x, int64_t kv_heads,
 }
 
 /* The rows of one linear: prompt tokens through the float32 GEMM, the others (decodes; every
- * token with one_part) through the integer GEMV (gguf_gemv.h). A token's path depends only on
+ * token unless the activations have two parts) through the integer GEMV (gguf_gemv.h). A token's path depends only on
  * whether it is a prompt token, never on the batch: its numbers stay independent of what else
  * shares the step. */
 typedef struct {
@@ -136,17 +138,17 @@ typedef struct {
     const int64_t *i_index;        /* token t's position in i_rows; -1: t takes the float32 GEMM */
     int64_t nf, ni;
     void *ws_f, *ws_i;
-    int64_t one_part;
+    int64_t parts;
 } row_split_t;
 
-/* Whether token t's linears take the float32 GEMM: prompt tokens, unless activations are one part. */
+/* Whether token t's linears take the float32 GEMM: prompt tokens, when activations have two parts. */
 static inline int via_f32(const stack_model_t *m, const uint8_t *prompt, int64_t t) {
-    return prompt[t] && !m->act_one_part;
+    return prompt[t] && m->act_parts == GGUF_TWO_PARTS;
 }
 
 static void linear(const row_split_t *rs, const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x,
                    int64_t ldx, float *y, int64_t ldy, const float *bias, int64_t accumulate) {
-    if (rs->ni) gguf_gemv_team(w, kind, N, K, x, ldx, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i, rs->one_part);
+    if (rs->ni) gguf_gemv_team(w, kind, N, K, x, ldx, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i, rs->parts);
     if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
 }
 
@@ -156,14 +158,14 @@ static void linear_quantized(const row_split_t *rs, const uint8_t *w, int64_t ki
                              const float *x, int64_t ldx, float *y, int64_t ldy, const float *bias,
                              int64_t accumulate) {
     if (rs->ni) gguf_gemv_quantized_team(w, kind, N, K, rs->i_rows, rs->ni, y, ldy, bias, accumulate, rs->ws_i,
-                                         rs->one_part);
+                                         rs->parts);
     if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
 }
 
 /* Block b of token t's row of K floats (src), quantized for the next linear when t takes the GEMV
  * (the float32 GEMM reads x itself). */
 static inline void quantize_row_block(const row_split_t *rs, int64_t t, int64_t K, int64_t b, const float *src) {
-    if (rs->i_index[t] >= 0) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src, rs->one_part);
+    if (rs->i_index[t] >= 0) gguf_quantize_block(rs->ws_i, rs->ni, K, rs->i_index[t], b, src, rs->parts);
 }
 
 /* A phase of the step (call it from every thread of the region): x = rmsnorm(h) * w for every
@@ -177,7 +179,7 @@ static void norm_and_quantize(const row_split_t *rs, int64_t T, const float *h, 
     }
 }
 
-/* Returns 0, -1 for a weight of a bad kind or shape, -3 when out of memory. out: [n_out][hidden],
+/* Returns 0, -1 for a weight of a bad kind or shape (or bad act_parts), -3 when out of memory. out: [n_out][hidden],
  * the final-normed states of rows out_rows[0..n_out).
  * One OpenMP parallel region runs the whole step: each phase is an `omp for` over tokens, row
  * groups or attention tasks, with the barrier at its end (no fork/join per kernel). */
@@ -187,6 +189,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     const int64_t H = m->hidden, D = m->head_dim, qs = m->num_heads * D, kvs = m->kv_heads * D;
     const int64_t nqkv = qs + 2 * kvs, I = m->intermediate;
     const float eps = (float)m->eps;
+    if (m->act_parts < GGUF_TWO_PARTS || m->act_parts > GGUF_MIXED_PARTS) return -1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const stack_layer_t *L = &m->layers[l];
         if (gguf_gemv_check(L->qkv_kind, H) || gguf_gemv_check(L->o_kind, qs) ||
@@ -209,7 +212,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     int64_t *i_index = malloc(sizeof(int64_t) * T);
     int rc = -3;
     if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws || !ws_f || !f_rows || !i_rows || !i_index) goto done;
-    row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws, m->act_one_part != 0};
+    row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws, m->act_parts};
     for (int64_t t = 0; t < T; t++) {
         if (via_f32(m, prompt, t)) {
             f_rows[rs.nf++] = t;

@@ -15,7 +15,7 @@
  * It also checks every output against a double-precision sum of the dequantized weights times x:
  * |y - ref| <= 2^-12 sum_k |w_k x_k| + 2^-14 sum_k (|d q_k| + |m|) max|x of k's block| (the
  * activations' rounding: about 2^-15 of the block's max |x| per weight piece, 2^-8 with one
- * 8-bit part (gguf-a8), whose GEMV runs too; float32 GEMM:
+ * 8-bit part (gguf-a8) or mixed parts (gguf-mixed), whose GEMVs run too; float32 GEMM:
  * K 2^-24 sum_k |w_k x_k|) (+ 2^-20 (|bias| + |y before|)); exit status 1 if not.
  *
  * Build, e.g.: cc -O2 -ffp-contract=off -I kvserve/ops/csrc tests/unit/csrc/gemv_check.c
@@ -32,7 +32,7 @@
 /* gguf_gemv.c's entry points (no header declares them). */
 int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
               int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
-              int64_t num_threads, int64_t one_part);
+              int64_t num_threads, int64_t parts);
 int gguf_gemm_f32(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float *x, int64_t ldx,
                   int64_t M, float *y, int64_t ldy, const float *bias, int64_t accumulate,
                   int64_t num_threads);
@@ -191,11 +191,12 @@ int main(int argc, char **argv) {
                 for (int k = 32; k < 64; k++) x[ldx + k] = 0.f;         /* an all-zero block */
             for (int64_t i = 0; i < M * ldy; i++) y0[i] = uniform() * 4;
             for (int64_t n = 0; n < N; n++) bias[n] = uniform();
-          for (int mode = 0; mode < 3; mode++) {   /* two-part GEMV, one-part GEMV (gguf-a8), float32 GEMM */
-            const int f32 = mode == 2, one = mode == 1;
+          for (int mode = 0; mode < 4; mode++) {   /* two-part GEMV, one-part (gguf-a8), float32 GEMM, mixed parts */
+            const int f32 = mode == 2, one = mode == 1 || mode == 3;
+            const int parts = mode == 1 ? GGUF_ONE_PART : mode == 3 ? GGUF_MIXED_PARTS : GGUF_TWO_PARTS;
             memcpy(y, y0, sizeof(float) * (size_t)(M * ldy));
             const int rc = f32 ? gguf_gemm_f32(w, kind, N, K, x, ldx, M, y, ldy, sh.bias ? bias : NULL, sh.accumulate, 1)
-                               : gguf_gemv(w, kind, N, K, x, ldx, M, y, ldy, sh.bias ? bias : NULL, sh.accumulate, 1, one);
+                               : gguf_gemv(w, kind, N, K, x, ldx, M, y, ldy, sh.bias ? bias : NULL, sh.accumulate, 1, parts);
             if (rc != 0) { printf("case %d: %s returned %d\n", ncase, f32 ? "gguf_gemm_f32" : "gguf_gemv", rc); failed = 1; }
 
             uint64_t h = 0xcbf29ce484222325ull;
@@ -236,7 +237,7 @@ int main(int argc, char **argv) {
                     if (ratio > worst) worst = ratio;
                 }
             failed |= !ok;
-            printf("case %2d %s kind %2d%s N %3lld K %4lld M %2lld: %016llx", ncase, f32 ? "f32 " : one ? "gem1" : "gemv",
+            printf("case %2d %s kind %2d%s N %3lld K %4lld M %2lld: %016llx", ncase, f32 ? "f32 " : mode == 3 ? "gemx" : one ? "gem1" : "gemv",
                    kind, kind == GGUF_Q4 || kind == GGUF_K8 ? (variant == 0 || variant == 5 ? "/0" : "/m") : "  ", (long long)N, (long long)K, (long long)M,
                    (unsigned long long)h);
             for (int64_t i = 0; i < (all ? M * ldy : 4); i++) printf(" %08x", bits(y[i]));
