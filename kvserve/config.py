@@ -410,11 +410,11 @@ def add_engine_args(parser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: %(default)s; bf16 is slower on AVX2 CPUs)")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-mixed"],
-                   help="weight format (default: the loader's fastest accurate format, gguf for GGUF files). "
-                        "gguf-a8: the GGUF blocks with activations as one 8-bit part per block, as llama.cpp "
-                        "runs them: faster batches and prompts, less accurate than gguf; gguf-mixed: one part "
-                        "except in the blocks an outlier needs two, near gguf-a8's speed within the quality "
-                        "bound (docs/benchmarks.md)")
+                   help="weight format (default: the loader's fastest format within the quality bound, gguf-mixed "
+                        "for GGUF files). gguf: the GGUF blocks with activations as two 8-bit parts per block "
+                        "(~15 bits, slower batches and prompts); gguf-a8: one part per block, as llama.cpp runs "
+                        "them; gguf-mixed: one part except in the blocks an outlier needs two "
+                        "(docs/benchmarks.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap (default: the model's own)")
     g.add_argument("--kv-cache-memory", default=None,

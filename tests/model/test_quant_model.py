@@ -162,12 +162,12 @@ def test_c_layer_stack_matches_the_pytorch_layers(models):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_engine_greedy_equals_pytorch_path(models, default_gguf, prompt):
     """The engine (every step through the C layer stack) and greedy decoding through the model's
-    PyTorch forward pick the same tokens."""
+    PyTorch forward pick the same tokens, in the gguf format."""
     from kvserve import LLM, SamplingParams
     lm = models["gguf"]
     ids = lm.tokenizer.encode(prompt)
     plain = greedy(lm, ids, STEPS)
-    llm = LLM(default_gguf, kv_cache_memory="32MiB", max_model_len=512)
+    llm = LLM(default_gguf, kv_cache_memory="32MiB", max_model_len=512, quantization="gguf")
     if llm.engine.runner.layer_stack is None:
         pytest.skip("no C layer stack on this machine")
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),

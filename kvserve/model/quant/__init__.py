@@ -24,10 +24,11 @@ per format:
            instead of two: half the integer work per token, and prompt tokens take the integer
            GEMV too; outside eval-quality's bound on the default model (docs/benchmarks-notes.md),
            so never the default. Without the C kernels it falls back as gguf does.
-    gguf-mixed  gguf with the activations as one 8-bit part per block, except the blocks whose
-           second part carries at least 2^-13 of the block's energy (an outlier's block; about 7%
-           on the default model): near gguf-a8's work, prompt tokens on the integer GEMV too, and
-           well inside eval-quality's bound. Falls back as gguf does.
+    gguf-mixed  (the default for GGUF files) gguf with the activations as one 8-bit part per
+           block, except the blocks whose second part carries at least 2^-13 of the block's
+           energy (an outlier's block; about 7% on the default model): near gguf-a8's work,
+           prompt tokens on the integer GEMV too, and inside eval-quality's bound. Falls back as
+           gguf does.
 
 blocks.py holds BlockTensor (GGUF blocks not dequantized), base.py the shard staging all packed
 formats share. The default for GGUF models is the fastest format within the quality bound of
@@ -123,13 +124,13 @@ KEEP_BLOCKS = {"int4": _q4_types(), **{fmt: _packable_types() for fmt in GGUF_FO
 
 # The default for GGUF models: the fastest format within the quality bound of `kvserve eval-quality`
 # (the figures: docs/benchmarks-notes.md, "Weight formats in kvserve.model.quant").
-DEFAULT_GGUF = "gguf"
+DEFAULT_GGUF = "gguf-mixed"     # 98.25% top-1, +0.14% ppl; gguf: 99.98%, +0.00%, slower batches and prompts
 
 DESCRIPTION = {
     "none": "dense weights in the model dtype, GGUF blocks dequantized",
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, LM head included",
-    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q8_0 and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size",
+    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q8_0 and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size, activations as two 8-bit parts per block (the most accurate)",
     "gguf-a8": "gguf with activations as one 8-bit part per block (llama.cpp's precision): faster batches and prompts, less accurate",
     "gguf-mixed": "gguf with activations as one 8-bit part per block except where an outlier needs the second: near gguf-a8's speed, within the quality bound",
 }
