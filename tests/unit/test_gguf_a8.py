@@ -13,6 +13,8 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.model.quant import BlockTensor, pack_gguf_rows
 from kvserve.ops import cpu_kernels
@@ -147,3 +149,23 @@ def test_parts_are_for_the_integer_gemv_only():
         cpu_kernels.gguf_gemv(packed, kind, 16, torch.randn(2, 64), f32=True, parts="one")
     with pytest.raises(ValueError, match="parts"):
         cpu_kernels.gguf_gemv(packed, kind, 16, torch.randn(2, 64), parts="three")
+
+
+_block = st.lists(st.floats(-4.0, 4.0, width=32), min_size=32, max_size=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(_block, _block, st.integers(0, 63), st.floats(0.0, 200.0, width=32)),
+                     min_size=1, max_size=3))
+def test_mixed_parts_match_the_contract_on_any_blocks(rows):
+    """Fuzzed rows of two blocks, each with one value set to an outlier of any size (0: none): the
+    mixed quantizer's per-block choice and the GEMV give numpy's contract bit for bit on every
+    build, whichever side of the 8 sum xa^2 line a block falls."""
+    bt, packed, kind = weights(Q.Q4_1, 16, 64, seed=11)
+    x = torch.tensor([a + b for a, b, _, _ in rows], dtype=torch.float32)
+    for r, (_, _, at, big) in enumerate(rows):
+        x[r, at] = big
+    want = torch.from_numpy(reference_parts(bt, x, "mixed"))
+    for isa in HOST_ISAS:
+        _lib_or_skip(isa)
+        assert torch.equal(cpu_kernels.gguf_gemv(packed, kind, 16, x, isa=isa, parts="mixed"), want), isa
