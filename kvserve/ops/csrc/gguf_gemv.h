@@ -45,7 +45,7 @@
  *       kinds 4, 8, 14:
  *         s   = sum_j q_ij (256 xa_rj + xb_rj)          integers, exact in int32
  *         acc = acc + (float)s * (d_i * dx_rb)           float32, rounded after each operation
- *         kinds 4, 14: acc = acc + m_i * sx_rb           sx: the float sum of the block's x (one part: dx sq)
+ *         kinds 4, 14: acc = acc + m_i * sx_rb           sx: the float sum of the block's x (a one-part block: dx sq)
  *       kind 18:
  *         s0  = sum_{j<16} q_ij (256 xa_rj + xb_rj),  s1 = the same over j >= 16
  *         acc = acc + (float)s0 * (d0_i * dx_rb)
