@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvserve.model.quant import BlockTensor, pack_gguf_rows
 from kvserve.ops import cpu_kernels
-from tests.unit.test_gguf_gemv import quantize_block_np
+from tests.unit.test_gguf_gemv import outlier_blocks, quantize_block_np
 from tests.unit.test_gguf_kquants import random_blocks
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -91,12 +91,7 @@ def reference_parts(bt: BlockTensor, x: torch.Tensor, parts: str) -> np.ndarray:
 def outlier_rows(m, k, seed):
     """acts() with an outlier block or two in every row, at different blocks in different rows
     (mixed parts give those blocks two parts, the rest one)."""
-    x = acts(m, k, seed)
-    g = torch.Generator().manual_seed(seed)
-    for r in range(m):
-        for b in torch.randint(0, k // 32, (2,), generator=g).tolist():
-            x[r, 32 * b + (7 * r) % 32] = 25.0 * (1 + r % 3)
-    return x
+    return outlier_blocks(acts(m, k, seed), seed)
 
 
 @pytest.mark.parametrize("parts", ["one", "mixed"])

@@ -39,6 +39,16 @@ def acts(m, k, seed=1):
     return x
 
 
+def outlier_blocks(x, seed):
+    """x with an outlier in two blocks of every row, at different blocks in different rows (mixed
+    parts give those blocks two parts, the rest one); in place, returned."""
+    g = torch.Generator().manual_seed(seed)
+    for r in range(x.shape[0]):
+        for b in torch.randint(0, x.shape[1] // 32, (2,), generator=g).tolist():
+            x[r, 32 * b + (7 * r) % 32] = 25.0 * (1 + r % 3)
+    return x
+
+
 def weights(qtype, n, k, seed=0):
     bt = blocks(qtype, n, k, seed)
     packed, kind = pack_gguf_rows(bt)
@@ -157,11 +167,8 @@ def test_every_isa_gives_the_portable_bits(qtype, isa, parts):
     for n, k, m in ((37, 32, 9), (5, 64, 17), (100, 576, 8), (21, 1536, 5), (16, 576, 3)):
         _, packed, kind = weights(qtype, n, k, seed=n + k)
         x = acts(m, k, seed=k)
-        if parts == "mixed":          # outlier blocks (two parts) at different blocks in different rows
-            g = torch.Generator().manual_seed(m + k)
-            for r in range(m):
-                for b in torch.randint(0, k // 32, (2,), generator=g).tolist():
-                    x[r, 32 * b + r % 32] = 30.0 * (1 + r)
+        if parts == "mixed":
+            outlier_blocks(x, seed=m + k)
         want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", parts=parts)
         got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, parts=parts)
         assert torch.equal(got, want), (n, k, m, (got - want).abs().max())
