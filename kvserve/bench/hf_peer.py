@@ -17,14 +17,26 @@ def hf_available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def load_hf(gguf: str, threads: int):
-    """AutoModelForCausalLM from the GGUF (dequantized to fp32), eval mode, `threads` torch threads."""
+def peer_device(device: str, dtype: str) -> tuple[str, str]:
+    """The device and dtype the peer runs with: kvserve's own (--device auto: cuda when torch sees
+    one; --dtype auto: bfloat16 on cuda, float32 on cpu), so both engines compute alike."""
+    import torch
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
+def load_hf(gguf: str, threads: int, device: str = "cpu", dtype: str = "float32"):
+    """AutoModelForCausalLM from the GGUF (dequantized to `dtype`) on `device`, eval mode,
+    `threads` torch threads."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
     p = Path(gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=getattr(torch, dtype))
+    return model.to(device).eval()
 
 
 def _pad_id(model) -> int:
@@ -50,8 +62,10 @@ def generate_batch(model, batch: list[BenchRequest], max_new: int | None = None)
         ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
         mask[i, width - len(r.prompt_ids):] = 1
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                             do_sample=False, pad_token_id=pad)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=pad)
+    if out.is_cuda:
+        torch.cuda.synchronize()
     return [out.shape[1] - width] * len(batch)
 
 

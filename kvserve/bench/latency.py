@@ -82,7 +82,8 @@ def run_kvserve(args, req: BenchRequest) -> dict:
         m = out.metrics
         samples.append(_sample(prefill, m.first_token_time - m.arrival_time, m.last_token_time - m.first_token_time,
                                e2e, len(out.outputs[0].token_ids)))
-    config = {"dtype": args.dtype, "quantization": llm.engine.quantization, "steps": llm.engine.step_path}
+    config = {"dtype": llm.engine.config.model.dtype, "device": llm.engine.config.device,
+              "quantization": llm.engine.quantization, "steps": llm.engine.step_path}
     del llm
     gc.collect()
     return {"engine": "kvserve", "mode": "offline", "config": config, "samples": samples,
@@ -90,8 +91,9 @@ def run_kvserve(args, req: BenchRequest) -> dict:
 
 
 def run_hf(args, req: BenchRequest, gguf: str) -> dict:
-    from kvserve.bench.hf_peer import load_hf, time_single
-    model = load_hf(gguf, threads(args))
+    from kvserve.bench.hf_peer import load_hf, peer_device, time_single
+    device, dtype = peer_device(args.device, args.dtype)
+    model = load_hf(gguf, threads(args), device, dtype)
     time_single(model, BenchRequest(req.prompt_ids, 4), 4)  # warm-up
     samples = []
     for _ in range(args.repeat):
@@ -100,7 +102,7 @@ def run_hf(args, req: BenchRequest, gguf: str) -> dict:
         samples.append(_sample(prefill, prefill, e2e - prefill, e2e, req.max_tokens))
     del model
     gc.collect()
-    return {"engine": "hf", "mode": "offline", "config": {"dtype": "float32"}, "samples": samples,
+    return {"engine": "hf", "mode": "offline", "config": {"dtype": dtype, "device": device}, "samples": samples,
             "summary": summarize_runs(samples)}
 
 

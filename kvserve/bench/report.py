@@ -36,12 +36,16 @@ def x(r: float) -> str:
 def engine_label(run: dict) -> str:
     cfg = run.get("config") or {}
     if run["engine"] == "hf":
-        return "hf transformers, fp32" + (f", static batch {cfg['batch_size']}" if cfg.get("batch_size") else "")
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(cfg.get("dtype"), "fp32")
+        on = f" on {cfg['device']}" if cfg.get("device", "cpu") != "cpu" else ""
+        return f"hf transformers, {dtype}{on}" + (f", static batch {cfg['batch_size']}" if cfg.get("batch_size") else "")
     if run["engine"] == "llamacpp":
         return f"llama.cpp ({cfg.get('server', '?')}, {cfg.get('slots', '?')} slot(s))"
     if run["engine"] == "vllm":
         return f"vLLM {cfg.get('version', '?')} CPU, float32 copy, max_num_seqs {cfg.get('max_num_seqs', '?')}"
     parts = [cfg[k] for k in ("quantization", "dtype") if cfg.get(k)]
+    if cfg.get("device", "cpu") != "cpu":
+        parts.append(f"on {cfg['device']}")
     if cfg.get("prefix_caching") is False:
         parts.append("no prefix caching")
     return "kvserve" + (f" ({', '.join(parts)})" if parts else "")
@@ -225,9 +229,42 @@ def section_spec(res: dict) -> list[str]:
     return out
 
 
+def section_gpu_kernels(res: dict) -> list[str]:
+    """The Triton attention kernels against the device's copy bandwidth, and decode steps
+    (scripts/gpu_kernels.py)."""
+    out = []
+    if res.get("attention"):
+        out += [f"{res['device']}, device-to-device copy {res['copy_gb_per_s']} GB/s (read + write). Kernel times "
+                f"are per call in a replayed CUDA graph (as captured decode steps run them); the eager column is "
+                f"one call from Python, launch included.", ""]
+        dec = [r for r in res["attention"] if r["kernel"] == "decode"]
+        out.append(md_table(["decode: seqs x context", "heads q/kv x dim", "KV", "splits", "us", "eager us",
+                             "GB/s", "of copy"],
+                            [[f"{r['seqs']} x {r['context']}", r["heads"], r["kv_dtype"], r["splits"], r["us"],
+                              r.get("eager_call_us", "-"), r["gb_per_s"], pct(r["of_copy_bandwidth"])] for r in dec]))
+        pre = [r for r in res["attention"] if r["kernel"] == "prefill"]
+        out += ["", md_table(["prefill (causal): seqs x tokens", "heads q/kv x dim", "us", "TFLOP/s",
+                              "torch SDPA on contiguous K/V, us"],
+                             [[f"{r['seqs']} x {r['context']}", r["heads"], r["us"], r["tflop_per_s"],
+                               r["torch_sdpa_contiguous_us"]] for r in pre])]
+    if res.get("note"):
+        out += ["", f"Note: {res['note']}."]
+    if res.get("decode_steps"):
+        fams = sorted({f for r in res["decode_steps"] for f in r.get("gpu_ms_per_step_by_kernel_family", {})})
+        out += ["", "Decode steps of the engine (default model, 512-token prompts): wall time per step with CUDA "
+                "graphs and eagerly, and the eager step's GPU time by kernel family (torch.profiler).", "",
+                md_table(["batch", "step ms (graphs)", "step ms (eager)", "GPU ms"] + [f"{f} ms" for f in fams],
+                         [[r["batch"], r.get("step_ms_graphs", "-"), r.get("step_ms_eager", "-"),
+                           r.get("gpu_ms_per_step", "-")]
+                          + [r.get("gpu_ms_per_step_by_kernel_family", {}).get(f, "-") for f in fams]
+                          for r in res["decode_steps"]])]
+    return out
+
+
 SECTIONS = {"roofline": "Hardware limits (roofline)", "latency": "Latency", "throughput": "Offline throughput",
             "serve": "Serving load", "soak": "Soak: fault isolation under load",
-            "structured": "Structured output", "spec": "Speculative decoding"}
+            "structured": "Structured output", "spec": "Speculative decoding",
+            "gpu-kernels": "GPU kernels and decode steps"}
 
 
 def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
@@ -241,8 +278,8 @@ def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
     machines = {json.dumps(r["machine"], sort_keys=True): r["machine"] for _, r in results}
     lines += ["## Machines and versions", ""]
     for m in machines.values():
-        lines.append(f"- {m['cpu']}, {m['cores']} cores, {m.get('memory_gib')} GiB, SIMD {', '.join(m.get('simd', []))}; "
-                     f"{m.get('os')}; Python {m.get('python')}")
+        lines.append(f"- {m['cpu']}, {m['cores']} cores, {m.get('memory_gib')} GiB, SIMD {', '.join(m.get('simd', []))}"
+                     + (f"; GPU {m['gpu']}" if m.get("gpu") else "") + f"; {m.get('os')}; Python {m.get('python')}")
     vers = {json.dumps(r["versions"], sort_keys=True): r["versions"] for _, r in results}
     for v in vers.values():
         lines.append("- " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
@@ -269,6 +306,8 @@ def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
                 lines += section_structured(r)
             elif kind == "spec":
                 lines += section_spec(r)
+            elif kind == "gpu-kernels":
+                lines += section_gpu_kernels(r)
             else:
                 lines += section_roofline(r)
     return "\n".join(lines) + "\n"

@@ -127,7 +127,8 @@ def cache_figures(times: list[float], prompt_tokens: int, cached_tokens: int) ->
 
 
 def _kvserve_config(args, llm) -> dict:
-    return {"dtype": args.dtype, "quantization": llm.engine.quantization,
+    return {"dtype": llm.engine.config.model.dtype, "device": llm.engine.config.device,
+            "steps": llm.engine.step_path, "quantization": llm.engine.quantization,
             "prefix_caching": not args.no_prefix_caching,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
 
@@ -214,16 +215,17 @@ def run_multiturn(args, convs: list[Conversation], output_len: int) -> dict:
 
 
 def run_hf(args, reqs: list[BenchRequest], gguf: str) -> dict:
-    from kvserve.bench.hf_peer import generate_batch, load_hf, run_static
+    from kvserve.bench.hf_peer import generate_batch, load_hf, peer_device, run_static
     t0 = time.perf_counter()
-    model = load_hf(gguf, threads(args))
+    device, dtype = peer_device(args.device, args.dtype)
+    model = load_hf(gguf, threads(args), device, dtype)
     load_s = time.perf_counter() - t0
     generate_batch(model, [BenchRequest(reqs[0].prompt_ids[:8], 4)])  # warm-up
     r = run_static(model, reqs, args.hf_batch_size, progress=not args.no_progress)
     inp, useful = _counts(reqs)
     del model
     gc.collect()
-    return {"engine": "hf", "load_s": load_s, "config": {"dtype": "float32", "batch_size": args.hf_batch_size,
+    return {"engine": "hf", "load_s": load_s, "config": {"dtype": dtype, "device": device, "batch_size": args.hf_batch_size,
                                                          "padding": "left", "batching": "static"},
             "metrics": throughput_report(len(reqs), inp, r["generated_tokens"], useful, r["elapsed"])}
 

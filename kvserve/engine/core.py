@@ -41,6 +41,7 @@ from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner import pipeline_parallel, tensor_parallel
+from kvserve.runner.device import activation_bytes, cuda_available, cuda_kv_budget
 from kvserve.runner.ranks import RankLost
 from kvserve.runner.model_runner import ModelRunner, SampledToken, StepOutput
 from kvserve.runner.sampler import TokenLogprobs
@@ -98,7 +99,7 @@ def run_rank(config: EngineConfig) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        config = self.config = config.on_device(cuda_available(config.device))
         torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
         # Tensor parallelism: the other ranks start first and load their shards while this
@@ -117,7 +118,7 @@ class EngineCore:
             self.ranks = tensor_parallel.start(config)
         elif config.pipeline_parallel_size > 1:
             self.ranks = pipeline_parallel.start(config)
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, config.device)
         self.load_seconds = time.perf_counter() - t0
         self.model_path = loaded.path
         self.quantization = loaded.quantization
@@ -133,6 +134,10 @@ class EngineCore:
         # proportion to its bytes per token: it holds as many blocks as the target's.
         draft = load_draft(config.speculative, loaded, config) if config.speculative is not None else None
         cache = config.cache
+        if config.device != "cpu" and cache.kv_cache_memory is None and cache.num_blocks_override is None:
+            reserve = activation_bytes(arch, config.scheduler, DTYPE_BYTES[config.model.dtype])
+            cache = replace(cache, kv_cache_memory=cuda_kv_budget(config.device, config.gpu_memory_utilization,
+                                                                  reserve))
         if draft is not None:
             draft_bytes = KVShape(draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim,
                                   DTYPE_BYTES[kv_dtype], KV_SCALE_BYTES.get(kv_dtype, 0)).bytes_per_token
@@ -223,6 +228,10 @@ class EngineCore:
         if self.ranks is not None:
             kind = "pipeline stages" if self.config.pipeline_parallel_size > 1 else "tensor-parallel ranks"
             return f"PyTorch forward, {self.ranks.world} {kind} (gloo)"
+        if self.runner.gpu_attention:
+            graphs = self.runner.graphs
+            return (f"PyTorch forward on {self.config.device}, Triton attention, "
+                    + (f"CUDA graphs for decode batches up to {graphs.max_batch}" if graphs else "no CUDA graphs"))
         return f"C layer stack, {stack.isa} kernels" if stack is not None else "PyTorch forward"
 
     # ---- requests in ----

@@ -131,12 +131,24 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kvserve.ops import triton_norm      # triton: imported only where it runs
+            return triton_norm.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)   # one fused op, same math
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, norm(residual + delta)): the residual add and the next norm, one
+        kernel on the GPU."""
+        if residual.is_cuda:
+            from kvserve.ops import triton_norm
+            return triton_norm.add_rms_norm(residual, delta, self.weight, self.eps)
+        h = residual + delta
+        return h, self(h)
 
 
 class GatedMLP(nn.Module):
@@ -221,14 +233,22 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin of a step's positions: [T, 1, head_dim] each, in `dtype`."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """The step's rotation, shared by every layer: cos and signed sin of its positions,
+        [T, 1, head_dim] each in `dtype`; on the GPU (cached tables) the positions and the
+        float32 tables themselves, which the Triton kernel reads in place."""
+        if positions.is_cuda and self.cos is not None:
+            return self.cos, self.sin, positions
         cos, sin = (self.cos[positions], self.sin[positions]) if self.cos is not None else self._rows(positions)
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def apply(x: torch.Tensor, tables: tuple) -> torch.Tensor:
         """x: [T, H, D] -> x rotated by its token's position (a new tensor)."""
+        if len(tables) == 3:
+            from kvserve.ops import triton_norm
+            cos, sin, positions = tables
+            return triton_norm.rope(x, positions, cos, sin)
         cos, sin = tables
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -59,8 +59,9 @@ class DecoderLayer(nn.Module):
         self.mlp = swiglu_mlp(arch, dtype)
 
     def forward(self, rope, h, meta, k_cache, v_cache):
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_and_norm(
+            h, self.self_attn(rope, self.input_layernorm(h), meta, k_cache, v_cache))
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(TiedHeadMixin, nn.Module):

@@ -20,7 +20,7 @@ log = logging.getLogger("kvserve.model")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The torch dtype of each canonical dtype name of kvserve.config (the one such table).
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "int8": torch.int8}
+                "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -49,7 +49,9 @@ def torch_dtype(name: str, accepted: tuple[str, ...] = DTYPES) -> torch.dtype:
     return TORCH_DTYPES[canonical_dtype(name, accepted)]
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
+def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
+    """Read the weights (on the CPU, in cfg.dtype and the weight format) and move the model to
+    `device` (cuda: float weights only, dequantized once here)."""
     t0 = time.perf_counter()
     path = cfg.model or default_model_path()
     dtype = torch_dtype(cfg.dtype, MODEL_DTYPES)
@@ -91,7 +93,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if missing:
         raise ValueError(f"{path}: missing weights {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     model.eval()
-    log.info("weights: %s (%s)", fmt, quant.DESCRIPTION[fmt])
+    if device != "cpu":
+        model.to(device)
+    log.info("weights: %s (%s)%s", fmt, quant.DESCRIPTION[fmt], "" if device == "cpu" else f" on {device}")
     return LoadedModel(model, arch, tokenizer, path, dtype, time.perf_counter() - t0, fmt)
 
 

@@ -38,6 +38,8 @@ class AttentionMetadata:
     plan: dict = field(default_factory=dict, repr=False, compare=False)
     # Several KV groups: the metadata of each layer's group, by layer (None: one group, this one).
     layers: list["AttentionMetadata"] | None = field(default=None, repr=False, compare=False)
+    # The same step as the Triton kernels read it (GpuPlan: device tensors); set, attention runs there.
+    gpu: "GpuPlan | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -49,13 +51,25 @@ class AttentionMetadata:
         return self if self.layers is None else self.layers[layer]
 
 
+# An fp8 (e4m3) pool stores value / FP8_KV_SCALE, clamped to e4m3's range: one per-tensor scale,
+# 1.0 as vLLM takes it without calibration (e4m3 spans 2^-9..448 with 3 mantissa bits).
+FP8_KV_SCALE = 1.0
+FP8_MAX = 448.0
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' keys and values ([T, Hkv, D]) at their slots in the pool (an int8
-    pool gets quantized rows: kvserve.ops.kv_int8)."""
+    pool gets quantized rows: kvserve.ops.kv_int8; an fp8 pool scaled e4m3 values)."""
     nb, bs, h, d = k_cache.shape
     if k_cache.dtype == torch.int8:
         k, v = kv_int8.quantize(k), kv_int8.quantize(v)
+    elif k_cache.dtype == torch.float8_e4m3fn:      # index_copy_ has no fp8 kernel: copy the bytes
+        def fp8_bytes(x):
+            return (x.float() / FP8_KV_SCALE).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        k_cache.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, fp8_bytes(k))
+        v_cache.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, fp8_bytes(v))
+        return
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -96,6 +110,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     K/V in place from the pool, or else in one SDPA call over their gathered blocks (context
     padded and masked). Prompt chunks run one SDPA call each.
     """
+    if meta.gpu is not None:
+        return gpu_paged_attention(q, k_cache, v_cache, meta.gpu, scale, sliding_window)
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
     plan = decode_plan(meta, sliding_window, q.device)
     if plan is not None and cpu_kernels.supports(q, k_cache, v_cache):
@@ -136,6 +152,64 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[qsl[b]:qsl[b + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+@dataclass
+class GpuPlan:
+    """One step as the Triton kernels (kvserve/ops/triton_attention.py) read it: int32 tensors on
+    the device, built once per step (gpu_plan) or held as static buffers by a captured CUDA graph.
+    Single-token decodes run the split-K decode kernel, every longer chunk the prefill kernel."""
+    query_start_loc: torch.Tensor    # [B + 1]
+    seq_lens: torch.Tensor           # [B]
+    block_tables: torch.Tensor       # [B, nblk]
+    decode_rows: torch.Tensor        # [Bd]: rows of the decodes in the flat batch
+    decode_lens: torch.Tensor        # [Bd]
+    decode_tables: torch.Tensor      # [Bd, nblk]
+    prefill_seqs: torch.Tensor       # [Bp]: the chunks of more than one token
+    num_decodes: int
+    max_q_len: int                   # the longest of those chunks (0: none)
+    num_splits: int                  # decode kernel: KV splits per (decode, KV head)
+
+
+def decode_splits(num_decodes: int, num_kv_heads: int, sm_count: int) -> int:
+    """KV splits per (decode, KV head) for the split-K decode kernel: enough programs to fill
+    the GPU twice over, 1 to 16."""
+    return max(1, min(16, 2 * sm_count // max(1, num_decodes * num_kv_heads)))
+
+
+def gpu_plan(meta: AttentionMetadata, device, num_kv_heads: int, sm_count: int) -> GpuPlan:
+    """The step's GpuPlan from the metadata's host-side lists (a few small host-to-device copies)."""
+    qsl, lens = meta.query_start_loc, meta.seq_lens
+    q_lens = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    prefills = [b for b, n in enumerate(q_lens) if n > 1]
+    tables = meta.block_tables.to(torch.int32)
+
+    def dev(x):
+        return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
+    return GpuPlan(query_start_loc=dev(qsl), seq_lens=dev(lens), block_tables=tables.to(device, non_blocking=True),
+                   decode_rows=dev([qsl[b] for b in decodes]), decode_lens=dev([lens[b] for b in decodes]),
+                   decode_tables=tables[decodes].to(device, non_blocking=True), prefill_seqs=dev(prefills),
+                   num_decodes=len(decodes), max_q_len=max((q_lens[b] for b in prefills), default=0),
+                   num_splits=decode_splits(len(decodes), num_kv_heads, sm_count))
+
+
+def gpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: GpuPlan,
+                        scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """paged_attention through the Triton kernels: decodes split-K, longer chunks flash-style."""
+    from kvserve.ops import triton_attention
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    kv_scale = FP8_KV_SCALE if k_cache.dtype == torch.float8_e4m3fn else 1.0
+    if plan.num_decodes:
+        triton_attention.paged_decode_attention(q, k_cache, v_cache, out, plan.decode_rows, plan.decode_lens,
+                                                plan.decode_tables, scale, sliding_window, plan.num_splits,
+                                                kv_scale, kv_scale)
+    if plan.max_q_len:
+        triton_attention.paged_prefill_attention(q, k_cache, v_cache, out, plan.prefill_seqs, plan.query_start_loc,
+                                                 plan.seq_lens, plan.block_tables, plan.max_q_len, scale,
+                                                 sliding_window, kv_scale, kv_scale)
     return out
 
 

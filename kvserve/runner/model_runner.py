@@ -22,6 +22,7 @@ tables per group; the metadata hands every layer its group's (AttentionMetadata.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from kvserve.config import EngineConfig, KVGroup
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.model.loader import TORCH_DTYPES as _TORCH_DTYPES   # canonical dtype name -> torch.dtype
 from kvserve.ops import kv_int8
-from kvserve.ops.attention import AttentionMetadata
+from kvserve.ops.attention import AttentionMetadata, gpu_plan
 from kvserve.runner.layer_stack import CLayerStack
 from kvserve.runner.sampler import (Sampler, SamplerOutput, SamplingRow, TokenLogprobs, apply_token_bitmask,
                                     argmax_rows, token_logprobs)
@@ -49,6 +50,12 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     import numpy as np
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _device_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros on a device, filled as bytes (fp8 has no fill kernel everywhere)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device).view(dtype).view(shape)
 
 
 @dataclass
@@ -101,24 +108,49 @@ class ModelRunner:
             raise ValueError(f"the KV groups must hold each of the model's {self.arch.num_layers} layers once")
         self.num_blocks = sum(g.num_blocks for g in self.kv_groups)
         self.seed = config.seed
+        self.device = torch.device(config.device)
+        on_gpu = self.device.type == "cuda"
         self.kv_dtype = _TORCH_DTYPES[config.cache.resolved_kv_dtype(config.model.dtype)]
         # One preallocated pool per layer for K and for V, sized by the layer's group, zero-filled
         # (masked padding in the batched decode attention reads unwritten slots: garbage there could
         # be NaN, and 0 * NaN = NaN).
+        # On the GPU each pool holds one more block, past the scheduler's: the scratch block that
+        # the padding rows of a captured decode graph write to (runner/cuda_graphs.py).
         self.kv_caches = []
         for layer in range(self.arch.num_layers):
-            shape = (self.kv_groups[self.layer_group[layer]].num_blocks, self.block_size,
+            shape = (self.kv_groups[self.layer_group[layer]].num_blocks + on_gpu, self.block_size,
                      self.arch.num_kv_heads, self.arch.head_dim)
             if self.kv_dtype == torch.int8:       # rows of int8 values + a float32 scale (ops/kv_int8.py)
                 shape = kv_int8.pool_shape(*shape)
-            self.kv_caches.append((_lazy_zeros(shape, self.kv_dtype), _lazy_zeros(shape, self.kv_dtype)))
+            if on_gpu:
+                self.kv_caches.append((_device_zeros(shape, self.kv_dtype, self.device),
+                                       _device_zeros(shape, self.kv_dtype, self.device)))
+            else:
+                self.kv_caches.append((_lazy_zeros(shape, self.kv_dtype), _lazy_zeros(shape, self.kv_dtype)))
         self.sampler = Sampler()
         self.verifier = verifier
         # The C layer stack takes one block table and one window for every layer.
         one_window = len({self.arch.window_of(i) for i in range(self.arch.num_layers)}) == 1
         self.layer_stack = (CLayerStack.build(self.model) if len(self.kv_groups) == 1 and one_window and tp is None
-                            and pp is None and not own_layers else None)
-        if self.layer_stack is not None:
+                            and pp is None and not own_layers and not on_gpu else None)
+        # The GPU: attention in the Triton kernels (ops/triton_attention.py), decode steps replayed
+        # from CUDA graphs when the model has one KV group.
+        self.gpu_attention = on_gpu
+        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
+        self.graphs = None
+        if on_gpu and len(self.kv_groups) == 1 and tp is None and pp is None and not own_layers:
+            from kvserve.runner.cuda_graphs import DecodeGraphs
+            max_blocks = -(-min(config.model.max_model_len or self.arch.max_position_embeddings,
+                                self.arch.max_position_embeddings) // self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, config.scheduler.max_num_seqs,
+                                       max_blocks, self.kv_groups[0].num_blocks, self.arch.num_kv_heads,
+                                       self.sm_count)
+            self.graphs.capture()
+        if on_gpu:
+            log.info("steps run on %s: Triton attention, %s", self.device,
+                     f"CUDA graphs for decode batches up to {self.graphs.max_batch}" if self.graphs
+                     else "no CUDA graphs (several KV groups)")
+        elif self.layer_stack is not None:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
                      self.layer_stack.isa)
         else:
@@ -144,7 +176,7 @@ class ModelRunner:
             return None
         g = self._generators.get(request.request_id)
         if g is None:
-            g = torch.Generator().manual_seed(seed)
+            g = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request.request_id] = g
         return g
 
@@ -154,8 +186,8 @@ class ModelRunner:
             pairs = [(s, d) for cg, s, d in copies if cg == g]
             if not pairs:
                 continue
-            src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-            dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+            src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+            dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
             for layer in group.layers:
                 k, v = self.kv_caches[layer]
                 k[dst] = k[src]
@@ -275,6 +307,15 @@ class ModelRunner:
         if self.layer_stack is not None and self.layer_stack.runs(self.kv_caches):
             return self.layer_stack(input_ids, positions, meta, self.kv_caches, rows,
                                     [c.request.num_prompt_tokens for c in out.chunks])
+        if self.graphs is not None and input_ids.numel() == meta.num_seqs and \
+                self.graphs.runs(meta.num_seqs, meta.block_tables.shape[1]):
+            return self.graphs(input_ids, positions, meta)[rows.to(self.device)]
+        if self.gpu_attention:
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+            for m in {id(m): m for m in meta.layers or [meta]}.values():
+                m.slot_mapping = m.slot_mapping.to(self.device)
+                m.gpu = gpu_plan(m, self.device, self.arch.num_kv_heads, self.sm_count)
+            rows = rows.to(self.device)
         return self.model(input_ids, positions, meta, self.kv_caches)[rows]
 
     def _tensor_parallel_logits(self, out: SchedulerOutput, input_ids, positions, meta, rows) -> torch.Tensor:

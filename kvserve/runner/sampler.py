@@ -284,11 +284,11 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
     of `bitmask` (int32 words; bit j of word j // 32 set: token j allowed). In place."""
     import numpy as np
     bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
-    blocked = torch.from_numpy(bits[:, :logits.shape[1]] == 0)
+    blocked = torch.from_numpy(bits[:, :logits.shape[1]] == 0).to(logits.device)
     if rows == list(range(logits.shape[0])):
         logits.masked_fill_(blocked, float("-inf"))         # every row constrained: no gather/scatter
         return
-    idx = torch.tensor(rows, dtype=torch.long)
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     logits[idx] = logits[idx].masked_fill(blocked, float("-inf"))
 
 

@@ -5,8 +5,10 @@ from kvserve.config import DTYPE_BYTES, KVShape, canonical_dtype, make_engine_co
 
 
 def test_unsupported_kv_cache_dtype_is_a_clear_error():
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported"):
-        make_engine_config(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp4' is not supported"):
+        make_engine_config(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="fp8 runs on cuda only"):     # fp8 is a GPU cache format
+        make_engine_config(kv_cache_dtype="fp8", device="cpu").on_device(cuda_available=False)
     assert make_engine_config(kv_cache_dtype="bfloat16").cache.kv_cache_dtype == "bfloat16"
     assert make_engine_config(kv_cache_dtype="int8").cache.kv_cache_dtype == "int8"
 
