@@ -402,13 +402,16 @@ class EngineConfig:
 
     def on_device(self, cuda_available: bool) -> "EngineConfig":
         """This configuration with its device and the defaults that follow from it resolved (the
-        one place that decides them): auto -> cuda when CUDA is there, else cpu; dtype auto ->
+        one place that decides them): auto -> cuda when CUDA is there and the configuration runs
+        there (no CPU-only format or parallelism asked for), else cpu; dtype auto ->
         bfloat16 on cuda (weights dequantized once at load, run by cuBLAS), float32 on cpu;
         quantization -> none on cuda (the GGUF block formats are CPU kernels). ValueError with
         the fix for what does not run on the device."""
         device, model = self.device, self.model
-        if device == "auto":
-            device = "cuda" if cuda_available else "cpu"
+        if device == "auto":      # cuda, unless the configuration asks for what runs on CPUs only
+            cpu_only = (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.speculative is not None
+                        or model.quantization not in (None, "none") or self.cache.kv_cache_dtype == "int8")
+            device = "cuda" if cuda_available and not cpu_only else "cpu"
         on_cuda = device.startswith("cuda")
         if on_cuda and not cuda_available:
             raise ValueError(f"--device {device}: this torch sees no CUDA device (torch.cuda.is_available() is "

@@ -156,7 +156,7 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
         return outs, time.perf_counter() - t0
 
     gen([prompt(16, 0)], 4)  # warm-up
-    prefix = "bf16" if args.dtype == "bfloat16" else "fp32"   # the compute dtype's best kernel
+    prefix = "bf16" if llm.engine.config.model.dtype == "bfloat16" else "fp32"   # the compute dtype's best kernel
     peak_kernel = max((k for k in peaks if k.startswith(prefix)), key=lambda k: peaks[k]["gflops"])
     peak = peaks[peak_kernel]["gflops"]
     res: dict = {"facts": f, "mfu_peak": {"kernel": peak_kernel, "gflops": peak}}
@@ -193,7 +193,7 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
                            "mfu": total / wall / 1e9 / peak,
                            "mbu_weights_only": f["weight_bytes_per_step"] * (bo - 1) / wall / 1e9 / bw["read_gbs"]}
     res["model"] = llm.engine.model_path
-    res["dtype"] = args.dtype
+    res["dtype"] = llm.engine.config.model.dtype
     res["quantization"] = llm.engine.quantization
     del llm
     gc.collect()

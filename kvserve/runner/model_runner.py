@@ -108,6 +108,9 @@ class ModelRunner:
             raise ValueError(f"the KV groups must hold each of the model's {self.arch.num_layers} layers once")
         self.num_blocks = sum(g.num_blocks for g in self.kv_groups)
         self.seed = config.seed
+        if config.device == "auto" or config.model.dtype == "auto":
+            raise ValueError("the runner takes a resolved configuration: config.on_device(cuda_available) first "
+                             "(EngineCore does)")
         self.device = torch.device(config.device)
         on_gpu = self.device.type == "cuda"
         self.kv_dtype = _TORCH_DTYPES[config.cache.resolved_kv_dtype(config.model.dtype)]

@@ -58,7 +58,7 @@ class Run:
 
     def __init__(self, loaded, groups, kv_dtype="float32", budget=12, caching=True, spec=False):
         cfg = make_engine_config(block_size=BS, kv_cache_dtype=kv_dtype, max_num_batched_tokens=budget,
-                                 enable_prefix_caching=caching, max_num_seqs=4)
+                                 enable_prefix_caching=caching, max_num_seqs=4, device="cpu").on_device(False)
         self.sched = Scheduler(cfg.scheduler, cfg.cache, groups, max_model_len=200)
         verifier = None
         if spec:

@@ -19,6 +19,13 @@ def test_auto_resolves_to_cuda_with_bfloat16_dense_weights():
     assert make_engine_config(device="cpu").on_device(True).device == "cpu"      # asked for: kept
 
 
+@pytest.mark.parametrize("kwargs", [{"quantization": "gguf-mixed"}, {"kv_cache_dtype": "int8"},
+                                    {"speculative_config": {"method": "ngram"}}, {"tensor_parallel_size": 2}])
+def test_auto_keeps_what_runs_on_cpus_only_on_the_cpu(kwargs):
+    # a GPU machine asked for a CPU format or CPU ranks: auto picks the CPU instead of refusing
+    assert make_engine_config(**kwargs).on_device(cuda_available=True).device == "cpu"
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"device": "cuda"}, "sees no CUDA device"),
 ])
