@@ -399,7 +399,6 @@ class EngineConfig:
     pipeline_parallel_size: int = 1   # stages the layers are split into (runner/pipeline_parallel.py)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)   # where those ranks run
 
-
     def on_device(self, cuda_available: bool) -> "EngineConfig":
         """This configuration with its device and the defaults that follow from it resolved (the
         one place that decides them): auto -> cuda when CUDA is there and the configuration runs
@@ -408,34 +407,33 @@ class EngineConfig:
         quantization -> none on cuda (the GGUF block formats are CPU kernels). ValueError with
         the fix for what does not run on the device."""
         device, model = self.device, self.model
-        if device == "auto":      # cuda, unless the configuration asks for what runs on CPUs only
-            cpu_only = (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.speculative is not None
-                        or model.quantization not in (None, "none") or self.cache.kv_cache_dtype == "int8")
-            device = "cuda" if cuda_available and not cpu_only else "cpu"
+        check_device(device)
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
+        # What does not run on cuda, and the fix: auto takes the CPU for it, cuda refuses it.
+        cuda_refusals = [msg for asked, msg in (
+            (model.quantization not in (None, "none"),
+             f"--quantization {model.quantization} runs on the CPU kernels: on cuda the weights are dequantized "
+             f"once at load to the compute dtype (drop --quantization, or pass none)"),
+            (self.cache.kv_cache_dtype == "int8",
+             "--kv-cache-dtype int8 is read by the CPU kernels only: on cuda use fp8, bfloat16 or float16"),
+            (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1,
+             "tensor and pipeline parallelism run on CPU ranks (gloo) only: drop "
+             "--tensor-parallel-size/--pipeline-parallel-size with --device cuda"),
+            (self.speculative is not None,
+             "speculative decoding does not run on cuda yet: drop --speculative-config with --device cuda"),
+        ) if asked]
+        if device == "auto":
+            device = "cuda" if cuda_available and not cuda_refusals else "cpu"
         on_cuda = device.startswith("cuda")
         if on_cuda and not cuda_available:
             raise ValueError(f"--device {device}: this torch sees no CUDA device (torch.cuda.is_available() is "
                              f"False): install a CUDA build of torch, or run with --device cpu")
-        dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
-        quantization = model.quantization
-        if on_cuda:
-            if quantization not in (None, "none"):
-                raise ValueError(f"--quantization {quantization} runs on the CPU kernels: on cuda the weights are "
-                                 f"dequantized once at load to --dtype {dtype} (drop --quantization, or pass none)")
-            quantization = "none"
-            if self.cache.kv_cache_dtype == "int8":
-                raise ValueError("--kv-cache-dtype int8 is read by the CPU kernels only: on cuda use fp8, bfloat16 "
-                                 "or float16")
-            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
-                raise ValueError("tensor and pipeline parallelism run on CPU ranks (gloo) only: drop "
-                                 "--tensor-parallel-size/--pipeline-parallel-size with --device cuda")
-            if self.speculative is not None:
-                raise ValueError("speculative decoding does not run on cuda yet: drop --speculative-config "
-                                 "with --device cuda")
-        elif self.cache.kv_cache_dtype == "fp8":
+        if on_cuda and cuda_refusals:
+            raise ValueError(cuda_refusals[0])
+        if not on_cuda and self.cache.kv_cache_dtype == "fp8":
             raise ValueError("--kv-cache-dtype fp8 runs on cuda only (Triton kernels): on cpu use float16 or int8")
-        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be from 0.05 to 1.0, got {self.gpu_memory_utilization!r}")
+        dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        quantization = "none" if on_cuda else model.quantization
         return replace(self, device=device, model=replace(model, dtype=dtype, quantization=quantization))
 
 
@@ -535,6 +533,18 @@ def engine_config_from_args(args) -> EngineConfig:
 DEVICES = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
 
 
+def check_device(device) -> None:
+    """auto, cpu, cuda or cuda:N, or a ValueError with the choices."""
+    if not isinstance(device, str) or not DEVICES.match(device):
+        raise ValueError(f"device {device!r} is not supported: choose auto, cpu, cuda or cuda:N")
+
+
+def check_gpu_memory_utilization(value) -> None:
+    """A number from 0.05 to 1.0, or a ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.05 <= value <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be a number from 0.05 to 1.0, got {value!r}")
+
+
 def make_engine_config(model: str | None = None, *, dtype: str | None = None,
                        quantization: str | None = None, max_model_len: int | None = None,
                        kv_cache_memory: str | int | None = None, kv_cache_dtype: str = "auto",
@@ -549,11 +559,8 @@ def make_engine_config(model: str | None = None, *, dtype: str | None = None,
                        gpu_memory_utilization: float = 0.9) -> EngineConfig:
     """Keyword arguments (as LLM(...) takes them) to an EngineConfig. `device` and the dtype
     (None: auto) are resolved when the engine starts (EngineConfig.on_device)."""
-    if not isinstance(device, str) or not DEVICES.match(device):
-        raise ValueError(f"device {device!r} is not supported: choose auto, cpu, cuda or cuda:N")
-    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
-            or not 0.05 <= gpu_memory_utilization <= 1.0):
-        raise ValueError(f"gpu_memory_utilization must be a number from 0.05 to 1.0, got {gpu_memory_utilization!r}")
+    check_device(device)
+    check_gpu_memory_utilization(gpu_memory_utilization)
     cfg = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization,
                           max_model_len=max_model_len),

@@ -17,15 +17,14 @@ def hf_available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def peer_device(device: str, dtype: str) -> tuple[str, str]:
-    """The device and dtype the peer runs with: kvserve's own (--device auto: cuda when torch sees
-    one; --dtype auto: bfloat16 on cuda, float32 on cpu), so both engines compute alike."""
+def peer_device(args) -> tuple[str, str]:
+    """The device and compute dtype the peer runs with: those kvserve resolves from the same flags
+    (EngineConfig.on_device), so both engines compute alike."""
     import torch
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return device, dtype
+    from kvserve.config import engine_config_from_args
+    cfg = engine_config_from_args(args)
+    cfg = cfg.on_device(cfg.device != "cpu" and torch.cuda.is_available())
+    return cfg.device, cfg.model.dtype
 
 
 def load_hf(gguf: str, threads: int, device: str = "cpu", dtype: str = "float32"):

@@ -92,7 +92,7 @@ def run_kvserve(args, req: BenchRequest) -> dict:
 
 def run_hf(args, req: BenchRequest, gguf: str) -> dict:
     from kvserve.bench.hf_peer import load_hf, peer_device, time_single
-    device, dtype = peer_device(args.device, args.dtype)
+    device, dtype = peer_device(args)
     model = load_hf(gguf, threads(args), device, dtype)
     time_single(model, BenchRequest(req.prompt_ids, 4), 4)  # warm-up
     samples = []

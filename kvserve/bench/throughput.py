@@ -217,7 +217,7 @@ def run_multiturn(args, convs: list[Conversation], output_len: int) -> dict:
 def run_hf(args, reqs: list[BenchRequest], gguf: str) -> dict:
     from kvserve.bench.hf_peer import generate_batch, load_hf, peer_device, run_static
     t0 = time.perf_counter()
-    device, dtype = peer_device(args.device, args.dtype)
+    device, dtype = peer_device(args)
     model = load_hf(gguf, threads(args), device, dtype)
     load_s = time.perf_counter() - t0
     generate_batch(model, [BenchRequest(reqs[0].prompt_ids[:8], 4)])  # warm-up

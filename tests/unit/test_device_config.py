@@ -44,16 +44,24 @@ def test_what_cuda_does_not_run_is_refused_with_the_fix(kwargs, match):
         make_engine_config(device="cuda", **kwargs).on_device(cuda_available=True)
 
 
-@pytest.mark.parametrize("device", ["gpu", "cuda:x", "", "CUDA", None, 0])
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "", "CUDA", None, 0, "cuda\ud800", "cuda:" + "9" * 30])
 def test_unknown_devices_are_refused_at_construction(device):
     with pytest.raises(ValueError, match="choose auto, cpu, cuda or cuda:N"):
         make_engine_config(device=device)
+    hand_built = make_engine_config()
+    hand_built.device = device
+    with pytest.raises(ValueError, match="choose auto, cpu, cuda or cuda:N"):
+        hand_built.on_device(cuda_available=True)
 
 
-@pytest.mark.parametrize("value", [0, 0.01, 1.5, float("nan"), True, "0.9"])
+@pytest.mark.parametrize("value", [0, 0.01, 1.5, float("nan"), float("inf"), 2**64, True, "0.9", None])
 def test_gpu_memory_utilization_is_a_share(value):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         make_engine_config(gpu_memory_utilization=value)
+    hand_built = make_engine_config()       # an EngineConfig set by hand is checked where it is resolved
+    hand_built.gpu_memory_utilization = value
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        hand_built.on_device(cuda_available=False)
 
 
 def test_cli_flags_reach_the_config():
