@@ -162,6 +162,9 @@ def section_roofline(res: dict) -> list[str]:
                      f"{pf['mfu'] * 100:.0f}%"],
                     [f"decode, batch {bd['batch']}", bd["output_tokens_per_s"], f"{bd['gflops']:.1f} GFLOP/s",
                      f"{bd['mbu_weights_only'] * 100:.0f}% (weights)", f"{bd['mfu'] * 100:.0f}%"]])]
+        if "mbu_samples" in d:
+            from kvserve.bench.roofline import bandwidth_beside_decode
+            out += ["", bandwidth_beside_decode(d) + "."]
     return out
 
 

@@ -92,34 +92,13 @@ static inline __attribute__((always_inline)) int one_part_block(const gguf_acts_
     return _mm256_testz_si256(xb, xb);
 }
 
-/* A 4-bit group against R <= 2 activation rows, block by block (q4_block). With mixed parts the
- * blocks go in runs: the blocks where every row has one part through the one-part loop, each
- * other block through the two-part body (one loop per body: a branch between the two inside one
- * loop cost the registers of both, and the mixed GEMV ran 35% slower than one part on blocks
- * that all had one). */
+/* A 4-bit group against R <= 2 activation rows, block by block (q4_block), with mixed parts in
+ * runs of one-part blocks (GGUF_BLOCK_RUNS). */
 static inline __attribute__((always_inline)) void
 q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
-    const int64_t pb = gguf_packed_block_bytes(kind);
     __m256 acc[R_MAX][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    if (P == 2 && a->parts == GGUF_MIXED_PARTS) {
-        for (int64_t b = 0; b < nb;) {
-            for (; b < nb && one_part_block(a, R, nb, b); b++) {
-                gguf_prefetch_block(wg + b * pb, pb);
-                q4_block(wg + b * pb, kind, nb, b, a, R, 1, acc);
-            }
-            if (b < nb) {
-                gguf_prefetch_block(wg + b * pb, pb);
-                q4_block(wg + b * pb, kind, nb, b, a, R, 2, acc);
-                b++;
-            }
-        }
-    } else {
-        for (int64_t b = 0; b < nb; b++, wg += pb) {
-            gguf_prefetch_block(wg, pb);
-            q4_block(wg, kind, nb, b, a, R, P, acc);
-        }
-    }
+    GGUF_BLOCK_RUNS(q4_block, one_part_block, wg, kind, nb, a, R, P, acc);
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }

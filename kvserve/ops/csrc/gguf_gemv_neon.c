@@ -9,7 +9,9 @@
  *   w[4 + c] weights j = 16+4c..16+4c+3 (Q4: chunk c's high nibbles; Q8: chunk 4 + c)
  * dotted with lane c of the part's x[0..15] and x[16..31]. Q4 nibbles (0..15) are valid s8 as
  * they are; 8-bit kinds' bytes (q + 128) become s8 q by flipping the top bit. Both parts (xa, xb)
- * go into one exact int32: s = 256 sum q xa + sum q xb (|s| < 2^28; kind 18: one per half). The
+ * go into one exact int32: s = 256 sum q xa + sum q xb (|s| < 2^28; kind 18: one per half); every
+ * kind multiplies the parts apart, so a block whose xb are all zero (one-part activations, and
+ * with mixed parts the runs of such blocks: group_dot) takes the xa products only. The
  * float steps are the portable kernel's: (float)s * (d dx), then a separate add (vmulq_f32 +
  * vaddq_f32, never vfmaq; built with -ffp-contract=off), and for kinds with m + m sx. fp16 d and
  * m: vcvt_f32_f16 is exact; kinds 14 and 18 store them as fp32.
@@ -57,9 +59,12 @@ INLINE int32x4_t dot32(int32x4_t acc, const int8x16_t w[8], int8x16_t lo, int8x1
 
 /* s = 256 sum q xa + sum q xb for 4 rows, from one activation row's block (x: xa[32], xb[32]).
  * With one activation row the two parts are two independent chains (latency); with several,
- * the rows already give the core independent chains, and one chain saves two instructions. */
-INLINE int32x4_t block_s(const int8x16_t w[8], const int8_t *x, const int R) {
-    const int8x16_t a0 = vld1q_s8(x), a1 = vld1q_s8(x + 16), b0 = vld1q_s8(x + 32), b1 = vld1q_s8(x + 48);
+ * the rows already give the core independent chains, and one chain saves two instructions.
+ * P = 1 (the block's xb all zero): 256 sum q xa, the same integer from half the sdot. */
+INLINE int32x4_t block_s(const int8x16_t w[8], const int8_t *x, const int R, const int P) {
+    const int8x16_t a0 = vld1q_s8(x), a1 = vld1q_s8(x + 16);
+    if (P == 1) return vshlq_n_s32(dot32(vdupq_n_s32(0), w, a0, a1), 8);
+    const int8x16_t b0 = vld1q_s8(x + 32), b1 = vld1q_s8(x + 48);
     if (R == 1) {
         const int32x4_t sa = dot32(vdupq_n_s32(0), w, a0, a1), sb = dot32(vdupq_n_s32(0), w, b0, b1);
         return vaddq_s32(vshlq_n_s32(sa, 8), sb);
@@ -68,9 +73,9 @@ INLINE int32x4_t block_s(const int8x16_t w[8], const int8_t *x, const int R) {
 }
 
 /* Kind 18: s0 = 256 sum q xa + sum q xb over weights 0..15 (w[0..3] with x[0..15] of each part),
- * s1 the same over weights 16..31 (w[4..7] with x[16..31]). */
-INLINE void block_s_halves(const int8x16_t w[8], const int8_t *x, int32x4_t *s0, int32x4_t *s1) {
-    const int8x16_t a0 = vld1q_s8(x), a1 = vld1q_s8(x + 16), b0 = vld1q_s8(x + 32), b1 = vld1q_s8(x + 48);
+ * s1 the same over weights 16..31 (w[4..7] with x[16..31]). P = 1: the xa products only. */
+INLINE void block_s_halves(const int8x16_t w[8], const int8_t *x, const int P, int32x4_t *s0, int32x4_t *s1) {
+    const int8x16_t a0 = vld1q_s8(x), a1 = vld1q_s8(x + 16);
     int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);
     /* The lane is written out: clang (Apple's compiler) takes only a literal there, even in an
      * unrolled loop. */
@@ -78,7 +83,10 @@ INLINE void block_s_halves(const int8x16_t w[8], const int8_t *x, int32x4_t *s0,
     HALVES(a0, a1, 0); HALVES(a0, a1, 1); HALVES(a0, a1, 2); HALVES(a0, a1, 3);
     lo = vshlq_n_s32(lo, 8);
     hi = vshlq_n_s32(hi, 8);
-    HALVES(b0, b1, 0); HALVES(b0, b1, 1); HALVES(b0, b1, 2); HALVES(b0, b1, 3);
+    if (P == 2) {
+        const int8x16_t b0 = vld1q_s8(x + 32), b1 = vld1q_s8(x + 48);
+        HALVES(b0, b1, 0); HALVES(b0, b1, 1); HALVES(b0, b1, 2); HALVES(b0, b1, 3);
+    }
 #undef HALVES
     *s0 = lo;
     *s1 = hi;
@@ -97,59 +105,76 @@ INLINE void load_scales(const uint8_t *p, const int fp32, float32x4_t v[4]) {
     }
 }
 
-INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R,
+/* Block b of a group (wg: the block) against R <= R_MAX activation rows, added to acc. */
+INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R,
+                      const int P, float32x4_t acc[R_MAX][4]) {
+    const int64_t qo = gguf_ints_offset(kind);
+    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4, fp32 = kind == GGUF_K4 || kind == GGUF_K8;
+    const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
+    float dx[R_MAX], sx[R_MAX];
+    UNROLL for (int r = 0; r < R; r++) {
+        dx[r] = a->dx[r * nb + b];
+        if (kind != GGUF_Q8) sx[r] = a->sx[r * nb + b];
+    }
+    float32x4_t d[4], d1[4], m[4];
+    load_scales(wg, fp32, d);
+    if (kind == GGUF_K8) load_scales(wg + 64, 1, d1);
+    if (kind != GGUF_Q8) load_scales(wg + (kind == GGUF_Q4 ? 32 : kind == GGUF_K4 ? 64 : 128), fp32, m);
+    UNROLL for (int v = 0; v < 4; v++) {   /* rows 4v..4v+3 */
+        int8x16_t w[8];
+        if (nibbles) {
+            UNROLL for (int c = 0; c < 4; c++) {
+                const uint8x16_t p = vld1q_u8(wg + qo + 64 * c + 16 * v);
+                w[c] = vreinterpretq_s8_u8(vandq_u8(p, low4));
+                w[c + 4] = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
+            }
+        } else {
+            UNROLL for (int c = 0; c < 8; c++)
+                w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wg + qo + 64 * c + 16 * v), top));
+        }
+        UNROLL for (int r = 0; r < R; r++) {
+            if (kind == GGUF_K8) {
+                int32x4_t s0, s1;
+                block_s_halves(w, a->xq + (r * nb + b) * 64, P, &s0, &s1);
+                acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(vcvtq_f32_s32(s0), vmulq_n_f32(d[v], dx[r])));
+                acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(vcvtq_f32_s32(s1), vmulq_n_f32(d1[v], dx[r])));
+            } else {
+                const float32x4_t s = vcvtq_f32_s32(block_s(w, a->xq + (r * nb + b) * 64, R, P));
+                acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(s, vmulq_n_f32(d[v], dx[r])));
+            }
+            if (kind != GGUF_Q8) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
+        }
+    }
+}
+
+/* Whether rows 0 .. R-1 all have one part in block b (mixed activations: their xb all zero). */
+INLINE int one_part_block(const gguf_acts_t *a, const int R, int64_t nb, int64_t b) {
+    uint8x16_t xb = vdupq_n_u8(0);
+    UNROLL for (int r = 0; r < R; r++) {   /* gguf_xb_zero, by vector */
+        const uint8_t *p = (const uint8_t *)a->xq + (r * nb + b) * 64 + 32;
+        xb = vorrq_u8(xb, vorrq_u8(vld1q_u8(p), vld1q_u8(p + 16)));
+    }
+    return vmaxvq_u32(vreinterpretq_u32_u8(xb)) == 0;
+}
+
+/* A group against R <= R_MAX activation rows, block by block (block_dot), with mixed parts in runs
+ * of one-part blocks (GGUF_BLOCK_RUNS). */
+INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P,
                       float *out) {
     float32x4_t acc[R_MAX][4];
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int v = 0; v < 4; v++) acc[r][v] = vdupq_n_f32(0.f);
-    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
-    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4, fp32 = kind == GGUF_K4 || kind == GGUF_K8;
-    const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
-    for (int64_t b = 0; b < nb; b++, wg += pb) {
-        gguf_prefetch_block(wg, pb);
-        float dx[R_MAX], sx[R_MAX];
-        UNROLL for (int r = 0; r < R; r++) {
-            dx[r] = a->dx[r * nb + b];
-            if (kind != GGUF_Q8) sx[r] = a->sx[r * nb + b];
-        }
-        float32x4_t d[4], d1[4], m[4];
-        load_scales(wg, fp32, d);
-        if (kind == GGUF_K8) load_scales(wg + 64, 1, d1);
-        if (kind != GGUF_Q8) load_scales(wg + (kind == GGUF_Q4 ? 32 : kind == GGUF_K4 ? 64 : 128), fp32, m);
-        UNROLL for (int v = 0; v < 4; v++) {   /* rows 4v..4v+3 */
-            int8x16_t w[8];
-            if (nibbles) {
-                UNROLL for (int c = 0; c < 4; c++) {
-                    const uint8x16_t p = vld1q_u8(wg + qo + 64 * c + 16 * v);
-                    w[c] = vreinterpretq_s8_u8(vandq_u8(p, low4));
-                    w[c + 4] = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
-                }
-            } else {
-                UNROLL for (int c = 0; c < 8; c++)
-                    w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wg + qo + 64 * c + 16 * v), top));
-            }
-            UNROLL for (int r = 0; r < R; r++) {
-                if (kind == GGUF_K8) {
-                    int32x4_t s0, s1;
-                    block_s_halves(w, a->xq + (r * nb + b) * 64, &s0, &s1);
-                    acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(vcvtq_f32_s32(s0), vmulq_n_f32(d[v], dx[r])));
-                    acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(vcvtq_f32_s32(s1), vmulq_n_f32(d1[v], dx[r])));
-                } else {
-                    const float32x4_t s = vcvtq_f32_s32(block_s(w, a->xq + (r * nb + b) * 64, R));
-                    acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(s, vmulq_n_f32(d[v], dx[r])));
-                }
-                if (kind != GGUF_Q8) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
-            }
-        }
-    }
+    GGUF_BLOCK_RUNS(block_dot, one_part_block, wg, kind, nb, a, R, P, acc);
     UNROLL for (int r = 0; r < R; r++)
         UNROLL for (int v = 0; v < 4; v++) vst1q_f32(out + r * GGUF_ROWS + 4 * v, acc[r][v]);
 }
 
-/* kind and R as constants: the accumulators stay in registers, the loops unroll. */
-#define KINDS(R) (kind == GGUF_Q4 ? group_dot(wg, GGUF_Q4, nb, a, R, out) \
-                  : kind == GGUF_Q8 ? group_dot(wg, GGUF_Q8, nb, a, R, out) \
-                  : kind == GGUF_K4 ? group_dot(wg, GGUF_K4, nb, a, R, out) : group_dot(wg, GGUF_K8, nb, a, R, out))
+/* kind, R and P (activation parts: 1 when every block has one) as constants: the accumulators
+ * stay in registers, the loops unroll. */
+#define KINDS_P(R, P) (kind == GGUF_Q4 ? group_dot(wg, GGUF_Q4, nb, a, R, P, out) \
+                       : kind == GGUF_Q8 ? group_dot(wg, GGUF_Q8, nb, a, R, P, out) \
+                       : kind == GGUF_K4 ? group_dot(wg, GGUF_K4, nb, a, R, P, out) : group_dot(wg, GGUF_K8, nb, a, R, P, out))
+#define KINDS(R) (a->parts == GGUF_ONE_PART ? KINDS_P(R, 1) : KINDS_P(R, 2))
 
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     switch (R) {
