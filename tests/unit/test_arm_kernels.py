@@ -17,7 +17,7 @@
 # or just: python3 -m pytest -q -p no:cacheprovider tests/unit/test_arm_kernels.py
 """The NEON kernel (kvserve/ops/csrc/gguf_gemv_neon.c) gives the portable kernel's bits on
 aarch64 (under qemu-aarch64 -cpu max), also on mixed parts' runs of one-part blocks
-(test_avxvnni_kernel.MIXED_RUNS_C), both give the bits of a native x86/host build, and the whole
+(tests/unit/csrc/mixed_runs.c), both give the bits of a native x86/host build, and the whole
 C kernel library cross-compiles for aarch64 with the NEON kernel."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_avxvnni_kernel import MIXED_RUNS_C
+from tests.unit.test_mixed_parts_runs import assert_same_bits, mixed_runs_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "kvserve" / "ops" / "csrc"
@@ -104,19 +104,10 @@ def test_neon_mixed_parts_runs_give_the_portable_bits_under_qemu(tmp_path):
     """Mixed parts, one-part blocks skipping the xb products in runs: the portable bits, every kind
     and M = 1..9 (passes of 4 rows and the rest), with two-part blocks planted at different blocks
     in different rows."""
-    (tmp_path / "mixed_runs.c").write_text(MIXED_RUNS_C)
-    outs = {}
-    for kernel, arch in (("neon", NEON_ARCH), ("portable", "-march=armv8-a")):
-        exe = tmp_path / f"mixed_runs_{kernel}"
-        p = _run([CROSS_CC, *EXACT, arch, "-static", f"-I{CSRC}", tmp_path / "mixed_runs.c", CSRC / "gguf_gemv.c",
-                  CSRC / f"gguf_gemv_{kernel}.c", "-lm", "-o", exe])
-        assert p.returncode == 0, p.stderr
-        run = _run([QEMU, "-cpu", "max", exe])
-        assert run.returncode == 0 and f"mixed_runs: kernel {kernel}" in run.stderr, run.stdout[-2000:] + run.stderr
-        outs[kernel] = run.stdout.splitlines()
-    assert len(outs["neon"]) == 4 * 9
-    for a, b in zip(outs["neon"], outs["portable"]):
-        assert a == b, f"NEON differs from portable on {a.split(':')[0]}"
+    outs = {kernel: mixed_runs_outputs(CROSS_CC, [arch, "-static"], kernel, tmp_path / f"mixed_runs_{kernel}",
+                                       [QEMU, "-cpu", "max"])
+            for kernel, arch in (("neon", NEON_ARCH), ("portable", "-march=armv8-a"))}
+    assert_same_bits(outs["neon"], outs["portable"], "NEON")
 
 
 def test_native_build_gives_the_aarch64_bits(outputs, tmp_path):
