@@ -11,6 +11,7 @@ at sampled positions only, and causal attention.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import os
@@ -80,18 +81,26 @@ def matmul_peaks(seconds: float, rounds: int = 2) -> dict:
     return out
 
 
-def read_bandwidth_probe(mib: int = 256):
-    """A call taking seconds and returning the read bandwidth (GB/s) of a sum over a tensor of
-    `mib` MiB, far larger than the caches; the tensor is allocated once."""
+def _tensor(mib: int):
     import torch
-    x = torch.ones(mib * 2**20 // 4)
-    return lambda seconds: x.numel() * 4 / timeit(lambda: x.sum(), seconds) / 1e9
+    return torch.ones(mib * 2**20 // 4)
+
+
+def read_gbs(x, seconds: float) -> float:
+    """Read bandwidth (GB/s) of a sum over x, for about `seconds`."""
+    return x.numel() * x.element_size() / timeit(lambda: x.sum(), seconds) / 1e9
+
+
+def read_bandwidth_probe(mib: int = 256):
+    """read_gbs over one tensor of `mib` MiB (far larger than the caches), allocated once: a call
+    taking seconds."""
+    return functools.partial(read_gbs, _tensor(mib))
 
 
 def memory_bandwidth(seconds: float, mib: int = 256) -> dict:
     import torch
-    read = read_bandwidth_probe(mib)(seconds / 2)
-    x = torch.ones(mib * 2**20 // 4)
+    x = _tensor(mib)
+    read = read_gbs(x, seconds / 2)
     y = torch.empty_like(x)
     copy = 2 * x.numel() * 4 / timeit(lambda: y.copy_(x), seconds / 2) / 1e9
     return {"read_gbs": read, "copy_gbs": copy, "tensor_mib": mib}
