@@ -239,7 +239,7 @@ class SpeculativeConfig:
     """Speculative decoding, as vLLM's --speculative-config. `method`:
     - "ngram" drafts by prompt lookup (kvserve/spec/ngram.py): the longest suffix of
       prompt_lookup_max down to prompt_lookup_min tokens found earlier in the request's context
-      proposes up to num_speculative_tokens tokens per step;
+      proposes up to num_speculative_tokens tokens per step, no more than the match is long;
     - "draft_model" drafts greedily with the model at `model` (a GGUF file or HF directory with
       the target's vocabulary; `quantization` as for the target), on its own paged KV cache;
     - "self_speculative" drafts greedily with the target's first `draft_layers` layers plus its

@@ -6,6 +6,12 @@ n-gram that has one, the tokens that followed it are the draft. Copy-heavy work 
 quoting a given text, code refactoring, RAG answers) repeats long spans, so drafts are often
 accepted; no model runs.
 
+A draft is at most as long as the match behind it: the context before that occurrence is
+compared further back (up to MATCH_CAP tokens), and a match of m tokens drafts at most m (the
+rule of SuffixDecoding, Oliaro et al. 2024: a short match is weak evidence, and every draft
+token rejected still costs its row in the verifying step). A 3-token match drafts 3 tokens, a
+passage being copied drafts the full length.
+
 Cost: each request keeps, per n, a dict from n-gram to its latest start position, extended
 only by the tokens added since the last call (O(new tokens x number of n) per step, never a
 rescan of the context). Pure Python: no torch.
@@ -15,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvserve.core.request import Request
+
+MATCH_CAP = 64           # tokens compared back from a match: its draft's longest length
 
 
 class NgramIndex:
@@ -40,11 +48,12 @@ class NgramIndex:
         self._end = max(self._end, end)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest
-        matching suffix of `tokens`; [] when no suffix of min_n or more tokens occurred before.
+        """The tokens that followed the most recent earlier occurrence of the longest matching
+        suffix of `tokens`, at most k and at most the match's length (match_length); [] when no
+        suffix of min_n or more tokens occurred before.
 
         A match that ends just before the suffix continues into the suffix and then into the
-        draft itself (a repeating pattern keeps repeating): the draft always has k tokens.
+        draft itself (a repeating pattern keeps repeating).
         """
         length = len(tokens)
         if k <= 0 or length < 2:
@@ -57,10 +66,19 @@ class NgramIndex:
             if start is None:
                 continue
             draft: list[int] = []
-            for pos in range(start + n, start + n + k):
+            for pos in range(start + n, start + n + min(k, match_length(tokens, start, n))):
                 draft.append(tokens[pos] if pos < length else draft[pos - length])
             return draft
         return []
+
+
+def match_length(tokens: Sequence[int], start: int, n: int) -> int:
+    """How many tokens, up to MATCH_CAP, end the context `tokens` as they end the occurrence of its
+    last n tokens at `start` (n at least: the occurrence itself, then as far back as they agree)."""
+    m, length = n, len(tokens)
+    while m < MATCH_CAP and start - (m - n) > 0 and tokens[start - (m - n) - 1] == tokens[length - m - 1]:
+        m += 1
+    return m
 
 
 class NgramProposer:

@@ -10,12 +10,13 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec.adaptive import MAX_COOLDOWN, AdaptiveDraftLength
 from kvserve.spec.step_cost import MIN_SHARE, PRIOR_SHARE, StepCostModel
 from kvserve.spec.drafter import Drafter
-from kvserve.spec.ngram import NgramIndex, NgramProposer
+from kvserve.spec.ngram import MATCH_CAP, NgramIndex, NgramProposer
 
 
 def brute_force(tokens, k, min_n, max_n):
     """The specification: longest n first, most recent earlier occurrence, continuation that
-    runs on into its own draft past the end."""
+    runs on into its own draft past the end, no longer than the match (the longest m <= MATCH_CAP
+    with the m tokens before the occurrence's end equal to the context's last m)."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n >= length:
@@ -23,8 +24,10 @@ def brute_force(tokens, k, min_n, max_n):
         suffix = tokens[length - n:]
         for start in range(length - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
+                end = start + n
+                m = max(m for m in range(n, min(MATCH_CAP, end) + 1) if tokens[end - m:end] == tokens[length - m:])
                 stream = list(tokens)
-                for i in range(k):
+                for i in range(min(k, m)):
                     stream.append(stream[start + n + i])
                 return stream[length:]
     return []
@@ -33,10 +36,23 @@ def brute_force(tokens, k, min_n, max_n):
 def test_finds_the_longest_most_recent_match():
     index = NgramIndex(2, 4)
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
-    # suffix [2, 3]: 3-gram [5, 2, 3] never occurred; the latest earlier [2, 3] is at 5 -> 8, 5, 2
-    assert index.propose(tokens, 3) == [8, 5, 2]
-    tokens = tokens + [8]          # suffix [2, 3, 8] occurred at 5 -> 5, 2, 3, 8
-    assert index.propose(tokens, 4) == [5, 2, 3, 8]
+    # suffix [2, 3]: 3-gram [5, 2, 3] never occurred; the latest earlier [2, 3] is at 5 -> 8, 5
+    # (a 2-token match: 1 before it, 5 before the suffix; so 2 tokens, not 3)
+    assert index.propose(tokens, 3) == [8, 5]
+    tokens = tokens + [8]          # suffix [2, 3, 8] occurred at 5 -> 5, 2, 3 (3 matched)
+    assert index.propose(tokens, 4) == [5, 2, 3]
+
+
+def test_a_draft_is_no_longer_than_its_match():
+    """A match of m tokens drafts at most m, however far the copied text goes on."""
+    index = NgramIndex(2, 2)
+    text = list(range(100, 140))
+    # [7, 100] then 101..139 earlier; the context ends [.., 9, 100, 101]: a 2-token match
+    assert index.propose([7] + text + [9, 100, 101], 8) == [102, 103]
+    # the same text copied for 5 tokens back: 5 drafts
+    assert NgramIndex(2, 2).propose([7] + text + [9] + text[:5], 8) == text[5:10]
+    # copied 20 tokens back: the full 8
+    assert NgramIndex(2, 2).propose([7] + text + [9] + text[:20], 8) == text[20:28]
 
 
 def test_no_match_no_draft():
@@ -47,8 +63,10 @@ def test_no_match_no_draft():
 
 
 def test_a_repeating_pattern_keeps_repeating():
-    assert NgramIndex(2, 2).propose([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]
-    assert NgramIndex(1, 3).propose([4, 4, 4], 3) == [4, 4, 4]
+    # the latest earlier [5, 6] (at 2) has 5, 6 before it as well: a 4-token match, 4 drafts
+    assert NgramIndex(2, 2).propose([5, 6, 5, 6, 5, 6], 5) == [5, 6, 5, 6]
+    assert NgramIndex(1, 3).propose([4, 4, 4, 4], 3) == [4, 4, 4]
+    assert NgramIndex(2, 2).propose([5, 6] * 10, 8) == [5, 6] * 4
 
 
 @pytest.mark.parametrize("min_n, max_n", [(1, 1), (2, 4), (3, 5)])
