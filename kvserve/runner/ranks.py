@@ -12,7 +12,8 @@ beyond the distributed ones and --threads.
 
 Two gloo groups: the default group, used inside a step (all-reduce, all-gather, sends between
 stages), whose collectives fail after STEP_TIMEOUT_S; and the control group, over which rank 0
-sends each step, where a worker may wait as long as the engine stays idle.
+sends each step, where a worker may wait as long as the engine stays idle (rank 0's own side of
+it fails after STEP_TIMEOUT_S too: no wait of rank 0 is unbounded).
 
 Failures: before each step rank 0 checks that every worker process it started is alive and raises
 RankLost naming the one that is not (at once, not after a timeout); a rank on another machine that
@@ -64,7 +65,10 @@ def join(d, rank: int, store=None) -> None:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=d.world, timeout=timeout)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=d.world, timeout=timeout)
-    _control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # A worker waits on the control group for as long as the engine stays idle; rank 0 only sends on
+    # it, and a send that cannot complete within a step's timeout means a rank is gone: rank 0
+    # must fail the step then (RankLost), never wait on it for good.
+    _control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
 
 
 def spawn(d, port: int, threads: int) -> list[subprocess.Popen]:
