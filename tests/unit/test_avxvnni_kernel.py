@@ -35,8 +35,6 @@ def _build(flags: list[str], kernel: str, out: Path) -> Path:
     return out
 
 
-
-
 def _run(exe: Path) -> subprocess.CompletedProcess:
     p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and ": passed," in p.stdout.splitlines()[-1], p.stdout[-2000:] + p.stderr

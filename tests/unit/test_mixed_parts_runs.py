@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvserve.ops import cpu_kernels
-from tests.unit.test_avxvnni_kernel import X86_VNNI_EVEX
+from tests.unit.test_avxvnni_kernel import EXACT, X86_VNNI_EVEX
 
 CSRC = Path(__file__).resolve().parents[2] / "kvserve" / "ops" / "csrc"
 DRIVER = Path(__file__).resolve().parent / "csrc" / "mixed_runs.c"
-EXACT = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math"]
 CC = shutil.which("cc") or shutil.which("gcc")
 M_MAX, KINDS = 9, 4
 
