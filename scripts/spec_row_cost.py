@@ -9,15 +9,22 @@ decoding per workload and share, and with --png plots it.
 
     KVSERVE_ISA=avx2 python3 scripts/spec_row_cost.py --quantization gguf-a8 --png docs/spec-row-cost.png
 
+`--workloads all` takes every prompt of kvserve/bench/data/spec-prompts.json: the bench's three and
+a second set of edits, quotes and rewrites, for checking a draft rule beyond the prompts it was
+tuned on (the geometric mean of each set is printed too).
+
 The replay is exact for the tokens (greedy verification accepts a draft's longest prefix that
 matches them); the time is the linear cost model, without the per-step work outside the model.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import statistics
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.spec import DEFAULT_SPEC, workload_chats
+from kvserve.bench.spec import DEFAULT_SPEC, PROMPTS, workload_chats
 from kvserve.config import SpeculativeConfig
 from kvserve.spec.adaptive import AdaptiveDraftLength
 from kvserve.spec.ngram import NgramIndex
@@ -51,20 +58,29 @@ def main() -> None:
     p.add_argument("--shares", default="0.1,0.15,0.2,0.25,0.3,0.35,0.4")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--png", default=None)
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help="comma-separated names in spec-prompts.json, or all (default: %(default)s)")
     args = p.parse_args()
     spec = SpeculativeConfig.parse(DEFAULT_SPEC)
+    names = (list(json.loads(PROMPTS.read_text())["workloads"]) if args.workloads == "all"
+             else args.workloads.split(","))
+    chats = workload_chats(names)
     llm = LLM(enable_prefix_caching=False, **({"quantization": args.quantization} if args.quantization else {}))
-    chats = workload_chats(list(WORKLOADS))
     shares = [float(s) for s in args.shares.split(",")]
     results = {}
-    print(f"{'workload':>10} " + " ".join(f"{s:>7.2f}" for s in shares) + "   (speed-up at row share)")
-    for name in WORKLOADS:
+    print(f"{'workload':>12} " + " ".join(f"{s:>7.2f}" for s in shares) + "   (speed-up at row share)")
+    for name in names:
         prompt = llm.chat_prompt(chats[name])
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=args.max_tokens),
                            use_tqdm=False)[0]
         tokens = list(out.outputs[0].token_ids)
         results[name] = [replay(prompt, tokens, spec, s)["speedup"] for s in shares]
-        print(f"{name:>10} " + " ".join(f"{x:>7.2f}" for x in results[name]))
+        print(f"{name:>12} " + " ".join(f"{x:>7.3f}" for x in results[name]))
+    sets = {"bench's": [n for n in names if n in WORKLOADS], "others": [n for n in names if n not in WORKLOADS]}
+    for label, members in sets.items():
+        if len(members) > 1:
+            means = [math.exp(statistics.fmean(math.log(results[n][i]) for n in members)) for i in range(len(shares))]
+            print(f"{'gm ' + label:>12} " + " ".join(f"{x:>7.3f}" for x in means))
     if args.png:
         import matplotlib
         matplotlib.use("Agg")

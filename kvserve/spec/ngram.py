@@ -1,20 +1,30 @@
 """Prompt lookup (n-gram) drafts: continue the request's context the way it continued before.
 
 The last n tokens of a request's context (prompt + outputs) are looked up in the context
-itself, n from `max_n` down to `min_n`; at the most recent earlier occurrence of the longest
-n-gram that has one, the tokens that followed it are the draft. Copy-heavy work (editing or
-quoting a given text, code refactoring, RAG answers) repeats long spans, so drafts are often
-accepted; no model runs.
+itself, n from `max_n` down to `min_n`; for the longest n-gram that occurred before, its most
+recent CANDIDATES occurrences are compared further back with the context (up to MATCH_CAP
+tokens), and the one that agrees longest (the most recent among equals) is followed: the tokens
+after it are the draft.
 
-A draft is at most as long as the match behind it: the context before that occurrence is
-compared further back (up to MATCH_CAP tokens), and a match of m tokens drafts at most m (the
-rule of SuffixDecoding, Oliaro et al. 2024: a short match is weak evidence, and every draft
-token rejected still costs its row in the verifying step). A 3-token match drafts 3 tokens, a
-passage being copied drafts the full length.
+Two rules keep drafts to the lookups that tend to be accepted (scripts/spec_row_cost.py
+replays them over greedy answers; figures in docs/benchmarks-notes.md):
+- A draft is at most as long as the match behind it: a match of m tokens drafts at most m (the
+  rule of SuffixDecoding, Oliaro et al. 2024: a short match is weak evidence, and every draft
+  token rejected still costs its row in the verifying step). A 3-token match drafts 3 tokens, a
+  passage being copied drafts the full length.
+- No draft when the occurrences that agree longest disagree on the next token: the context has
+  continued the same words in different ways, and the lookup would only guess between them
+  (code repeats `for start, end in` before different calls). Measured over 11 copy-heavy
+  answers, such lookups had their first token accepted 6-68% of the time (by match length),
+  against 65-99% for the others.
 
-Cost: each request keeps, per n, a dict from n-gram to its latest start position, extended
-only by the tokens added since the last call (O(new tokens x number of n) per step, never a
-rescan of the context). Pure Python: no torch.
+Copy-heavy work (editing or quoting a given text, code refactoring, RAG answers) repeats long
+spans, so drafts are often accepted; no model runs.
+
+Cost: each request keeps, per n, a dict from n-gram to its latest CANDIDATES start positions,
+extended only by the tokens added since the last call (O(new tokens x number of n) per step,
+never a rescan of the context); a lookup compares at most CANDIDATES x MATCH_CAP tokens. Pure
+Python: no torch.
 """
 from __future__ import annotations
 
@@ -23,34 +33,39 @@ from collections.abc import Sequence
 from kvserve.core.request import Request
 
 MATCH_CAP = 64           # tokens compared back from a match: its draft's longest length
+CANDIDATES = 8           # most recent occurrences of an n-gram compared per lookup
 
 
 class NgramIndex:
-    """The latest start position of every n-gram of one growing token sequence, for n in
-    [min_n, max_n]. The sequence handed to `propose` must extend the previous one (a request's
+    """The latest CANDIDATES start positions of every n-gram of one growing token sequence, for n
+    in [min_n, max_n]. The sequence handed to `propose` must extend the previous one (a request's
     tokens only grow); a shorter one rebuilds the index."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.sizes = range(max_n, min_n - 1, -1)      # longest first
-        self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self._starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
         self._end = 0            # every n-gram ending at or before this position is indexed
 
     def _index_until(self, tokens: Sequence[int], end: int) -> None:
         if end < self._end:
-            self._latest = {n: {} for n in self.sizes}
+            self._starts = {n: {} for n in self.sizes}
             self._end = 0
         for stop in range(self._end + 1, end + 1):
             for n in self.sizes:
                 if stop >= n:
-                    self._latest[n][tuple(tokens[stop - n:stop])] = stop - n
+                    starts = self._starts[n].setdefault(tuple(tokens[stop - n:stop]), [])
+                    starts.append(stop - n)
+                    if len(starts) > CANDIDATES:
+                        del starts[0]
         self._end = max(self._end, end)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """The tokens that followed the most recent earlier occurrence of the longest matching
-        suffix of `tokens`, at most k and at most the match's length (match_length); [] when no
-        suffix of min_n or more tokens occurred before.
+        """The tokens that followed the earlier occurrence of the longest matching suffix of
+        `tokens` that agrees longest with the context (match_length; the most recent among
+        equals), at most k and at most that match's length; [] when no suffix of min_n or more
+        tokens occurred before, or when the occurrences that agree longest went on differently.
 
         A match that ends just before the suffix continues into the suffix and then into the
         draft itself (a repeating pattern keeps repeating).
@@ -62,11 +77,20 @@ class NgramIndex:
         for n in self.sizes:
             if n >= length:
                 continue
-            start = self._latest[n].get(tuple(tokens[length - n:]))
-            if start is None:
+            starts = self._starts[n].get(tuple(tokens[length - n:]))
+            if not starts:
                 continue
+            best, start, nexts = 0, 0, set()
+            for s in reversed(starts):             # most recent first
+                m = match_length(tokens, s, n)
+                if m > best:
+                    best, start, nexts = m, s, {tokens[s + n]}
+                elif m == best:
+                    nexts.add(tokens[s + n])
+            if len(nexts) > 1:                     # equally good evidence for different tokens
+                return []
             draft: list[int] = []
-            for pos in range(start + n, start + n + min(k, match_length(tokens, start, n))):
+            for pos in range(start + n, start + n + min(k, best)):
                 draft.append(tokens[pos] if pos < length else draft[pos - length])
             return draft
         return []

@@ -10,37 +10,80 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec.adaptive import MAX_COOLDOWN, AdaptiveDraftLength
 from kvserve.spec.step_cost import MIN_SHARE, PRIOR_SHARE, StepCostModel
 from kvserve.spec.drafter import Drafter
-from kvserve.spec.ngram import MATCH_CAP, NgramIndex, NgramProposer
+from kvserve.spec.ngram import CANDIDATES, MATCH_CAP, NgramIndex, NgramProposer
 
 
 def brute_force(tokens, k, min_n, max_n):
-    """The specification: longest n first, most recent earlier occurrence, continuation that
-    runs on into its own draft past the end, no longer than the match (the longest m <= MATCH_CAP
-    with the m tokens before the occurrence's end equal to the context's last m)."""
+    """The specification: longest n first; of its CANDIDATES most recent earlier occurrences, the
+    one with the longest match (the longest m <= MATCH_CAP with the m tokens before the
+    occurrence's end equal to the context's last m), the most recent among equals; no draft when
+    the occurrences with that match disagree on the next token; the continuation runs on into its
+    own draft past the end, no longer than the match."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n >= length:
             continue
         suffix = tokens[length - n:]
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                end = start + n
-                m = max(m for m in range(n, min(MATCH_CAP, end) + 1) if tokens[end - m:end] == tokens[length - m:])
-                stream = list(tokens)
-                for i in range(min(k, m)):
-                    stream.append(stream[start + n + i])
-                return stream[length:]
+        starts = [s for s in range(length - n - 1, -1, -1) if tokens[s:s + n] == suffix][:CANDIDATES]
+        if not starts:
+            continue
+
+        def match(start):
+            end = start + n
+            return max(m for m in range(n, min(MATCH_CAP, end) + 1) if tokens[end - m:end] == tokens[length - m:])
+
+        best = max(match(s) for s in starts)
+        tied = [s for s in starts if match(s) == best]
+        if len({tokens[s + n] for s in tied}) > 1:
+            return []
+        start = tied[0]
+        stream = list(tokens)
+        for i in range(min(k, best)):
+            stream.append(stream[start + n + i])
+        return stream[length:]
     return []
 
 
 def test_finds_the_longest_most_recent_match():
     index = NgramIndex(2, 4)
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
-    # suffix [2, 3]: 3-gram [5, 2, 3] never occurred; the latest earlier [2, 3] is at 5 -> 8, 5
-    # (a 2-token match: 1 before it, 5 before the suffix; so 2 tokens, not 3)
-    assert index.propose(tokens, 3) == [8, 5]
+    # suffix [2, 3]: 3-gram [5, 2, 3] never occurred; [2, 3] occurred at 1 (-> 9) and 5 (-> 8), each
+    # a 2-token match (1 before both, 5 before the suffix): equal evidence for 9 and for 8, no draft
+    assert index.propose(tokens, 3) == []
     tokens = tokens + [8]          # suffix [2, 3, 8] occurred at 5 -> 5, 2, 3 (3 matched)
     assert index.propose(tokens, 4) == [5, 2, 3]
+
+
+def test_the_occurrence_that_agrees_longest_is_followed():
+    """Not the latest occurrence of the n-gram, but the one whose earlier tokens match the context
+    further back: `for start, end in merged(` was followed by `x`, `for ... in sorted(` by `y`."""
+    a, b = [20, 21, 22, 23], [30, 31, 32, 33]       # two texts after which [7, 8] recurs
+    tokens = a + [7, 8, 100, 101] + b + [7, 8, 200, 201] + [50] + a + [7, 8]
+    # [7, 8] last occurred after b (-> 200), but after a (-> 100) it matches 6 tokens
+    assert NgramIndex(2, 2).propose(tokens, 8) == [100, 101, 30, 31, 32, 33]
+    tokens = tokens[:-6] + b + [7, 8]
+    assert NgramIndex(2, 2).propose(tokens, 2) == [200, 201]
+
+
+def test_no_draft_when_equally_good_occurrences_disagree():
+    # [1, 5, 6] twice (-> 7, then -> 8), each time after a different token than the suffix's 4:
+    # both a 3-token match, two continuations
+    assert NgramIndex(2, 2).propose([2, 1, 5, 6, 7, 3, 1, 5, 6, 8, 4, 1, 5, 6], 4) == []
+    # the same continuation twice: no doubt (3 drafts: the match's length)
+    assert NgramIndex(2, 2).propose([2, 1, 5, 6, 7, 3, 1, 5, 6, 7, 4, 1, 5, 6], 4) == [7, 4, 1]
+
+
+def test_only_the_latest_candidates_are_compared():
+    """An n-gram's older occurrences beyond CANDIDATES are forgotten: bounded memory and work per
+    lookup on repetitive text."""
+    filler = [[90 + i, 5, 6, 70 + i] for i in range(CANDIDATES)]    # [5, 6] CANDIDATES times, 1 match each
+    tokens = [1, 2, 5, 6, 3] + sum(filler, []) + [1, 2, 5, 6]
+    # the old occurrence after [1, 2] (-> 3) would match 4 tokens but is no longer a candidate;
+    # the candidates' 2-token matches disagree
+    assert NgramIndex(2, 2).propose(tokens, 4) == []
+    index = NgramIndex(2, 2)
+    index.propose(list(range(10)) + [5, 6] * 200, 1)
+    assert max(len(v) for v in index._starts[2].values()) == CANDIDATES
 
 
 def test_a_draft_is_no_longer_than_its_match():
