@@ -35,7 +35,7 @@ from kvserve.ops import kv_int8
 from kvserve.ops.attention import AttentionMetadata, gpu_plan
 from kvserve.runner.layer_stack import CLayerStack
 from kvserve.runner.sampler import (Sampler, SamplerOutput, SamplingRow, TokenLogprobs, apply_token_bitmask,
-                                    argmax_rows, token_logprobs)
+                                    argmax_rows, take_rows, token_logprobs)
 
 # (logits [R, V], one SamplingRow per fed position, draft token ids per request) -> per request
 # the accepted drafts + one token: kvserve.spec.rejection.RejectionSampler
@@ -292,7 +292,7 @@ class ModelRunner:
                 if self.verifier is None:
                     raise RuntimeError("draft tokens were scheduled but this runner has no verifier")
                 rows_idx = [first_rows[j] + i for j in spec for i in range(1 + len(sampling[j].draft_token_ids))]
-                verified = self.verifier(sample_logits[torch.tensor(rows_idx)], spec_rows,
+                verified = self.verifier(take_rows(sample_logits, rows_idx), spec_rows,
                                          [sampling[j].draft_token_ids for j in spec])
                 for j, v in zip(spec, verified):
                     step.sampled[sampling[j].request.request_id] = [SampledToken(t, lp)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.runner.sampler import (SamplerOutput, SamplingRow, argmax_rows, exponential_noise, process_logits,
-                                    token_logprobs)
+                                    take_rows, token_logprobs)
 
 
 @dataclass
@@ -213,7 +213,7 @@ class RejectionSampler:
         if g_req:
             g_rows = [firsts[b] + j for b in g_req for j in range(len(draft_token_ids[b]) + 1)]
             drafts = Drafts.from_lists([draft_token_ids[b] for b in g_req])
-            num, nxt = verify_greedy(proc.logits[torch.tensor(g_rows)], drafts)
+            num, nxt = verify_greedy(take_rows(proc.logits, g_rows), drafts)
             for b, a, t in zip(g_req, num.tolist(), nxt.tolist()):
                 accepted[b], nexts[b] = a, t
         s_req = [b for b, g in enumerate(greedy) if not g]

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.runner.sampler import Sampler, SamplingRow, argmax_rows
+from kvserve.runner.sampler import Sampler, SamplingRow, argmax_rows, take_rows
 from kvserve.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -222,3 +222,13 @@ def test_argmax_rows_is_torch_argmax(rows):
     assert torch.equal(argmax_rows(x[0]), x[0].argmax(dim=-1))            # a 1-d row: a 0-d index
     assert torch.equal(argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # a strided view
     assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))   # other dtypes: torch itself
+
+
+def test_take_rows_copies_only_a_real_selection():
+    x = torch.arange(12.0).view(4, 3)
+    assert take_rows(x, [0, 1, 2, 3]) is x                  # every row in order: no copy
+    sub = take_rows(x, [2, 0])
+    assert torch.equal(sub, x[[2, 0]]) and sub.data_ptr() != x.data_ptr()
+    assert torch.equal(take_rows(x, [0, 1, 3, 2]), x[[0, 1, 3, 2]])
+    assert torch.equal(take_rows(x, [0, 1]), x[:2])
+    assert take_rows(x, []).shape == (0, 3)
