@@ -382,3 +382,35 @@ def test_c_kernel_rows_of_one_sequence_keep_their_bits(use_isa, threads, kv, d, 
         kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)
     assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, token_rows(meta, seed=None), None)
+
+
+@needs_cc
+@pytest.mark.parametrize("kv", ["float32", "int8", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_c_kernel_one_sequence_alone_keeps_its_bits(use_isa, threads, kv, d, group, block_size):
+    """A call of one sequence's rows alone (a batch-1 decode, a verification, a prompt chunk: its
+    rows cut into runs for the threads) gives each row the bits it gets inside a batch of many
+    sequences, with 1 or 2 threads, on every ISA build."""
+    rng = random.Random(d * 10 + group + 1)
+    q, k, v, kc, vc, meta = make_batch(rng, RUN_CHUNKS, block_size, 360 // block_size, 2 * group, 2, d)
+    if kv != "float32":
+        kc, vc = _pools(kv, kc, vc)
+        write_kv(k, v, kc, vc, meta.slot_mapping)
+    rows = token_rows(meta, seed=None)
+    per_isa = {}
+    for isa in HOST_ISAS:
+        use_isa(isa)
+        threads(2)
+        batch = run_kernel(q, kc, vc, meta, rows, 0.25, None)
+        for b in range(len(meta.seq_lens)):
+            call = tuple(c[rows[1] == b] for c in rows)
+            for n in (2, 1):
+                threads(n)
+                got = run_kernel(q, kc, vc, meta, call, 0.25, None)
+                assert torch.equal(got[call[0]], batch[call[0]]), (isa, b, n)
+            threads(2)
+        per_isa[isa] = batch
+    for isa, out in per_isa.items():
+        assert torch.equal(out, per_isa["portable"]), isa
