@@ -14,6 +14,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 _GGUF_MAGIC = b"GGUF"
+_U64 = struct.Struct("<Q")
 _SCALAR = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
            GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
            GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
@@ -62,12 +63,24 @@ class GGUFFile:
         self._pos += n
         return s.decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary, its merges): one tight loop, no per-item dispatch."""
+        mm, pos, out = self._mm, self._pos, []
+        for _ in range(count):
+            (n,) = _U64.unpack_from(mm, pos)
+            out.append(mm[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
+            pos += 8 + n
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int):
         vtype = GGUFValueType(vtype)
         if vtype == GGUFValueType.STRING:
             return self._string()
         if vtype == GGUFValueType.ARRAY:
             itype, count = GGUFValueType(self._read("<I")), self._read("<Q")
+            if itype == GGUFValueType.STRING:
+                return self._strings(count)
             if itype in _NUMPY:
                 dt = np.dtype(_NUMPY[itype]).newbyteorder("<")
                 raw = self._mm[self._pos:self._pos + count * dt.itemsize]

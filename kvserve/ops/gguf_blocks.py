@@ -185,15 +185,19 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
         fill = 0 if kind in (4, 14) else 128                     # q = 0 in padding rows
         ints = np.concatenate([ints, np.full((pad, *ints.shape[1:]), fill, np.uint8)])
 
-    def by_group(a):      # [G*16, nb, ...] -> [G, nb, 16, ...] as bytes
-        a = np.ascontiguousarray(a.reshape(G, 16, nb, *a.shape[2:]).swapaxes(1, 2))
-        return a.view(np.uint8)
-    chunks = ints.shape[-1] // 4                                   # 4 (4-bit kinds) or 8
-    ints = by_group(ints.reshape(G * 16, nb, chunks, 4)).swapaxes(2, 3)   # [G, nb, chunk, 16 rows, 4]
-    sparts = [by_group(np.ascontiguousarray(scales[..., s])) for s in range(scales.shape[-1])]
-    packed = np.concatenate([p.reshape(G, nb, -1) for p in (*sparts, ints)], axis=-1)
-    assert packed.shape[-1] == BLOCK_BYTES[kind]
-    return torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1), kind
+    # One strided copy per array, straight into its place in the packed blocks.
+    packed = np.empty((G, nb, BLOCK_BYTES[kind]), np.uint8)
+    at = 0
+    for s in range(scales.shape[-1]):                  # each scale array: [G, nb, 16 rows] as bytes
+        part = scales[..., s]
+        size = 16 * part.dtype.itemsize
+        packed[..., at:at + size].view(part.dtype)[...] = part.reshape(G, 16, nb).swapaxes(1, 2)
+        at += size
+    chunks = ints.shape[-1] // 4                       # 4 (4-bit kinds) or 8
+    # the integers: [G, nb, chunk, 16 rows, 4 weights]
+    packed[..., at:].reshape(G, nb, chunks, 16, 4)[...] = ints.reshape(G, 16, nb, chunks, 4).transpose(0, 2, 3, 1, 4)
+    assert at + chunks * 64 == BLOCK_BYTES[kind]
+    return torch.from_numpy(packed).reshape(-1), kind
 
 
 def pack_gguf_rows(w) -> tuple[torch.Tensor, int]:
