@@ -14,9 +14,8 @@ replays them over greedy answers; figures in docs/benchmarks-notes.md):
   passage being copied drafts the full length.
 - No draft when the occurrences that agree longest disagree on the next token: the context has
   continued the same words in different ways, and the lookup would only guess between them
-  (code repeats `for start, end in` before different calls). Measured over 11 copy-heavy
-  answers, such lookups had their first token accepted 6-68% of the time (by match length),
-  against 65-99% for the others.
+  (code repeats `for start, end in` before different calls). Over copy-heavy answers such
+  lookups are accepted far less often than the others.
 
 Copy-heavy work (editing or quoting a given text, code refactoring, RAG answers) repeats long
 spans, so drafts are often accepted; no model runs.
