@@ -58,10 +58,7 @@ class GGUFFile:
         return value
 
     def _string(self) -> str:
-        n = self._read("<Q")
-        s = self._mm[self._pos:self._pos + n]
-        self._pos += n
-        return s.decode("utf-8", errors="replace")
+        return self._strings(1)[0]
 
     def _strings(self, count: int) -> list[str]:
         """`count` strings in a row (a vocabulary, its merges): one tight loop, no per-item dispatch."""

@@ -317,9 +317,9 @@ def _logprobs(logits: torch.Tensor, num_top: list[int | None], tokens: torch.Ten
     """Chosen-token logprob, its rank and the top-N (num_top[i]) for every row that asked for logprobs."""
     out: list[TokenLogprobs | None] = [None] * len(num_top)
     use = [i for i, n in enumerate(num_top) if n is not None]
-    idx = torch.tensor(use, device=logits.device)
     n_top = min(max(num_top[i] for i in use), logits.shape[-1])
-    for i, entry in zip(use, token_logprobs(logits[idx], tokens[idx].tolist(), n_top)):
+    chosen = tokens[torch.tensor(use, device=tokens.device)].tolist()
+    for i, entry in zip(use, token_logprobs(take_rows(logits, use), chosen, n_top)):
         entry.top = entry.top[:num_top[i]]
         out[i] = entry
     return out

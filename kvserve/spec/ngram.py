@@ -27,6 +27,7 @@ Python: no torch.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kvserve.core.request import Request
@@ -44,7 +45,7 @@ class NgramIndex:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.sizes = range(max_n, min_n - 1, -1)      # longest first
-        self._starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
+        self._starts: dict[int, dict[tuple[int, ...], deque[int]]] = {n: {} for n in self.sizes}
         self._end = 0            # every n-gram ending at or before this position is indexed
 
     def _index_until(self, tokens: Sequence[int], end: int) -> None:
@@ -54,10 +55,11 @@ class NgramIndex:
         for stop in range(self._end + 1, end + 1):
             for n in self.sizes:
                 if stop >= n:
-                    starts = self._starts[n].setdefault(tuple(tokens[stop - n:stop]), [])
+                    key = tuple(tokens[stop - n:stop])
+                    starts = self._starts[n].get(key)
+                    if starts is None:
+                        starts = self._starts[n][key] = deque(maxlen=CANDIDATES)
                     starts.append(stop - n)
-                    if len(starts) > CANDIDATES:
-                        del starts[0]
         self._end = max(self._end, end)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:

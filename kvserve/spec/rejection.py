@@ -240,7 +240,7 @@ class RejectionSampler:
         flat_rows = [firsts[b] + j for b in want for j in range(len(tokens[b]))]
         flat_tokens = [t for b in want for t in tokens[b]]
         n_top = max(rows[firsts[b]].params.logprobs for b in want)
-        entries = iter(token_logprobs(logits[torch.tensor(flat_rows)], flat_tokens, n_top))
+        entries = iter(token_logprobs(take_rows(logits, flat_rows), flat_tokens, n_top))
         for b in want:
             keep = rows[firsts[b]].params.logprobs
             for j in range(len(tokens[b])):

@@ -343,9 +343,13 @@ def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, k
     assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, token_rows(meta, seed=5), window)
 
 
-def assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, window):
-    """Each row's output is bitwise the same in the batch `rows` and alone, with 1 or 2 threads, on
-    every ISA build the host runs."""
+def assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, window, alone=None,
+                                alone_threads=(2,)):
+    """Each row's output is bitwise the same in the batch `rows` and in a call of its own, with 1
+    or 2 threads, on every ISA build the host runs. alone: the index sets of `rows` that go as
+    calls of their own (default: every row by itself), each with every count of alone_threads."""
+    if alone is None:
+        alone = [torch.tensor([i]) for i in range(len(rows[0]))]
     per_isa = {}
     for isa in HOST_ISAS:
         use_isa(isa)
@@ -354,11 +358,13 @@ def assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, window)
         assert not batch[rows[0]].isnan().any(), isa          # every row was written
         threads(1)
         assert torch.equal(run_kernel(q, kc, vc, meta, rows, 0.25, window), batch), isa
+        for i, sel in enumerate(alone):
+            call = tuple(c[sel] for c in rows)
+            for n in alone_threads:
+                threads(n)
+                got = run_kernel(q, kc, vc, meta, call, 0.25, window)
+                assert torch.equal(got[call[0]], batch[call[0]]), (isa, i, n)
         threads(2)
-        for i in range(len(rows[0])):
-            one = tuple(c[i:i + 1] for c in rows)
-            r = rows[0][i]
-            assert torch.equal(run_kernel(q, kc, vc, meta, one, 0.25, window)[r], batch[r]), (isa, i)
         per_isa[isa] = batch
     for isa, out in per_isa.items():
         assert torch.equal(out, per_isa["portable"]), isa
@@ -399,18 +405,5 @@ def test_c_kernel_one_sequence_alone_keeps_its_bits(use_isa, threads, kv, d, gro
         kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)
     rows = token_rows(meta, seed=None)
-    per_isa = {}
-    for isa in HOST_ISAS:
-        use_isa(isa)
-        threads(2)
-        batch = run_kernel(q, kc, vc, meta, rows, 0.25, None)
-        for b in range(len(meta.seq_lens)):
-            call = tuple(c[rows[1] == b] for c in rows)
-            for n in (2, 1):
-                threads(n)
-                got = run_kernel(q, kc, vc, meta, call, 0.25, None)
-                assert torch.equal(got[call[0]], batch[call[0]]), (isa, b, n)
-            threads(2)
-        per_isa[isa] = batch
-    for isa, out in per_isa.items():
-        assert torch.equal(out, per_isa["portable"]), isa
+    sequences = [(rows[1] == b).nonzero().squeeze(1) for b in range(len(meta.seq_lens))]
+    assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, None, alone=sequences, alone_threads=(2, 1))
