@@ -15,6 +15,10 @@ stages), whose collectives fail after STEP_TIMEOUT_S; and the control group, ove
 sends each step, where a worker may wait as long as the engine stays idle (rank 0's own side of
 it fails after STEP_TIMEOUT_S too: no wait of rank 0 is unbounded).
 
+Start: every rank first checks in at the store and waits there (up to CONNECT_TIMEOUT) for the
+others, so a slow start never counts against the groups' STEP_TIMEOUT_S rendezvous; a worker that
+exits before then fails rank 0's start at once.
+
 Failures: before each step rank 0 checks that every worker process it started is alive and raises
 RankLost naming the one that is not (at once, not after a timeout); a rank on another machine that
 dies closes its sockets, so the next collective fails at once; one that stalls makes the step fail
@@ -30,6 +34,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -57,9 +62,29 @@ def _store(d, port: int, master: bool):
                          wait_for_workers=False)
 
 
-def join(d, rank: int, store=None) -> None:
+def _arrive(store, rank: int, world: int, workers: list[subprocess.Popen] = ()) -> None:
+    """Wait until every rank has reached the store. A rank still starting (its imports alone take
+    seconds on a slow machine) must not eat into the groups' rendezvous, which fails after
+    STEP_TIMEOUT_S; a worker started here that exits meanwhile fails the start at once."""
+    store.set(f"kvserve/arrived/{rank}", "1")
+    keys = [f"kvserve/arrived/{r}" for r in range(world)]
+    deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        for r, p in enumerate(workers, rank + 1):
+            if p.poll() is not None:
+                raise RankLost(f"rank {r} (pid {p.pid}) exited with code {p.returncode} while starting; "
+                               f"see its log above")
+        if time.monotonic() > deadline:
+            raise RankLost(f"not every rank reached {store.host}:{store.port} within {CONNECT_TIMEOUT}: "
+                           f"start every node's command (--nnodes, --node-rank)")
+        time.sleep(0.02)
+
+
+def join(d, rank: int, store=None, workers: list[subprocess.Popen] = ()) -> None:
     """Join the ranks' groups as `rank` (store: rank 0's, already listening; torchrun: its own)."""
     global _control
+    if store is not None:
+        _arrive(store, rank, d.world, workers)
     timeout = datetime.timedelta(seconds=STEP_TIMEOUT_S)
     if d.torchrun:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=d.world, timeout=timeout)
@@ -152,13 +177,15 @@ def start_ranks(cls, config):
         store = _store(d, d.master_port or 0, master=True)     # port 0: a free one, told to the workers
         workers = spawn(d, store.port, config.num_threads)
     try:
-        join(d, 0, store)
+        join(d, 0, store, workers)
         ranks = cls(d.world, workers)
         ranks.broadcast(config)
         atexit.register(ranks.shutdown)       # a script that never closes its engine stops the ranks too
     except Exception:
         for w in workers:
             w.kill()
+        if dist.is_initialized():             # so that a later engine in this process can start ranks
+            dist.destroy_process_group()
         raise
     log.info("ranks: %d, this machine runs %d of them (meeting at %s:%s)", d.world, d.local_ranks,
              d.master_addr, store.port if store is not None else d.master_port)

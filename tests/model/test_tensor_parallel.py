@@ -76,6 +76,23 @@ def test_workers_wait_out_an_idle_engine(default_gguf, tp1_outputs, monkeypatch)
         llm.engine.close()
 
 
+def test_a_rank_that_dies_while_starting_fails_the_start_and_the_next_engine_starts(default_gguf, tp1_outputs,
+                                                                                   monkeypatch):
+    """Rank 0 waits for its workers at the store before any group forms: one that exits meanwhile
+    fails the start at once, naming it, and leaves no half-formed group behind."""
+    with monkeypatch.context() as m:
+        m.setattr(ranks, "spawn", lambda d, port, threads: [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])])
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=r"rank 1 \(pid \d+\) exited with code 3 while starting"):
+            _llm(default_gguf, 2)
+        assert time.monotonic() - t0 < 30
+    llm = _llm(default_gguf, 2)
+    try:
+        _assert_same(tp1_outputs[:2], llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False))
+    finally:
+        llm.engine.close()
+
+
 def _node1(default_gguf, kind: str, port: int) -> subprocess.Popen:
     """Node 1 of 2: its own command, as it would run on the other machine."""
     return subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--model", default_gguf, f"--{kind}", "2",
