@@ -168,6 +168,18 @@ class Ranks:
             dist.destroy_process_group()
 
 
+def _forget_groups() -> None:
+    """Leave every group after a failed start, so that a later engine in this process can start
+    ranks: torch names groups by a per-process count that only destroying the default group resets,
+    and an init_process_group that timed out advanced it without forming the group; the next
+    engine's group names would then never match its fresh workers' (their rendezvous times out)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        from torch.distributed import distributed_c10d
+        distributed_c10d._world.group_count = 0
+
+
 def start_ranks(cls, config):
     """As rank 0: start this machine's other ranks, meet every rank, send them the configuration;
     returns cls(world, workers)."""
@@ -184,8 +196,7 @@ def start_ranks(cls, config):
     except Exception:
         for w in workers:
             w.kill()
-        if dist.is_initialized():             # so that a later engine in this process can start ranks
-            dist.destroy_process_group()
+        _forget_groups()
         raise
     log.info("ranks: %d, this machine runs %d of them (meeting at %s:%s)", d.world, d.local_ranks,
              d.master_addr, store.port if store is not None else d.master_port)

@@ -93,6 +93,28 @@ def test_a_rank_that_dies_while_starting_fails_the_start_and_the_next_engine_sta
         llm.engine.close()
 
 
+STALLED_WORKER = """import sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False)
+store.set("kvserve/arrived/1", "1")
+time.sleep(120)"""
+
+
+def test_a_rank_that_never_joins_fails_the_start_and_the_next_engine_starts(default_gguf, tp1_outputs, monkeypatch):
+    """A worker that reaches the store but never joins the groups: rank 0's rendezvous fails after
+    the step timeout, and the half-counted group does not break the next engine's start."""
+    with monkeypatch.context() as m:
+        m.setattr(ranks, "STEP_TIMEOUT_S", 2.0)
+        m.setattr(ranks, "spawn", lambda d, port, threads: [subprocess.Popen([sys.executable, "-c", STALLED_WORKER,
+                                                                              str(port)])])
+        with pytest.raises(RuntimeError, match="timeout"):
+            _llm(default_gguf, 2)
+    llm = _llm(default_gguf, 2)
+    try:
+        _assert_same(tp1_outputs[:2], llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False))
+    finally:
+        llm.engine.close()
+
+
 def _node1(default_gguf, kind: str, port: int) -> subprocess.Popen:
     """Node 1 of 2: its own command, as it would run on the other machine."""
     return subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--model", default_gguf, f"--{kind}", "2",
