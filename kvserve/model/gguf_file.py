@@ -2,7 +2,7 @@
 
 The header is parsed here directly (the format is a flat list of typed key/values and tensor
 descriptors) because gguf.GGUFReader builds a numpy memmap per string and takes ~2.5 s on a 49k
-vocabulary; this takes ~0.1 s. The `gguf` package supplies the type tables.
+vocabulary; this takes ~0.1 s. The type tables are kvserve.ops.gguf_types.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import struct
 
 import numpy as np
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from kvserve.ops.gguf_types import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 _GGUF_MAGIC = b"GGUF"
 _U64 = struct.Struct("<Q")
@@ -102,7 +102,11 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = self._string()
             dims = [self._read("<Q") for _ in range(self._read("<I"))]
-            qtype = GGMLQuantizationType(self._read("<I"))
+            code = self._read("<I")
+            if code not in GGML_QUANT_SIZES:
+                raise ValueError(f"{self.path}: tensor {name} has GGML type {code}, which kvserve does not know "
+                                 f"(it reads {sorted(t.name for t in GGML_QUANT_SIZES)})")
+            qtype = GGMLQuantizationType(code)
             infos.append((name, qtype, tuple(reversed(dims)), self._read("<Q")))
         align = int(self.metadata.get("general.alignment", 32))
         data_start = (self._pos + align - 1) // align * align

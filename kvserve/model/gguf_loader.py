@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf.constants import GGMLQuantizationType as Q
-from gguf.quants import dequantize
 
 from kvserve.model import gemma3, registry
 from kvserve.model.arch import ModelArch
 from kvserve.model.gguf_file import GGUFFile, GGUFTensor
 from kvserve.model.quant import BlockTensor
+from kvserve.ops.gguf_types import GGMLQuantizationType as Q
 
 
 def dequantize_rows(raw: np.ndarray, qtype: Q) -> torch.Tensor:
@@ -46,7 +45,9 @@ def dequantize_rows(raw: np.ndarray, qtype: Q) -> torch.Tensor:
         b = b.view(-1, 34)
         d = b[:, 0:2].contiguous().view(torch.float16).float()
         return b[:, 2:].view(torch.int8).float().mul_(d).view(rows, -1)
-    return torch.from_numpy(dequantize(raw, qtype))
+    from gguf.constants import GGMLQuantizationType   # the package only for the types decoded by it
+    from gguf.quants import dequantize
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType(int(qtype))))
 
 
 def load_tensor(g: GGUFFile, t: GGUFTensor, row_order: np.ndarray | None = None) -> torch.Tensor:

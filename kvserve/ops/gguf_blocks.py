@@ -34,7 +34,7 @@ BLOCK_BYTES = {4: 320, 8: 544, 14: 384, 18: 704}
 
 
 def _qtypes():
-    from gguf.constants import GGMLQuantizationType as Q
+    from kvserve.ops.gguf_types import GGMLQuantizationType as Q
     return Q
 
 
@@ -47,7 +47,7 @@ def packed_kind(qtype) -> int | None:
 
 def packable_types() -> tuple:
     """The GGUF types pack_gguf_rows takes."""
-    from gguf.constants import GGMLQuantizationType as Q
+    from kvserve.ops.gguf_types import GGMLQuantizationType as Q
     return tuple(t for t in Q if packed_kind(t) is not None)
 
 
