@@ -4,10 +4,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import re
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -81,13 +78,15 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
     max_positions = max(arch.max_position_embeddings, cfg.max_model_len or 0)
     model = build_model(arch, dtype, max_positions)
     quant.apply_quantization(model, fmt)
-    # Dequantizing and packing are many small memory-bound ops: one torch thread each is as fast,
-    # and it does not stall on OpenMP barriers when the cores are shared with other processes
-    # (measured: 0.6 s vs 10+ s).
+    loaded = set()
+    # Dequantizing is many small memory-bound ops: one thread is as fast, and it does not stall
+    # on OpenMP barriers when the cores are shared with other processes (measured: 0.6 s vs 10+ s).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        loaded = load_weights(model, weights)
+        for name, w in weights:
+            model.load_weight(name, w)
+            loaded.add(name)
     finally:
         torch.set_num_threads(threads)
     missing = model.weight_names() - loaded
@@ -98,41 +97,6 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
         model.to(device)
     log.info("weights: %s (%s)%s", fmt, quant.DESCRIPTION[fmt], "" if device == "cpu" else f" on {device}")
     return LoadedModel(model, arch, tokenizer, path, dtype, time.perf_counter() - t0, fmt)
-
-
-LOAD_THREADS = 2      # weights load on this many threads (packing is numpy copies that release the GIL)
-READ_AHEAD = 8        # tensors read from the file ahead of their loading: bounds the bytes held at once
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def load_weights(model: CausalLM, weights) -> set[str]:
-    """model.load_weight for every (name, tensor) of `weights`, on LOAD_THREADS threads; returns
-    the names. The tensors of one layer load in file order, one after the other (a fused layer's
-    shards stage in its modules until the last one packs them); layers, the embedding and the
-    head load side by side."""
-    loaded: set[str] = set()
-    last: dict[str, Future] = {}          # owner (a layer, or the tensor's own name) -> its latest load
-    reading: deque[Future] = deque()
-
-    def load(name, w, after: Future | None):
-        if after is not None:
-            after.result()                # the owner's previous tensor first (re-raises its error)
-        model.load_weight(name, w)
-
-    pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvserve-load")
-    try:
-        for name, w in weights:
-            owner = m.group(1) if (m := _LAYER.match(name)) else name
-            last[owner] = pool.submit(load, name, w, last.get(owner))
-            reading.append(last[owner])
-            loaded.add(name)
-            while len(reading) > READ_AHEAD:
-                reading.popleft().result()
-        for f in reading:
-            f.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return loaded
 
 
 def resolve_quantization(requested: str | None, path: str) -> str:
