@@ -17,7 +17,7 @@ it fails after STEP_TIMEOUT_S too: no wait of rank 0 is unbounded).
 
 Start: every rank first checks in at the store and waits there (up to CONNECT_TIMEOUT) for the
 others, so a slow start never counts against the groups' STEP_TIMEOUT_S rendezvous; a worker that
-exits before then fails rank 0's start at once.
+exits before then fails rank 0's start at once. (Under torchrun its own rendezvous does this.)
 
 Failures: before each step rank 0 checks that every worker process it started is alive and raises
 RankLost naming the one that is not (at once, not after a timeout); a rank on another machine that
