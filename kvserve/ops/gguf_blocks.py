@@ -17,7 +17,7 @@ m = -0.0, which leaves every d q (signed zeros included) unchanged. K-quant sub-
 (Q4_K, Q5_K) have d0 = d1. Q2_K (a min per 16 weights) is not packed.
 
 `w` is any object with the GGUF tensor's `raw` blocks ([rows, bytes_per_row] uint8), `qtype` and
-`shape` (kvserve.model.quant.BlockTensor). Imports numpy, torch and gguf only.
+`shape` (kvserve.model.quant.BlockTensor). Imports numpy and torch only (GGUF's type codes: kvserve.ops.gguf_types).
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.ops.gguf_types import GGMLQuantizationType as Q
+
 GROUP = 32      # weights per packed block (and per GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 block)
 SUPER = 256     # weights per GGUF K-quant super-block
 
@@ -33,21 +35,14 @@ SUPER = 256     # weights per GGUF K-quant super-block
 BLOCK_BYTES = {4: 320, 8: 544, 14: 384, 18: 704}
 
 
-def _qtypes():
-    from kvserve.ops.gguf_types import GGMLQuantizationType as Q
-    return Q
-
-
 def packed_kind(qtype) -> int | None:
     """The kind a GGUF type packs into, or None for a type the C kernels do not run."""
-    Q = _qtypes()
     return {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 14,
             Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18}.get(qtype)
 
 
 def packable_types() -> tuple:
     """The GGUF types pack_gguf_rows takes."""
-    from kvserve.ops.gguf_types import GGMLQuantizationType as Q
     return tuple(t for t in Q if packed_kind(t) is not None)
 
 
@@ -91,7 +86,6 @@ def _k_scale_min(s):
 
 
 def _decode(w) -> _Decoded:
-    Q = _qtypes()
     N, K = w.shape
     qt = w.qtype
     if qt in (Q.Q4_0, Q.Q4_1):        # the file's bytes as they are: q[t] | q[t + 16] << 4
@@ -151,7 +145,6 @@ def _decode(w) -> _Decoded:
 
 def _check(w):
     N, K = w.shape
-    Q = _qtypes()
     per = SUPER if w.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K) else GROUP
     if K % per:
         raise ValueError(f"a {w.qtype.name} tensor needs rows of a multiple of {per} weights, "

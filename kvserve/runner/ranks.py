@@ -62,6 +62,15 @@ def _store(d, port: int, master: bool):
                          wait_for_workers=False)
 
 
+def _exited(workers: list[subprocess.Popen], first_rank: int) -> str | None:
+    """'rank R (pid P) exited with code C' for the first of `workers` (ranks first_rank, ...) that
+    has exited, else None."""
+    for r, p in enumerate(workers, first_rank):
+        if p.poll() is not None:
+            return f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
+    return None
+
+
 def _arrive(store, rank: int, world: int, workers: list[subprocess.Popen] = ()) -> None:
     """Wait until every rank has reached the store. A rank still starting (its imports alone take
     seconds on a slow machine) must not eat into the groups' rendezvous, which fails after
@@ -70,10 +79,8 @@ def _arrive(store, rank: int, world: int, workers: list[subprocess.Popen] = ()) 
     keys = [f"kvserve/arrived/{r}" for r in range(world)]
     deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
     while not store.check(keys):
-        for r, p in enumerate(workers, rank + 1):
-            if p.poll() is not None:
-                raise RankLost(f"rank {r} (pid {p.pid}) exited with code {p.returncode} while starting; "
-                               f"see its log above")
+        if (gone := _exited(workers, rank + 1)) is not None:
+            raise RankLost(f"{gone} while starting; see its log above")
         if time.monotonic() > deadline:
             raise RankLost(f"not every rank reached {store.host}:{store.port} within {CONNECT_TIMEOUT}: "
                            f"start every node's command (--nnodes, --node-rank)")
@@ -113,10 +120,8 @@ class Ranks:
         self.workers = workers        # the ranks this process started: 1..len(workers)
 
     def check_workers(self) -> None:
-        for rank, p in enumerate(self.workers, 1):
-            if p.poll() is not None:
-                raise RankLost(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}: no step can run; "
-                               f"restart the engine")
+        if (gone := _exited(self.workers, 1)) is not None:
+            raise RankLost(f"{gone}: no step can run; restart the engine")
 
     def lost(self, what: str, err: Exception) -> RankLost:
         """The error for a collective that failed: the rank that exited when one did (a killed

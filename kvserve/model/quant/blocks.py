@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from kvserve.ops.gguf_blocks import GROUP, packable_types  # GROUP: weights per GGUF block = the int4 group
+from kvserve.ops.gguf_types import GGMLQuantizationType as Q
 
 
 class BlockTensor:
@@ -23,7 +24,6 @@ class BlockTensor:
     def int4_parts(self):
         """Q4_0/Q4_1 -> (q uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32] | None)
         with w = d * q + m (Q4_1) or w = d * (q - 8) (Q4_0, m None)."""
-        from kvserve.ops.gguf_types import GGMLQuantizationType as Q
         rows = self.shape[0]
         b = torch.from_numpy(self.raw).view(-1, 18 if self.qtype == Q.Q4_0 else 20)
         d = b[:, 0:2].contiguous().view(torch.float16).float().view(rows, -1)
@@ -36,12 +36,10 @@ class BlockTensor:
 def is_q4(w) -> bool:
     if not isinstance(w, BlockTensor):
         return False
-    from kvserve.ops.gguf_types import GGMLQuantizationType as Q
-    return w.qtype in (Q.Q4_0, Q.Q4_1)
+    return w.qtype in _q4_types()
 
 
 def _q4_types():
-    from kvserve.ops.gguf_types import GGMLQuantizationType as Q
     return (Q.Q4_0, Q.Q4_1)
 
 
