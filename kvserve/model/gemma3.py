@@ -157,9 +157,7 @@ class Gemma3ForCausalLM(TiedHeadMixin, nn.Module):
             owner = layer.self_attn if m.group(2) in ("q_norm", "k_norm") else layer
             getattr(owner, m.group(2)).load_weight(w)
         elif name == "model.embed_tokens.weight":
-            self.embed_tokens.load_weight(w)
-            if self.tied_head:
-                self.lm_head.load_weight(w)
+            self.load_embedding(w)
         elif name == "model.norm.weight":
             self.norm.load_weight(w)
         elif name == "lm_head.weight" or "rotary_emb" in name:

@@ -79,37 +79,66 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
+    def row_reader(self):
+        """A function ids [R] -> float32 [R, in_features], the weight's rows read from its stored
+        form, or None when the quant method keeps no form it reads rows from."""
+        reader = getattr(self.quant_method, "row_reader", None)
+        return reader(self) if reader is not None else None
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.shard_sizes}, bias={self.bias is not None}, "
                 f"quant={type(self.quant_method).__name__}")
 
 
 class Embedding(nn.Module):
+    """Token ids -> rows of `weight` [vocab, dim]. A tied model whose head keeps the embedding
+    packed reads the rows from that head instead (`read_rows_with`) and keeps no dense copy."""
+
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+        self.dtype = dtype
+        self.rows = None        # ids [R] -> float32 [R, dim] in place of `weight` (read_rows_with)
 
     def load_weight(self, w: torch.Tensor) -> None:
         w = dense(w)
         if w.shape != self.weight.shape:
             raise ValueError(f"embedding is {tuple(self.weight.shape)}, got {tuple(w.shape)}")
-        self.weight = nn.Parameter(w.to(self.weight.dtype).contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(w.to(self.dtype).contiguous(), requires_grad=False)
+
+    def read_rows_with(self, rows) -> None:
+        """Look rows up with `rows` (ids [R] -> float32 [R, dim]); the dense weight is dropped."""
+        self.weight = None
+        self.rows = rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, -1)
         return F.embedding(ids, self.weight)
 
 
 class TiedHeadMixin:
     """The LM head of a causal LM with an `embed_tokens` Embedding and an `lm_head` (None: tied,
     logits from the embedding's rows). A tied model may take a packed copy of the embedding as
-    its head (`tie_quantized_head`): it is loaded from the embedding's weight, while the lookup
-    keeps the dense rows."""
+    its head (`tie_quantized_head`): it is loaded from the embedding's weight, and when the head
+    can give single rows back (Linear.row_reader) the lookup reads them there, so the weight is
+    held once, packed."""
     lm_head: "Linear | None"
     tied_head: bool = False
 
     def tie_quantized_head(self, head: Linear) -> None:
         self.lm_head = head
         self.tied_head = True
+
+    def load_embedding(self, w) -> None:
+        """The embedding's weight (and the tied head's, loaded from it)."""
+        if self.tied_head:
+            self.lm_head.load_weight(w)
+            rows = self.lm_head.row_reader()
+            if rows is not None:
+                self.embed_tokens.read_rows_with(rows)
+                return
+        self.embed_tokens.load_weight(w)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

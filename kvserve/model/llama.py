@@ -119,9 +119,7 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
             linear = getattr(module, target)
             (linear.load_weight if kind == "weight" else linear.load_bias)(w, shard)
         elif name == "model.embed_tokens.weight":
-            self.embed_tokens.load_weight(w)
-            if self.tied_head:
-                self.lm_head.load_weight(w)
+            self.load_embedding(w)
         elif name == "lm_head.weight":
             if self.lm_head is not None and not self.tied_head:
                 self.lm_head.load_weight(w)

@@ -135,6 +135,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.gguf_gemv.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64]
     lib.gguf_gemm_f32.restype = ctypes.c_int
     lib.gguf_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i64, i64]
+    lib.gguf_dequantize_rows.restype = ctypes.c_int
+    lib.gguf_dequantize_rows.argtypes = [p, i64, i64, p, i64, p]
     lib.gguf_gemv_isa.restype = ctypes.c_char_p
     lib.gguf_gemv_isa.argtypes = []
     lib.layer_stack.restype = ctypes.c_int
@@ -192,14 +194,16 @@ def _load(isa: str, cache_dir: str | None) -> ctypes.CDLL | None:
 
 
 def build(cc: str, isa: str) -> Path:
-    """The `isa` library's shared object, compiled into the cache directory unless already there."""
-    flags = _BASE_FLAGS + list(_openmp_flags(cc)) + ISA_FLAGS[isa]
+    """The `isa` library's shared object, compiled into the cache directory unless already there.
+    The name's key covers the sources, the compiler and the flags; whether OpenMP links is the
+    compiler's answer, so it is asked only when a build is needed."""
     sources = [_CSRC / name for name in _COMMON] + [_CSRC / f"gguf_gemv_{isa}.c"]
     text = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.[ch]")))
-    key = hashlib.sha256(text + " ".join([cc, isa, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([cc, isa, *_BASE_FLAGS, *ISA_FLAGS[isa]]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"kvserve-{isa}-{key}.so"
     if lib_path.exists():
         return lib_path
+    flags = _BASE_FLAGS + list(_openmp_flags(cc)) + ISA_FLAGS[isa]
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         out = Path(tmp) / lib_path.name
@@ -287,12 +291,28 @@ class StackLayer(ctypes.Structure):
 
 
 class StackModel(ctypes.Structure):
-    """stack_model_t of csrc/layer_stack.c: shapes, embedding, final norm, rope tables, layers."""
+    """stack_model_t of csrc/layer_stack.c: shapes, embedding (float32 rows, or NULL and a tied
+    head's packed rows and kind), final norm, rope tables, layers."""
     _fields_ = [(n, ctypes.c_int64) for n in ("num_layers", "hidden", "num_heads", "kv_heads", "head_dim",
                                              "intermediate", "block_size", "window", "kv_format")] \
         + [("eps", ctypes.c_double), ("scale", ctypes.c_double)] \
-        + [(n, ctypes.c_void_p) for n in ("embed", "norm", "cos", "sin")] \
+        + [("embed", ctypes.c_void_p), ("embed_packed", ctypes.c_void_p), ("embed_kind", ctypes.c_int64)] \
+        + [(n, ctypes.c_void_p) for n in ("norm", "cos", "sin")] \
         + [("layers", ctypes.POINTER(StackLayer)), ("act_parts", ctypes.c_int64)]
+
+
+def gguf_rows(w: torch.Tensor, kind: int, n: int, k: int, ids: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """Rows `ids` (int64 [R], each in [0, n)) of a weight of n rows and k columns packed by
+    kvserve.ops.gguf_blocks.pack_gguf_parts -> float32 [R, k], the values unpack_gguf_rows gives
+    (an embedding looked up in a tied head's packed weight)."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"row ids must be in [0, {n}), got {int(ids.min())}..{int(ids.max())}")
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    if library(isa).gguf_dequantize_rows(w.data_ptr(), kind, k, ids.data_ptr(), ids.numel(), out.data_ptr()):
+        raise ValueError(f"gguf_rows: kind {kind} with K={k} is not a packed layout (kinds 4, 8, 14, 18; "
+                         "K a multiple of 32)")
+    return out
 
 
 def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

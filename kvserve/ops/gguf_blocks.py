@@ -48,13 +48,16 @@ def packable_types() -> tuple:
 
 @dataclass
 class _Decoded:
-    """One tensor's blocks of 32, decoded: ints [N, nb, 16 | 32] uint8 as the kind stores them
-    (4-bit kinds: byte t = q[t] | q[t + 16] << 4; 8-bit kinds: q + 128), scales
-    [N, nb, parts] (fp16 for kinds 4 / 8, fp32 for 14 / 18, in the kind's order: d, then m or
-    d0, d1, m)."""
+    """One tensor's blocks of 32, decoded: `ints` [N, nb, 16 | 32] uint8 as the kind stores them
+    (4-bit kinds: byte t = q[t] | q[t + 16] << 4; 8-bit kinds: q + 128, or with `signed` the
+    file's int8 q, to which packing adds 128), `scales` one [N, nb] array per scale in the kind's
+    order (d, then m, or d0, d1, m; fp16 for kinds 4 / 8, fp32 for 14 / 18). Both may be views
+    of the file's blocks (strided over blocks, each block's bytes contiguous): packing copies
+    them once, straight into place."""
     kind: int
-    scales: np.ndarray
+    scales: list
     ints: np.ndarray
+    signed: bool = False
 
 
 def _blocks(w, bytes_per_block):
@@ -77,6 +80,12 @@ def _per_32(x, N):
     return x.reshape(N, -1, *x.shape[3:])
 
 
+def _no_offset(d, N):
+    """Scales d [N, nsuper, 8, 2] of a kind-18 type without an offset -> [d0, d1, m = -0.0]."""
+    d = _per_32(d, N)
+    return [d[..., 0], d[..., 1], np.full(d.shape[:-1], -0.0, np.float32)]
+
+
 def _k_scale_min(s):
     """The 12 packed bytes of Q4_K / Q5_K -> (sc, mn) [..., 8] 6-bit sub-block scales and mins."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -90,19 +99,20 @@ def _decode(w) -> _Decoded:
     qt = w.qtype
     if qt in (Q.Q4_0, Q.Q4_1):        # the file's bytes as they are: q[t] | q[t + 16] << 4
         b = _blocks(w, 18 if qt == Q.Q4_0 else 20)
-        d = b[..., 0:2].copy().view(np.float16)
-        m = b[..., 2:4].copy().view(np.float16) if qt == Q.Q4_1 else (d.astype(np.float32) * -8).astype(np.float16)
-        return _Decoded(4, np.concatenate([d, m], axis=-1), b[..., -16:])
+        half = b.view(np.uint16).view(np.float16)          # blocks of 9 or 10 fp16s: d (m) first
+        d = half[..., 0]
+        m = half[..., 1] if qt == Q.Q4_1 else (d.astype(np.float32) * -8).astype(np.float16)
+        return _Decoded(4, [d, m], b[..., -16:])
     if qt == Q.Q8_0:
         b = _blocks(w, 34)
-        return _Decoded(8, b[..., 0:2].copy().view(np.float16), b[..., 2:] ^ 0x80)
+        return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], b[..., 2:], signed=True)
     if qt == Q.Q5_0:                  # fp16 d, 32 high bits, 16 bytes of low nibbles; w = d (q - 16)
         b = _blocks(w, 22)
         qh = b[..., 2:6].copy().view(np.uint32)                                    # [N, nb, 1]
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)       # [N, nb, 32]
         low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
         q = (low | (high << 4)).astype(np.int16) - 16
-        return _Decoded(8, b[..., 0:2].copy().view(np.float16), (q + 128).astype(np.uint8))
+        return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], (q + 128).astype(np.uint8))
     if qt in (Q.Q4_K, Q.Q5_K):        # w = (d sc) q - (dmin mn) per sub-block of 32
         b = _blocks(w, 144 if qt == Q.Q4_K else 176)
         sc, mn = _k_scale_min(b[..., 4:16])
@@ -111,12 +121,10 @@ def _decode(w) -> _Decoded:
         qs = b[..., -128:].reshape(N, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
         q = (qs & 15).reshape(N, -1, 8, 32)                                        # sub-block 2j + h
         if qt == Q.Q4_K:
-            scales = np.stack([d, m], axis=-1)
-            return _Decoded(14, _per_32(scales, N), _nibbles_of(_per_32(q, N)))
+            return _Decoded(14, [_per_32(d, N), _per_32(m, N)], _nibbles_of(_per_32(q, N)))
         qh = b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         q = q | ((qh & 1) << 4)
-        scales = np.stack([d, d, m], axis=-1)
-        return _Decoded(18, _per_32(scales, N), _per_32(q + 128, N).astype(np.uint8))
+        return _Decoded(18, [_per_32(d, N)] * 2 + [_per_32(m, N)], _per_32(q + 128, N).astype(np.uint8))
     if qt == Q.Q6_K:                  # w = (d sc_16) (q - 32), q 6 bits, a scale per 16 weights
         b = _blocks(w, 210)
         ql = b[..., 0:128].reshape(N, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
@@ -124,9 +132,7 @@ def _decode(w) -> _Decoded:
         q = ((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4)).astype(np.int16) - 32
         sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(N, -1, 8, 2)
         d = _half(b, 208)[..., None] * sc                                          # [N, ns, 8, 2] exact
-        m = np.full(d.shape[:-1] + (1,), -0.0, np.float32)
-        scales = np.concatenate([d, m], axis=-1)
-        return _Decoded(18, _per_32(scales, N), _per_32(q + 128, N).astype(np.uint8))
+        return _Decoded(18, _no_offset(d, N), _per_32(q + 128, N).astype(np.uint8))
     if qt == Q.Q3_K:                  # w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear)
         b = _blocks(w, 110)
         s = b[..., 96:108]
@@ -137,9 +143,7 @@ def _decode(w) -> _Decoded:
         ql = (b[..., 32:96].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
         hm = (b[..., 0:32].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
         q = ql.reshape(N, -1, 8, 32).astype(np.int16) - 4 * (1 - hm.astype(np.int16))
-        m = np.full(d.shape[:-1] + (1,), -0.0, np.float32)
-        scales = np.concatenate([d, m], axis=-1)
-        return _Decoded(18, _per_32(scales, N), _per_32(q + 128, N).astype(np.uint8))
+        return _Decoded(18, _no_offset(d, N), _per_32(q + 128, N).astype(np.uint8))
     raise AssertionError(f"packed_kind and _decode disagree on {qt}")
 
 
@@ -167,30 +171,51 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
     for p in parts:
         _check(p)
     dec = [_decode(p) for p in parts]
-    kind = dec[0].kind
-    scales = np.concatenate([d.scales for d in dec])
-    ints = np.concatenate([d.ints for d in dec])
-    N, nb = ints.shape[:2]
-    G = -(-N // 16)
-    pad = G * 16 - N
-    if pad:
-        scales = np.concatenate([scales, np.zeros((pad, *scales.shape[1:]), scales.dtype)])
-        fill = 0 if kind in (4, 14) else 128                     # q = 0 in padding rows
-        ints = np.concatenate([ints, np.full((pad, *ints.shape[1:]), fill, np.uint8)])
-
-    # One strided copy per array, straight into its place in the packed blocks.
+    if any(d.ints.shape[0] % 16 for d in dec[:-1]):    # a part that does not end a group of 16 rows
+        dec = [_joined(dec)]
+    kind, nb = dec[0].kind, dec[0].ints.shape[1]
+    G = sum(-(-d.ints.shape[0] // 16) for d in dec)
     packed = np.empty((G, nb, BLOCK_BYTES[kind]), np.uint8)
+    g = 0
+    for d in dec:                                      # each part into its own groups of 16 rows
+        n = d.ints.shape[0]
+        full = n // 16
+        if full:
+            _place(packed[g:g + full], [s[:16 * full] for s in d.scales], d.ints[:16 * full], d.signed)
+        if n % 16:                                     # its last group, padded with q = 0, scales 0
+            pad = 16 - n % 16
+            scales = [np.concatenate([s[16 * full:], np.zeros((pad, nb), s.dtype)]) for s in d.scales]
+            fill = 0 if kind in (4, 14) or d.signed else 128
+            ints = np.concatenate([d.ints[16 * full:], np.full((pad, *d.ints.shape[1:]), fill, np.uint8)])
+            _place(packed[g + full:g + full + 1], scales, ints, d.signed)
+        g += -(-n // 16)
+    return torch.from_numpy(packed).reshape(-1), kind
+
+
+def _joined(dec) -> _Decoded:
+    """Parts decoded one by one -> one part of all their rows (the integers as the kind stores them)."""
+    ints = [d.ints ^ np.uint8(0x80) if d.signed else d.ints for d in dec]
+    return _Decoded(dec[0].kind, [np.concatenate(s) for s in zip(*(d.scales for d in dec))], np.concatenate(ints))
+
+
+def _place(out, scales, ints, signed) -> None:
+    """Whole groups of 16 rows into their packed blocks out [G, nb, bytes], one strided copy per
+    array: each scale array as [G, nb, 16 rows], then the integers as [G, nb, chunk, 16 rows] of 4
+    weights each (4 bytes moved as one uint32), signed 8-bit ones offset by 128 on the way."""
+    G, nb = out.shape[:2]
     at = 0
-    for s in range(scales.shape[-1]):                  # each scale array: [G, nb, 16 rows] as bytes
-        part = scales[..., s]
-        size = 16 * part.dtype.itemsize
-        packed[..., at:at + size].view(part.dtype)[...] = part.reshape(G, 16, nb).swapaxes(1, 2)
+    for s in scales:
+        size = 16 * s.dtype.itemsize
+        out[..., at:at + size].view(s.dtype)[...] = s.reshape(G, 16, nb).swapaxes(1, 2)
         at += size
     chunks = ints.shape[-1] // 4                       # 4 (4-bit kinds) or 8
-    # the integers: [G, nb, chunk, 16 rows, 4 weights]
-    packed[..., at:].reshape(G, nb, chunks, 16, 4)[...] = ints.reshape(G, 16, nb, chunks, 4).transpose(0, 2, 3, 1, 4)
-    assert at + chunks * 64 == BLOCK_BYTES[kind]
-    return torch.from_numpy(packed).reshape(-1), kind
+    assert at + chunks * 64 == out.shape[-1]
+    dst = out[..., at:].view(np.uint32).reshape(G, nb, chunks, 16)          # splits the last axis: a view
+    src = ints.view(np.uint32).reshape(G, 16, nb, chunks).transpose(0, 2, 3, 1)
+    if signed:
+        np.bitwise_xor(src, np.uint32(0x80808080), out=dst)
+    else:
+        dst[...] = src
 
 
 def pack_gguf_rows(w) -> tuple[torch.Tensor, int]:

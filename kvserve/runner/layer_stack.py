@@ -37,7 +37,12 @@ class CLayerStack:
         if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32 or not cpu_kernels.available():
             return None
         attn = model.layers[0].self_attn
-        if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP or model.embed_tokens.weight.dtype != torch.float32:
+        if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP:
+            return None
+        embed = model.embed_tokens.weight
+        if embed is None and not (model.tied_head and getattr(model.lm_head, "gguf_packed", None) is not None):
+            return None       # rows read by a head that is not gguf-packed
+        if embed is not None and embed.dtype != torch.float32:
             return None
         parts = set()
         for layer in model.layers:
@@ -78,7 +83,10 @@ class CLayerStack:
             len(m.layers), arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, arch.intermediate_size,
             kv_caches[0][0].shape[1], a.sliding_window or 0, cpu_kernels.kv_format(kv_caches[0][0].dtype),
             m.layers[0].input_layernorm.eps, a.scale,
-            ptr(m.embed_tokens.weight), ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
+            ptr(m.embed_tokens.weight),       # None: rows from the tied head's packed weight
+            None if m.embed_tokens.weight is not None else ptr(m.lm_head.gguf_packed),
+            0 if m.embed_tokens.weight is not None else m.lm_head.gguf_kind,
+            ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
             ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)), cpu_kernels.ACT_PARTS[self.parts])
         self._layers, self._kv_caches = layers, kv_caches
 

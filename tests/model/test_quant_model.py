@@ -104,6 +104,24 @@ def test_loaded_int4_layers_hold_the_files_values(models, default_gguf):
         assert torch.equal(got, ref), name
 
 
+def test_tied_embedding_is_read_from_the_packed_head(models, default_gguf):
+    """The default model's embedding is tied to its head: with the gguf format the head's packed
+    Q8_0 blocks are the only copy, and a lookup gives the file's dequantized rows (the dense
+    format keeps its own float32 embedding)."""
+    from kvserve.model.gguf_file import GGUFFile
+    g = GGUFFile(default_gguf)
+    t = g.tensors["token_embd.weight"]
+    ids = torch.tensor([[0, 2, 49151], [17, 17, 300]])
+    ref = torch.from_numpy(dequantize(g.raw(t)[ids.reshape(-1).numpy()], t.qtype)).reshape(2, 3, -1)
+    packed = models["gguf"].model
+    assert packed.tied_head and packed.embed_tokens.weight is None
+    assert torch.equal(packed.embed_tokens(ids), ref)
+    dense = models["none"].model
+    assert dense.embed_tokens.weight is not None and torch.equal(dense.embed_tokens(ids), ref)
+    with pytest.raises(IndexError):
+        packed.embed_tokens(torch.tensor([49152]))
+
+
 def test_default_format_is_recorded(default_gguf):
     from kvserve.model.loader import resolve_quantization
     from kvserve.model.quant import DEFAULT_GGUF

@@ -26,7 +26,8 @@ KINDS = {Q.Q5_0: 8, Q.Q4_K: 14, Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18}
 HOST_ISAS = cpu_kernels.host_isas()
 SIMD_ISAS = [i for i in HOST_ISAS if i != "portable"]
 # Byte offsets of each block's fp16 fields (d; K-quants with mins: d, dmin).
-HALVES = {Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108]}
+HALVES = {Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108],
+          Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0]}
 
 
 def random_blocks(qtype, n, k, seed):
@@ -133,15 +134,41 @@ def test_pack_refuses_what_it_cannot_pack():
         unpack_gguf_rows(torch.zeros(544, dtype=torch.uint8), 5, (16, 32))
 
 
-def test_q5_0_and_q8_0_shards_share_kind_8():
-    """Gemma's fused q/k/v: Q5_0 q and k with a Q8_0 v pack together, each value the file's."""
+@pytest.mark.parametrize("rows", [(40, 24), (32, 16, 7), (16, 5, 16)])
+def test_q5_0_and_q8_0_shards_share_kind_8(rows):
+    """Gemma's fused q/k/v: Q5_0 q and k with a Q8_0 v pack together, each value the file's,
+    whether or not the shards end on a group of 16 rows."""
     from gguf.quants import quantize
-    w = np.random.default_rng(3).standard_normal((24, 256)).astype(np.float32) * 0.1
-    parts = [random_blocks(Q.Q5_0, 40, 256, 5), BlockTensor(quantize(w, Q.Q8_0), Q.Q8_0, (24, 256))]
+    rng = np.random.default_rng(3)
+    parts = [random_blocks(Q.Q5_0, n, 256, 5 + i) if i % 2 == 0 else
+             BlockTensor(quantize(rng.standard_normal((n, 256)).astype(np.float32) * 0.1, Q.Q8_0), Q.Q8_0, (n, 256))
+             for i, n in enumerate(rows)]
     packed, kind = pack_gguf_parts(parts)
     assert kind == 8
     want = np.concatenate([reference(p) for p in parts])
-    assert np.array_equal(unpack_gguf_rows(packed, kind, (64, 256)).numpy(), want)
+    assert np.array_equal(unpack_gguf_rows(packed, kind, (sum(rows), 256)).numpy(), want)
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0] + TYPES)
+def test_rows_read_from_the_packed_weight_are_the_files(qtype, isa):
+    """cpu_kernels.gguf_rows (a tied embedding looked up in its head's packed weight): any rows,
+    repeated, in any order, are unpack_gguf_rows' rows bit for bit and equal gguf's dequantized
+    rows (Q4_0's zero weights may differ in the sign of zero: its offset is stored as m = -8 d);
+    ids outside the weight are refused before any is read."""
+    _lib_or_skip(isa)
+    n, k = 37, 512
+    bt = random_blocks(qtype, n, k, seed=11)
+    packed, kind = pack_gguf_rows(bt)
+    ids = torch.tensor([36, 0, 15, 16, 17, 5, 5, 31, 32])
+    got = cpu_kernels.gguf_rows(packed, kind, n, k, ids, isa=isa).numpy()
+    unpacked = unpack_gguf_rows(packed, kind, (n, k)).numpy()[ids.numpy()]
+    assert np.array_equal(got.view(np.uint32), unpacked.view(np.uint32))
+    assert np.array_equal(got, reference(bt)[ids.numpy()])
+    assert cpu_kernels.gguf_rows(packed, kind, n, k, torch.zeros(0, dtype=torch.long), isa=isa).shape == (0, k)
+    for bad in ([37], [-1], [0, 2 ** 40]):
+        with pytest.raises(IndexError, match=r"in \[0, 37\)"):
+            cpu_kernels.gguf_rows(packed, kind, n, k, torch.tensor(bad), isa=isa)
 
 
 # ---- the kernels ----

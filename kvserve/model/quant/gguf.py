@@ -63,6 +63,13 @@ class GgufMethod(_PackedMethod):
             layer.gguf_packed, layer.gguf_kind, layer.out_features, x2.float().contiguous(), isa=self.isa,
             parts=self.parts))
 
+    def row_reader(self, layer):
+        """ids [R] -> the packed weight's rows as float32 [R, in_features] (None: kept dense)."""
+        if layer.gguf_packed is None:
+            return None
+        return lambda ids: cpu_kernels.gguf_rows(layer.gguf_packed, layer.gguf_kind, layer.out_features,
+                                                 layer.in_features, ids, isa=self.isa)
+
     def dequantized(self, layer) -> torch.Tensor:
         if layer.gguf_packed is not None:
             return unpack_gguf_rows(layer.gguf_packed, layer.gguf_kind, (layer.out_features, layer.in_features))

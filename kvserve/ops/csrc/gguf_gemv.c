@@ -285,6 +285,40 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, float 
     }
 }
 
+/* Row r of a packed weight of K columns -> out[K] float32, each weight as dequantize_group gives it
+ * (an embedding lookup in a tied head's packed rows: the same floats as the file's dequantization). */
+void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, float *out) {
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind), nb = K / 32;
+    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4, i = (int)(r % GGUF_ROWS);
+    const uint8_t *blk = w + r / GGUF_ROWS * nb * pb;
+    for (int64_t b = 0; b < nb; b++, blk += pb, out += 32) {
+        float d0, d1, m;
+        gguf_row_scales(blk, kind, i, &d0, &d1, &m);
+        for (int c = 0; c < (nibbles ? 4 : 8); c++) {
+            uint32_t u;                            /* the row's 4 bytes of chunk c */
+            memcpy(&u, blk + qo + 64 * c + 4 * i, 4);
+            for (int t = 0; t < 4; t++) {
+                const int32_t q = (int32_t)((u >> (8 * t)) & 255);
+                if (nibbles) {
+                    out[4 * c + t] = d0 * (float)(q & 15) + m;
+                    out[4 * c + t + 16] = d0 * (float)(q >> 4) + m;
+                } else if (kind == GGUF_Q8) {
+                    out[4 * c + t] = d0 * (float)(q - 128);
+                } else {
+                    out[4 * c + t] = (c < 4 ? d0 : d1) * (float)(q - 128) + m;
+                }
+            }
+        }
+    }
+}
+
+/* Rows rows[0..n) -> out [n][K] (gguf_dequantize_row); -1 for a kind or K the layout has not. */
+int gguf_dequantize_rows(const uint8_t *w, int64_t kind, int64_t K, const int64_t *rows, int64_t n, float *out) {
+    if (gguf_gemv_check(kind, K)) return -1;
+    for (int64_t j = 0; j < n; j++) gguf_dequantize_row(w, kind, K, rows[j], out + j * K);
+    return 0;
+}
+
 int64_t gguf_f32_workspace_bytes(int64_t M, int64_t N, int64_t K, int64_t threads) {
     const int64_t T = gguf_f32_tile_rows(), rows = (M + T - 1) / T * T;
     const int64_t pairs = (N + 2 * GGUF_ROWS - 1) / (2 * GGUF_ROWS);

@@ -169,6 +169,9 @@ int gguf_f32_tile_rows(void);
  * "portable"). */
 const char *gguf_kernel_isa(void);
 
+/* Row r of a packed weight of K columns as float32 (gguf_gemv.c). */
+void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, float *out);
+
 static inline uint16_t gguf_load_u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
 static inline float gguf_load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 

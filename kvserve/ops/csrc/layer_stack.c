@@ -66,7 +66,9 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, kv_heads, head_dim, intermediate, block_size, window, kv_format;
     double eps, scale;
-    const float *embed;                              /* [vocab][hidden] */
+    const float *embed;                              /* [vocab][hidden], or NULL: */
+    const uint8_t *embed_packed;                     /* the rows of a tied head's packed weight */
+    int64_t embed_kind;
     const float *norm;                               /* final RMSNorm [hidden] */
     const float *cos, *sin;                          /* [max_positions][head_dim], sin signed */
     const stack_layer_t *layers;
@@ -226,7 +228,8 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
+            if (m->embed) memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
+            else gguf_dequantize_row(m->embed_packed, m->embed_kind, H, ids[t], h + t * H);
             qrow[t] = t;
             lens[t] = positions[t] + 1;
         }
