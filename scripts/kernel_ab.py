@@ -79,8 +79,9 @@ def main() -> None:
             times[name].append(m.last_token_time - m.first_token_time if spec else time.perf_counter() - t0)
             tokens[name] = [list(o.outputs[0].token_ids) for o in out]
     for name, ts in times.items():
-        print(f"{name} ({isa}, {args.workload}): median {statistics.median(ts):.3f} s;",
-              " ".join(f"{t:.3f}" for t in ts))
+        n = sum(len(t) for t in tokens[name]) - (1 if spec else 0)      # spec: tokens after the first
+        print(f"{name} ({isa}, {args.workload}): median {statistics.median(ts):.3f} s, {n} tokens, "
+              f"{n / statistics.median(ts):.1f} tok/s;", " ".join(f"{t:.3f}" for t in ts))
     print("identical tokens:", tokens["base"] == tokens["new"])
 
 

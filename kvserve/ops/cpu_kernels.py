@@ -40,7 +40,7 @@ _COMMON = ("gguf_gemv.c", "paged_attention.c", "layer_stack.c")
 _BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math",
                "-shared", "-fPIC"]
 ISA_FLAGS = {
-    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mf16c"],
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+dotprod"],

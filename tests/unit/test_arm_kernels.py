@@ -17,8 +17,9 @@
 # or just: python3 -m pytest -q -p no:cacheprovider tests/unit/test_arm_kernels.py
 """The NEON kernel (kvserve/ops/csrc/gguf_gemv_neon.c) gives the portable kernel's bits on
 aarch64 (under qemu-aarch64 -cpu max), also on mixed parts' runs of one-part blocks
-(tests/unit/csrc/mixed_runs.c), both give the bits of a native x86/host build, and the whole
-C kernel library cross-compiles for aarch64 with the NEON kernel."""
+(tests/unit/csrc/mixed_runs.c), both give the bits of a native x86/host build, so does the paged
+attention's NEON build (tests/unit/csrc/attention_check.c), and the whole C kernel library
+cross-compiles for aarch64 with the NEON kernel."""
 from __future__ import annotations
 
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_attention_builds import attention_check_output, first_difference
 from tests.unit.test_mixed_parts_runs import assert_same_bits, mixed_runs_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +120,21 @@ def test_native_build_gives_the_aarch64_bits(outputs, tmp_path):
     _assert_ran(run, "portable")
     assert run.stdout == outputs["portable"].stdout, \
         "host and aarch64 outputs differ:" + _first_difference(run.stdout, outputs["portable"].stdout)
+
+
+def test_neon_attention_gives_the_portable_and_host_bits_under_qemu(tmp_path):
+    """The paged attention (tests/unit/csrc/attention_check.c) built for NEON and for portable
+    aarch64, under qemu, and natively for this host: the same bits (fused multiply-adds in one
+    order: NEON's vfmaq, C's fmaf), each within the double-precision reference."""
+    outs = {name: attention_check_output(CROSS_CC, [arch, "-static"], tmp_path / f"attention_{name}",
+                                         [QEMU, "-cpu", "max"])
+            for name, arch in (("neon", NEON_ARCH), ("portable", "-march=armv8-a"))}
+    assert outs["neon"] == outs["portable"], "NEON and portable attention differ:" + \
+        first_difference(outs["neon"], outs["portable"])
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is not None:
+        host = attention_check_output(cc, [], tmp_path / "attention_host")
+        assert host == outs["portable"], "host and aarch64 attention differ:" + first_difference(host, outs["portable"])
 
 
 def test_kernel_library_cross_compiles_for_aarch64(tmp_path):

@@ -18,9 +18,10 @@
  * positions (a prompt chunk, a speculative verification) go as runs of up to MAX_RUN rows per
  * task, each K and V row read once for all of them (attend_run), with every row's bits unchanged.
  *
- * Every sum has a fixed order (8 partial sums combined by a fixed tree, no fused multiply-add;
- * built with -ffp-contract=off and without -ffast-math): the bits do not depend on the thread
- * count, the ISA the file was compiled for, or the other rows.
+ * Every sum has a fixed order (8 partial sums combined by a fixed tree) and every product added to
+ * a sum is one explicit fused multiply-add (fma8, fmaf; built with -ffp-contract=off and without
+ * -ffast-math, so no other operation is fused): the bits do not depend on the thread count, the
+ * ISA the file was compiled for (tests/unit/csrc/attention_check.c), or the other rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +34,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
 #elif defined(__aarch64__)
 #include <arm_neon.h>
@@ -70,15 +71,15 @@ row_dot(const float *x, const uint8_t *row, int64_t head_dim, const int fmt) {
     float acc[LANES] = {0};
     int64_t d = 0;
     for (; d + LANES <= head_dim; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * elem(row, d + l, fmt);
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(x[d + l], elem(row, d + l, fmt), acc[l]);
     float s = tree8(acc);
-    for (; d < head_dim; d++) s += x[d] * elem(row, d, fmt);
+    for (; d < head_dim; d++) s = fmaf(x[d], elem(row, d, fmt), s);
     return s;
 }
 
 static inline __attribute__((always_inline)) void
 row_axpy(float *restrict y, float w, const uint8_t *row, int64_t head_dim, const int fmt) {
-    for (int64_t d = 0; d < head_dim; d++) y[d] += w * elem(row, d, fmt);
+    for (int64_t d = 0; d < head_dim; d++) y[d] = fmaf(w, elem(row, d, fmt), y[d]);
 }
 
 static inline __attribute__((always_inline)) float row_scale(const uint8_t *row, int64_t head_dim, const int fmt) {
@@ -157,11 +158,37 @@ static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64
     return v;
 }
 
+/* a b + c lane by lane, each rounded once (a fused multiply-add on every build: FMA3, NEON's
+ * vfmaq, or C's fmaf), so the bits are the same everywhere. */
+static inline __attribute__((always_inline)) v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__)
+    float32x4_t r[2];
+    for (int h = 0; h < 2; h++) {
+        float32x4_t x, y, z;
+        memcpy(&x, (const char *)&a + 16 * h, 16);
+        memcpy(&y, (const char *)&b + 16 * h, 16);
+        memcpy(&z, (const char *)&c + 16 * h, 16);
+        r[h] = vfmaq_f32(z, x, y);
+    }
+    v8f out;
+    memcpy(&out, r, 32);
+    return out;
+#else
+    v8f out;
+    for (int l = 0; l < 8; l++) out[l] = fmaf(a[l], b[l], c[l]);
+    return out;
+#endif
+}
+
+static inline __attribute__((always_inline)) v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
 /* row_dot for head_dim = 8 C (C 8-float chunks, a compile-time constant), the K row already
  * converted to chunks: the same 8 partial sums and tree, with the query's chunks in registers. */
 static inline __attribute__((always_inline)) float row_dot8(const v8f *x, const v8f *k, const int C) {
     v8f acc = {0};
-    UNROLL for (int c = 0; c < C; c++) acc += x[c] * k[c];
+    UNROLL for (int c = 0; c < C; c++) acc = fma8(x[c], k[c], acc);
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
@@ -189,7 +216,7 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
     UNROLL for (int j = 0; j < 8; j++) a[j] = (v8f){0};
     UNROLL for (int c = 0; c < C; c++) {
         const v8f xc = x[c];
-        UNROLL for (int j = 0; j < 8; j++) a[j] += xc * kb[j * C + c];
+        UNROLL for (int j = 0; j < 8; j++) a[j] = fma8(xc, kb[j * C + c], a[j]);
     }
     /* B[j/2] = [a_l + a_{l+4} of key j, l < 4 | the same of key j + 1] */
     v8f B[4];
@@ -213,19 +240,16 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
  * rows) in passes over the context's V rows, each pass taking P of the C 8-float chunks of every
  * lane (G P accumulators in registers, each V chunk read and converted once per pass for the G
  * lanes). P is the largest divisor of C with G P <= the registers set aside for it. Beside the
- * accumulators a pass holds the G weights, the V chunk and a product: with 32 vector registers
- * (AVX-512) 24 accumulators fit (3 lanes of 64 in one pass), with 16 (AVX2, NEON, portable) 8 do.
- * A single row's pass (JOINT_ACCUMULATORS) keeps 12 there, one register short: its spilled
- * accumulator measured no slower than passes of 8 (docs/benchmarks-notes.md). A run's joint pass
- * (RUN_ACCUMULATORS) takes 8: with 12 the spill's store and reload sat on every key and made it
- * slower. The K pass fetched the V rows ahead (prefetch_block), so every pass finds them in cache.
+ * accumulators a pass holds the G weights and the V chunk (the fused multiply-add needs no
+ * register for a product): with 32 vector registers (AVX-512) 24 accumulators fit (3 lanes of 64
+ * in one pass), with 16 (AVX2, NEON, portable) 12 do (3 lanes of 32), for a single row's group
+ * and a run's lanes alike (for runs, 12 measured faster than 8: docs/benchmarks-notes.md). The K pass fetched the V rows ahead (prefetch_block), so every pass
+ * finds them in cache.
  * Every output element gets the same additions in the same order whatever the passes. */
 #if defined(__AVX512F__)
-#define JOINT_ACCUMULATORS 24
-#define RUN_ACCUMULATORS 24
+#define V_ACCUMULATORS 24
 #else
-#define JOINT_ACCUMULATORS 12
-#define RUN_ACCUMULATORS 8
+#define V_ACCUMULATORS 12
 #endif
 
 /* Chunks per pass for G heads and a budget of A accumulators: all C when they fit, else 8 or 4
@@ -240,7 +264,7 @@ static inline __attribute__((always_inline)) void
 v_pass(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0, int64_t p1,
        const float *const *sc, int64_t origin, float *const *o, int64_t head_dim, const int fmt, const int G,
        const int c0, const int P, const int cont) {
-    v8f acc[JOINT_ACCUMULATORS];            /* fixed size, not a VLA: it stays in registers */
+    v8f acc[V_ACCUMULATORS];            /* fixed size, not a VLA: it stays in registers */
     UNROLL for (int g = 0; g < G; g++)
         UNROLL for (int c = 0; c < P; c++) {
             if (cont) memcpy(&acc[g * P + c], o[g] + 8 * (c0 + c), 32);
@@ -255,7 +279,7 @@ v_pass(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_
             UNROLL for (int g = 0; g < G; g++) w[g] = sc[g][p - origin] * vs;
             UNROLL for (int c = 0; c < P; c++) {     /* chunk by chunk: G P + 1 registers */
                 const v8f vv = load8(vr, c0 + c, fmt);
-                UNROLL for (int g = 0; g < G; g++) acc[g * P + c] += w[g] * vv;
+                UNROLL for (int g = 0; g < G; g++) acc[g * P + c] = fma8(splat8(w[g]), vv, acc[g * P + c]);
             }
         }
     }
@@ -265,7 +289,7 @@ v_pass(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_
 
 /* The weighted V sums of `lanes` lanes over keys [p0, p1) (v_pass's arguments): up to max_g lanes
  * together (1, 2 or 3), each set in passes of the chunks that A accumulators hold
- * (CHUNKS_PER_PASS; A: JOINT_ACCUMULATORS for a single row, RUN_ACCUMULATORS for a run). */
+ * (CHUNKS_PER_PASS; A: V_ACCUMULATORS). */
 static inline __attribute__((always_inline)) void
 v_sums(const uint8_t *vh, const int64_t *table, int64_t block_size, int64_t tok_stride, int64_t p0, int64_t p1,
        const float *const *sc, int64_t origin, float *const *o, int64_t lanes, const int max_g, int64_t head_dim,
@@ -399,7 +423,7 @@ attend_row(const attn_call_t *a, int64_t i, int64_t h, const int fmt, const int 
      * other head_dim: the row_axpy loop below. */
     if (C)
         v_sums(vh, table, block_size, tok_stride, start, len, sc, start, o, group, group <= 3 ? (int)group : 1,
-               head_dim, fmt, C, JOINT_ACCUMULATORS, 0);
+               head_dim, fmt, C, V_ACCUMULATORS, 0);
     for (int64_t p = start, t = 0; p < len && !C;) {
         const int64_t off = p % block_size, run = (block_size - off < len - p) ? block_size - off : len - p;
         const uint8_t *vr = vh + (table[p / block_size] * block_size + off) * tok_stride;
@@ -433,8 +457,8 @@ attend_row(const attn_call_t *a, int64_t i, int64_t h, const int fmt, const int 
 #define TASKS_PER_THREAD 4   /* runs are cut so a call has about this many tasks per thread */
 #define V_TILE 64            /* keys per tile of the joint V pass: their rows stay in L1 */
 
-/* Lanes a run's V sums take together: 3 with AVX-512's budget, 2 elsewhere (v_sums). */
-#define V_LANES (RUN_ACCUMULATORS >= 24 ? 3 : 2)
+/* Lanes a run's V sums take together (v_sums): 3, with 8 chunks (AVX-512) or 4 (elsewhere) each. */
+#define V_LANES 3
 
 /* Task (run of R rows from i0, KV head h), head_dim = 8 C (C > 0). Returns 0, or -1 when out of
  * memory (the caller then runs the rows one by one). */
@@ -512,10 +536,10 @@ attend_run(const attn_call_t *a, int64_t i0, int64_t R, int64_t h, const int fmt
     /* V: the keys every row sees, tile by tile for all lanes; then each row's own later keys. */
     for (int64_t p = 0; p < len0; p += V_TILE)
         v_sums(vh, table, block_size, tok_stride, p, p + V_TILE < len0 ? p + V_TILE : len0, sc, 0, o, lanes,
-               V_LANES, head_dim, fmt, C, RUN_ACCUMULATORS, p > 0);
+               V_LANES, head_dim, fmt, C, V_ACCUMULATORS, p > 0);
     for (int64_t r = 1; r < R; r++)
         v_sums(vh, table, block_size, tok_stride, len0, len0 + r, sc + r * group, 0, o + r * group, group, V_LANES,
-               head_dim, fmt, C, RUN_ACCUMULATORS, len0 > 0);
+               head_dim, fmt, C, V_ACCUMULATORS, len0 > 0);
     for (int64_t l = 0; l < lanes; l++) {
         const float inv = 1.f / sum[l];
         for (int64_t d = 0; d < head_dim; d++) o[l][d] *= inv;
