@@ -88,18 +88,11 @@ def _assert_ran(run: subprocess.CompletedProcess, kernel: str) -> None:
     assert ": passed," in run.stdout.splitlines()[-1], run.stdout.splitlines()[-1]
 
 
-def _first_difference(a: str, b: str) -> str:
-    for la, lb in zip(a.splitlines(), b.splitlines()):
-        if la != lb:
-            return f"\n  {la}\n  {lb}"
-    return " (different lengths)"
-
-
 def test_neon_kernel_gives_the_portable_bits_under_qemu(outputs):
     _assert_ran(outputs["portable"], "portable")
     _assert_ran(outputs["neon"], "neon")
     neon, portable = outputs["neon"].stdout, outputs["portable"].stdout
-    assert neon == portable, "NEON and portable outputs differ:" + _first_difference(neon, portable)
+    assert neon == portable, "NEON and portable outputs differ:" + first_difference(neon, portable)
 
 
 def test_neon_mixed_parts_runs_give_the_portable_bits_under_qemu(tmp_path):
@@ -119,7 +112,7 @@ def test_native_build_gives_the_aarch64_bits(outputs, tmp_path):
     run = _run([_build(cc, [], "gguf_gemv_portable.c", tmp_path / "gemv_check_host", static=False)])
     _assert_ran(run, "portable")
     assert run.stdout == outputs["portable"].stdout, \
-        "host and aarch64 outputs differ:" + _first_difference(run.stdout, outputs["portable"].stdout)
+        "host and aarch64 outputs differ:" + first_difference(run.stdout, outputs["portable"].stdout)
 
 
 def test_neon_attention_gives_the_portable_and_host_bits_under_qemu(tmp_path):

@@ -243,8 +243,8 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
  * accumulators a pass holds the G weights and the V chunk (the fused multiply-add needs no
  * register for a product): with 32 vector registers (AVX-512) 24 accumulators fit (3 lanes of 64
  * in one pass), with 16 (AVX2, NEON, portable) 12 do (3 lanes of 32), for a single row's group
- * and a run's lanes alike (for runs, 12 measured faster than 8: docs/benchmarks-notes.md). The K pass fetched the V rows ahead (prefetch_block), so every pass
- * finds them in cache.
+ * and a run's lanes alike (for runs, 12 measured faster than 8: docs/benchmarks-notes.md). The
+ * K pass fetched the V rows ahead (prefetch_block), so every pass finds them in cache.
  * Every output element gets the same additions in the same order whatever the passes. */
 #if defined(__AVX512F__)
 #define V_ACCUMULATORS 24
