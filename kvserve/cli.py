@@ -56,7 +56,11 @@ def _load(args):
     if config.distributed.rank != 0:      # another node's ranks (or torchrun's): execute rank 0's steps
         from kvserve.engine.core import run_rank
         sys.exit(run_rank(config))
-    llm = LLM(config=config)
+    try:
+        llm = LLM(config=config)
+    except ValueError as e:          # refused at start (the device, the KV budget): the fix, exit 2
+        print(f"kvserve: {e}", file=sys.stderr)
+        sys.exit(2)
     print(llm.engine.describe(), file=sys.stderr)
     return llm
 

@@ -5,6 +5,7 @@ and the server all read these dataclasses.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -36,24 +37,47 @@ def canonical_dtype(name: str, accepted: tuple[str, ...] = DTYPES, what: str = "
     return canon
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_size(text: str | int | float) -> int:
-    """'2GiB' -> 2147483648, '512MB' -> 512000000, 1000 -> 1000."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = _SIZE_RE.match(text)
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}: write it like 2GiB, 512MiB or 1e9")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+def parse_size(text: str | float) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, '1e9' -> 1000000000, 1000 -> 1000."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _SIZE_RE.match(text) if isinstance(text, str) else None
+        if not m or (m.group(2) or "").lower() not in _UNITS:
+            raise ValueError(f"cannot read memory size {text!r}: write it like 2GiB, 512MiB or 1e9")
+        value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if not 0 <= value < 2**63:        # inf, nan and sizes no machine has
+        raise ValueError(f"memory size {text!r} is out of range: write it like 2GiB, 512MiB or 1e9")
+    return int(value)
 
 
-def available_memory_bytes() -> int:
-    """Free RAM as the kernel reports it (MemAvailable), or 4 GiB when unknown."""
+def format_size(n: float) -> str:
+    """2147483648 -> '2.00 GiB' (what a message tells a person)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def kv_cache_size(text: str | float) -> int:
+    """A KV cache budget: a memory size above 0 (the type of --kv-cache-memory), else a
+    ValueError saying how to write one."""
+    n = parse_size(text)
+    if n <= 0:
+        raise ValueError(f"the KV cache needs memory: give a size above 0 like 2GiB or 512MiB, "
+                         f"or leave it out for {CacheConfig.kv_cache_fraction:.0%} of the free RAM "
+                         f"(got {text!r})")
+    return n
+
+
+def _meminfo_available() -> int | None:
+    """MemAvailable from /proc/meminfo, psutil's figure elsewhere; None when neither says."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -61,7 +85,17 @@ def available_memory_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 4 * 2**30
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except (ImportError, OSError):
+        return None
+
+
+def available_memory_bytes() -> int:
+    """Free RAM as the kernel reports it (MemAvailable), or 4 GiB when unknown."""
+    available = _meminfo_available()
+    return 4 * 2**30 if available is None else available
 
 
 @dataclass(frozen=True)
@@ -176,6 +210,10 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"         # auto | float32 | bfloat16 | float16 | int8 (resolved_kv_dtype)
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact pool size
+    ram_share: float | None = None       # share of kv_cache_memory this machine's RAM holds (its
+                                         # ranks'); on_device sets it on cpu. None: not checked
+    budget_share: float = 1.0            # share of the given kv_cache_memory this config holds
+                                         # (share(): a draft model's cache holds the rest)
 
     def num_blocks(self, kv: KVShape) -> int:
         """Blocks of a model whose layers all attend the whole context (one KV group)."""
@@ -191,14 +229,36 @@ class CacheConfig:
         budget = self.kv_cache_memory
         if budget is None:
             budget = int(available_memory_bytes() * self.kv_cache_fraction)
+        elif self.ram_share is not None:
+            self.check_fits(_meminfo_available())
         return kv_group_blocks(budget, groups, kv.bytes_per_token // kv.num_layers * self.block_size,
                                self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def check_fits(self, available: int | None) -> None:
+        """Refuse a --kv-cache-memory whose share on this machine is more than its `available`
+        memory (measured after the weights are loaded; None: unknown, not checked): the pool is
+        mapped lazily, so it would start and then fail under load, when its pages are touched."""
+        if self.kv_cache_memory is None or self.ram_share is None or available is None:
+            return
+        given = self.kv_cache_memory / self.budget_share
+        here = given * self.ram_share
+        if here <= available:
+            return
+        whose = ("" if self.ram_share >= 1
+                 else f" (this machine's ranks hold {format_size(here)} of it)")
+        raise ValueError(
+            f"--kv-cache-memory {format_size(given)} does not fit in memory{whose}: "
+            f"this machine has {format_size(available)} available after loading the weights; "
+            f"lower --kv-cache-memory below {format_size(available / self.ram_share)} (e.g. "
+            f"{format_size(0.8 * available / self.ram_share)}, leaving room for the rest), or "
+            f"leave it out for {self.kv_cache_fraction:.0%} of the available memory")
 
     def share(self, fraction: float) -> "CacheConfig":
         """This configuration with `fraction` of its memory budget (a draft model's KV cache
         takes the rest); an exact pool size (num_blocks_override) stays as it is."""
         if self.kv_cache_memory is not None:
-            return replace(self, kv_cache_memory=int(self.kv_cache_memory * fraction))
+            return replace(self, kv_cache_memory=int(self.kv_cache_memory * fraction),
+                           budget_share=self.budget_share * fraction)
         return replace(self, kv_cache_fraction=self.kv_cache_fraction * fraction)
 
     def resolved_kv_dtype(self, model_dtype: str) -> str:
@@ -434,10 +494,27 @@ class EngineConfig:
             raise ValueError("--kv-cache-dtype fp8 runs on cuda only (Triton kernels): on cpu use float16 or int8")
         dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
         quantization = "none" if on_cuda else model.quantization
-        return replace(self, device=device, model=replace(model, dtype=dtype, quantization=quantization))
+        # On cpu the KV cache is this machine's RAM: its ranks' share is checked against it.
+        d = self.distributed
+        ram_share = None if on_cuda else d.local_ranks / d.world
+        return replace(self, device=device,
+                       model=replace(model, dtype=dtype, quantization=quantization),
+                       cache=replace(self.cache, ram_share=ram_share))
 
 
 # --- one definition of the engine's flags, shared by `kvserve generate|chat|serve|bench` ---
+
+def flag_type(convert):
+    """`convert` as an argparse type: its ValueError's message (what to write instead) reaches the
+    user, where argparse would say only "invalid value"; a --config file's value says it too."""
+    def converted(text):
+        try:
+            return convert(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    converted.__name__ = convert.__name__
+    return converted
+
 
 def add_engine_args(parser) -> None:
     """Add every engine knob to an argparse parser, each with its default in --help."""
@@ -462,8 +539,9 @@ def add_engine_args(parser) -> None:
                         "(docs/benchmarks.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap (default: the model's own)")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM)")
+    g.add_argument("--kv-cache-memory", default=None, type=flag_type(kv_cache_size),
+                   help="KV cache budget, e.g. 2GiB (default: 25%% of free RAM); on cpu at most "
+                        "the memory available after loading the weights")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache element type (default: %(default)s = float16 for float32 models, else "
                         "the compute dtype). float16 halves float32's KV memory and is read in place by "
@@ -545,6 +623,13 @@ def check_gpu_memory_utilization(value) -> None:
         raise ValueError(f"gpu_memory_utilization must be a number from 0.05 to 1.0, got {value!r}")
 
 
+def _kv_budget(value) -> int:
+    try:
+        return kv_cache_size(value)
+    except ValueError as e:
+        raise ValueError(f"kv_cache_memory: {e}") from None
+
+
 def make_engine_config(model: str | None = None, *, dtype: str | None = None,
                        quantization: str | None = None, max_model_len: int | None = None,
                        kv_cache_memory: str | int | None = None, kv_cache_dtype: str = "auto",
@@ -565,7 +650,8 @@ def make_engine_config(model: str | None = None, *, dtype: str | None = None,
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization,
                           max_model_len=max_model_len),
         cache=CacheConfig(block_size=block_size,
-                          kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+                          kv_cache_memory=(None if kv_cache_memory is None
+                                           else _kv_budget(kv_cache_memory)),
                           kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
                           num_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,

@@ -20,7 +20,8 @@ def add_config_arg(parser: argparse.ArgumentParser) -> None:
 
 def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """parser.parse_args(argv), with the defaults of the --config file's flags replaced by its
-    values. A bad file or an unknown flag in it ends the program with parser.error."""
+    values. A bad file, an unknown flag or a bad value in it ends the program with one line that
+    names the file, the flag and the fix (exit status 2, as argparse's own errors)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -28,7 +29,7 @@ def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> 
         try:
             parser.set_defaults(**config_defaults(parser, known.config))
         except ValueError as e:
-            parser.error(str(e))
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
     return parser.parse_args(argv)
 
 

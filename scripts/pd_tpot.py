@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import statistics
 import sys
 import time
@@ -88,8 +89,10 @@ def setup(kind: str, args) -> dict:
         urls, procs = start_replicas(1, engine + ["--threads", "2"], None)
         extra = [a for u in urls for a in ("--replica", u)]
     else:
-        urls, procs = start_replicas(2, engine + ["--threads", "1"], None)
-        extra = ["--prefill-replica", urls[0], "--replica", urls[1]]
+        key = secrets.token_urlsafe(16)     # the handover's own secret, shared by the three
+        urls, procs = start_replicas(2, engine + ["--threads", "1", "--kv-transfer-role", "both",
+                                                  "--kv-transfer-key", key], None)
+        extra = ["--prefill-replica", urls[0], "--replica", urls[1], "--kv-transfer-key", key]
     try:
         with running_router(["--log-level", "warning", *extra]) as url:
             result = asyncio.run(run_load(url, args))

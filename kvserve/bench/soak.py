@@ -6,7 +6,8 @@ max_tokens, some n=2, seed, logprobs, stop); a --disconnect-fraction of well-for
 client drops before the headers, after them or after a few chunks; and a --bad-fraction of bad
 requests drawn from a catalogue of attacks (lone surrogates, NaN and Infinity, huge ints, wrong
 types, negative max_tokens, out-of-vocabulary ids, 100k stop ids, empty messages, unknown roles,
-malformed JSON, oversized bodies).
+malformed JSON, oversized bodies, constraints past the grammar compiler's limits, tool calls of the
+wrong shape, writes into the KV handover's endpoints).
 
 Every answer is classified: a well-formed request must get 200 with a valid body, or a complete
 SSE stream ending in [DONE] whose every data line is strict JSON (no NaN); a bad one must get a
@@ -378,10 +379,90 @@ def oversize_attacks(rng: random.Random, ctx: SoakContext) -> list[tuple[str, st
                                                    "max_tokens": 4})]
 
 
+CHAIN_LINKS = 4000      # rules in a chain grammar / links in a $defs chain: past any native stack
+DEEP_SCHEMA_LEVELS = 300
+DEEP_JSON_LEVELS = 5000
+KV_IMPORT = "/v1/kv/import"
+
+
+def chain_grammar(links: int) -> str:
+    """A Lark grammar whose rules form one chain: start -> r0 -> r1 -> ... -> r{links-1}."""
+    rules = [f'r{i}: "a" r{i + 1}' for i in range(links - 1)]
+    return "\n".join(["start: r0", *rules, f'r{links - 1}: "a"'])
+
+
+def defs_chain(links: int) -> dict:
+    """A JSON schema whose $defs each refer to the next: d0 -> d1 -> ... -> d{links-1}."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links - 1)}
+    defs[f"d{links - 1}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def grammar_attacks(rng: random.Random, ctx: SoakContext) -> list[tuple[str, str, dict]]:
+    """Constraints past the native grammar compiler's limits (rule chains, $ref chains, nesting)."""
+    user = [{"role": "user", "content": "hi"}]
+    chain = defs_chain(CHAIN_LINKS)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+                                                                         {"x": chain}}}}
+    deep_json = '{"type": "object", "properties": {"a": ' * DEEP_JSON_LEVELS + "{}" + "}}" * DEEP_JSON_LEVELS
+    return [(f"guided_grammar chain x{CHAIN_LINKS}", CMPL,
+             {"prompt": "hi", "max_tokens": 4, "guided_grammar": chain_grammar(CHAIN_LINKS)}),
+            (f"response_format $defs chain x{CHAIN_LINKS}", CHAT,
+             {"messages": user, "max_tokens": 4, "response_format": {
+                 "type": "json_schema", "json_schema": {"name": "x", "schema": chain}}}),
+            (f"tool parameters $defs chain x{CHAIN_LINKS}", CHAT,
+             {"messages": user, "max_tokens": 4, "tools": [tool], "tool_choice": "required"}),
+            (f"json_schema nested x{DEEP_SCHEMA_LEVELS}", CHAT,
+             {"messages": user, "max_tokens": 4, "response_format": {
+                 "type": "json_schema", "json_schema": {"name": "x",
+                                                        "schema": nested_schema(DEEP_SCHEMA_LEVELS)}}}),
+            (f"guided_json string nested x{DEEP_JSON_LEVELS}", CMPL,
+             {"prompt": "hi", "max_tokens": 4, "guided_json": deep_json})]
+
+
+def tool_call_attacks(rng: random.Random, ctx: SoakContext) -> list[tuple[str, str, dict]]:
+    """Assistant tool_calls of the wrong shape, and a tool result that answers no call."""
+    shapes = ["x", [1], [{"function": 5}], [{"type": "function", "function": {"arguments": "{}"}}],
+              [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]]
+    out = []
+    for shape in shapes:
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": shape},
+                    {"role": "user", "content": "go on"}]
+        out.append((f"tool_calls={json.dumps(shape)[:40]}", CHAT, {"messages": messages, "max_tokens": 4}))
+    out.append(("tool message without a call", CHAT,
+                {"messages": [{"role": "user", "content": "hi"},
+                              {"role": "tool", "tool_call_id": "c1", "content": "42"}], "max_tokens": 4}))
+    return out
+
+
+def kv_payload(token_ids: list[int]) -> bytes:
+    """A KV handover payload (engine/kv_transfer.py's format) of made-up KV for `token_ids`."""
+    head = json.dumps({"token_ids": token_ids, "block_size": len(token_ids), "num_blocks": 1, "layers": 1,
+                       "dtype": "float16", "block_shape": [len(token_ids), 1, 8]}).encode()
+    return b"KVX1" + len(head).to_bytes(4, "little") + head + b"\xff\x7f" * (2 * len(token_ids) * 8)
+
+
+def kv_handover_attacks(rng: random.Random, ctx: SoakContext) -> list[tuple[str, str, bytes]]:
+    """The KV handover's endpoints as a client would abuse them: writes into the prefix cache."""
+    ids = rng.choice(ctx.prompt_ids)[:16]
+    return [("import made-up KV", KV_IMPORT, kv_payload(ids)),
+            ("import garbage", KV_IMPORT, b"KVX1" + bytes(rng.randrange(256) for _ in range(64))),
+            ("prefill export", "/v1/kv/prefill", json.dumps({"prompt_token_ids": ids}).encode())]
+
+
 ATTACKS = {"surrogate": surrogate_attacks, "nonfinite": nonfinite_attacks, "huge-int": huge_int_attacks,
            "wrong-type": wrong_type_attacks, "negative": negative_attacks, "oov": oov_attacks,
            "stop-ids": stop_ids_attacks, "messages": message_attacks, "malformed": malformed_attacks,
-           "oversize": oversize_attacks}
+           "oversize": oversize_attacks, "grammar": grammar_attacks, "tool-calls": tool_call_attacks,
+           "kv-handover": kv_handover_attacks}
 
 
 def attack_variants(category: str, rng: random.Random, ctx: SoakContext) -> list[tuple[str, str, bytes, bool]]:

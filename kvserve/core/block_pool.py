@@ -16,6 +16,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 
+class PrivateSalt(str):
+    """A cache salt only the server sets (the KV handover's namespace), never a client: it is
+    hashed under a tag of its own, so no client's cache_salt string, whatever its value, names
+    the same blocks. A plain str with the same characters is an ordinary (client) salt."""
+
+    __slots__ = ()
+
+
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
                       cache_salt: str | None = None) -> bytes:
     """SHA-256 over (parent block hash, this block's token ids, cache salt).
@@ -23,14 +31,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
     Chaining the parent makes the hash name the whole prefix up to this block, and SHA-256
     is collision resistant, so equal hashes mean equal prefixes for all practical purposes
     (unlike Python's hash(), which one user could collide with another's prefix). The salt
-    keeps users who do not share a salt from ever sharing a block.
+    keeps users who do not share a salt from ever sharing a block; a PrivateSalt is tagged
+    apart from every client salt.
     """
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else b"\0" * 32)
     h.update(len(token_ids).to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     if cache_salt is not None:
-        h.update(b"\1" + cache_salt.encode())
+        h.update((b"\2" if isinstance(cache_salt, PrivateSalt) else b"\1") + cache_salt.encode())
     return h.digest()
 
 

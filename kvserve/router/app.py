@@ -11,7 +11,8 @@ is out of rotation until it passes again. A request whose replica cannot be reac
 refused, before anything was sent) goes to the next one; a replica that drops a request it was
 serving fails that request at once with a 502 (or, mid-stream, a final error event) naming the
 replica, and is out of rotation until its health check passes. With no healthy replica left, the
-answer is 503 at once.
+answer is 503 at once. What a client got wrong (headers, body size, JSON) is its 4xx and never
+counts against a replica (kvserve/router/forwarding.py).
 """
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from kvserve.router import forwarding
 from kvserve.router.policy import Replica, Router, routing_key
-from kvserve.server.errors import error_body
+from kvserve.server.errors import error_body, install_error_handlers
 
 log = logging.getLogger("kvserve.router")
-
-FORWARD_HEADERS = ("authorization", "content-type", "accept", "user-agent")
-MAX_BODY_BYTES = 8 * 1024 * 1024
+KV_TRANSFER_HEADER = "X-KV-Transfer-Key"     # the replicas' handover secret (engine/kv_payload.py)
 
 
 def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -39,10 +40,15 @@ def _error(status: int, message: str, type: str, param: str | None = None, code:
 
 
 def build_router_app(router: Router, health_interval: float = 2.0, request_timeout: float = 600.0,
-                     api_key: str | None = None, prefill: Router | None = None) -> FastAPI:
+                     api_key: str | None = None, prefill: Router | None = None,
+                     max_body_bytes: int = forwarding.DEFAULT_MAX_BODY_BYTES,
+                     kv_transfer_key: str | None = None) -> FastAPI:
     """`api_key`: when set, every route but /health needs 'Authorization: Bearer KEY' (checked
     here, then passed on: replicas may check their own). `prefill`: the prefill replicas of
-    prefill/decode disaggregation (`router` then holds the decode replicas)."""
+    prefill/decode disaggregation (`router` then holds the decode replicas), and
+    `kv_transfer_key` the replicas' --kv-transfer-key, sent with every handover call and with
+    the decode request (which then reads the handover's namespace). `max_body_bytes`:
+    a larger request body is a 413 (kvserve/router/forwarding.py)."""
     client: httpx.AsyncClient | None = None
     everyone = router.replicas + (prefill.replicas if prefill is not None else [])
 
@@ -79,6 +85,7 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
     app.state.router = router
+    install_error_handlers(app)         # every error, 404s and 500s too, is an OpenAI error body
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
@@ -101,21 +108,19 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
                 f"it is out of rotation until its health check passes: retry the request")
 
     async def route(request: Request, path: str) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return _error(413, f"request body of {len(raw)} bytes is over the router's limit of {MAX_BODY_BYTES}",
-                          "invalid_request_error", code="request_too_large")
+        """Bad input (headers, body size, JSON) is refused here with a 4xx (forwarding.py); past
+        that, only what goes wrong between the router and the replica counts against the replica."""
+        headers = forwarding.forward_headers(request.scope["headers"])
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"We could not parse the JSON body of your request ({e}). The body must be a "
-                          "JSON object.", "invalid_request_error", code="invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_request_error", code="invalid_json")
+            raw = await forwarding.read_body(request, max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)        # nobody is left to answer
+        body = forwarding.parse_json_body(raw)
         key = routing_key(path, body)
         stream = body.get("stream") is True
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         handover = await prefill_elsewhere(path, body, key, headers) if prefill is not None else None
+        if prefill is not None and kv_transfer_key:      # clients' own copies are never forwarded
+            headers[KV_TRANSFER_HEADER] = kv_transfer_key
         tried: tuple[Replica, ...] = ()
         while True:
             replica, _ = router.choose(key, exclude=tried)
@@ -129,11 +134,15 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
             replica.in_flight += 1
             try:
                 response = await client.send(upstream, stream=True)
-            except httpx.ConnectError as e:       # nothing reached the replica: the next one may take it
-                replica.in_flight -= 1
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:   # nothing reached the replica:
+                replica.in_flight -= 1                                 # the next one may take it
                 replica_lost(replica, e)
                 tried += (replica,)
                 continue
+            except httpx.LocalProtocolError as e:   # what the client sent cannot go out as HTTP:
+                replica.in_flight -= 1              # its fault, not the replica's
+                log.info("refused to forward a request to %s: %s", replica.url, e)
+                return forwarding.unforwardable(e).response()
             except httpx.HTTPError as e:
                 replica.in_flight -= 1
                 replica_lost(replica, e)
@@ -178,6 +187,8 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
             ask = None
         else:
             return None
+        if body.get("cache_salt") is not None:   # handed-over blocks are not in its namespace
+            return None
         replica, _ = prefill.choose(key)
         if replica is None:
             return None
@@ -190,7 +201,8 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
                 if r.status_code != 200:
                     return None
                 ids = r.json()["tokens"]
-            r = await client.post(f"{replica.url}/v1/kv/prefill", json={"prompt_token_ids": ids}, headers=headers)
+            r = await client.post(f"{replica.url}/v1/kv/prefill", json={"prompt_token_ids": ids},
+                                  headers={**headers, KV_TRANSFER_HEADER: kv_transfer_key or ""})
             if r.status_code != 200:
                 log.warning("prefill on %s answered %d: the decode replica computes the prompt", replica.url,
                             r.status_code)
@@ -206,7 +218,8 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
         """Disaggregation, step 2: the decode replica adopts the blocks into its prefix cache."""
         try:
             r = await client.post(f"{replica.url}/v1/kv/import", content=payload,
-                                  headers={**headers, "content-type": "application/octet-stream"})
+                                  headers={**headers, "content-type": "application/octet-stream",
+                                           KV_TRANSFER_HEADER: kv_transfer_key or ""})
             if r.status_code == 200:
                 router.handed_over_tokens += r.json().get("cached_tokens", 0)
             else:
@@ -224,7 +237,7 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
     @app.get("/v1/models")
     async def models(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        headers = forwarding.forward_headers(request.scope["headers"])
         for replica in router.healthy():
             try:
                 r = await client.get(f"{replica.url}/v1/models", headers=headers, timeout=10)

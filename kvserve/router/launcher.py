@@ -21,6 +21,7 @@ import httpx
 import uvicorn
 
 from kvserve.router.app import build_router_app
+from kvserve.router.forwarding import DEFAULT_MAX_BODY_BYTES
 from kvserve.router.policy import POLICIES, Router
 
 log = logging.getLogger("kvserve.router")
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health, and pass it to the "
                         "replicas started here (default: $KVSERVE_API_KEY when set)")
+    p.add_argument("--router-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="a request body of more bytes gets 413 from the router, counted as it arrives "
+                        "(default: %(default)s; --max-body-bytes goes to the replicas)")
+    p.add_argument("--kv-transfer-key", default=os.environ.get("KVSERVE_KV_TRANSFER_KEY"),
+                   metavar="KEY",
+                   help="with --prefill-replica: the replicas' --kv-transfer-key, sent with "
+                        "every KV handover call and decode request (default: "
+                        "$KVSERVE_KV_TRANSFER_KEY when set)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -139,6 +148,14 @@ def main(argv: list[str]) -> int:
     if args.data_parallel_size < 0:
         print("kvserve router: --data-parallel-size must be >= 1", file=sys.stderr)
         return 2
+    if args.router_max_body_bytes < 1:
+        print("kvserve router: --router-max-body-bytes must be >= 1", file=sys.stderr)
+        return 2
+    if args.prefill_replica and not args.kv_transfer_key:
+        print("kvserve router: --prefill-replica needs --kv-transfer-key KEY (or "
+              "$KVSERVE_KV_TRANSFER_KEY): the key the prefill and decode replicas were started "
+              "with", file=sys.stderr)
+        return 2
     if engine_args and not args.data_parallel_size:
         print(f"kvserve router: unknown flags {engine_args} (engine flags go to replicas started by "
               f"--data-parallel-size)", file=sys.stderr)
@@ -164,7 +181,9 @@ def main(argv: list[str]) -> int:
             except ValueError as e:
                 print(f"kvserve router: --prefill-replica: {e}", file=sys.stderr)
                 return 2
-        app = build_router_app(router, health_interval=args.health_interval, api_key=args.api_key, prefill=prefill)
+        app = build_router_app(router, health_interval=args.health_interval, api_key=args.api_key,
+                               prefill=prefill, max_body_bytes=args.router_max_body_bytes,
+                               kv_transfer_key=args.kv_transfer_key)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
         return 0
     finally:

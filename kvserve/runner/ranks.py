@@ -19,6 +19,12 @@ Start: every rank first checks in at the store and waits there (up to CONNECT_TI
 others, so a slow start never counts against the groups' STEP_TIMEOUT_S rendezvous; a worker that
 exits before then fails rank 0's start at once. (Under torchrun its own rendezvous does this.)
 
+Where they listen: the store (rank 0's TCPStore) and gloo's sockets bind to one address, never to
+every interface: 127.0.0.1 when every rank runs on this machine, else --master-addr for the store
+and, on each node, the interface that reaches it for gloo (GLOO_SOCKET_IFNAME when set). Anyone
+who reaches those ports can read and write the store and the ranks' traffic: across machines the
+network between them must be trusted (docs/scale-out.md).
+
 Failures: before each step rank 0 checks that every worker process it started is alive and raises
 RankLost naming the one that is not (at once, not after a timeout); a rank on another machine that
 dies closes its sockets, so the next collective fails at once; one that stalls makes the step fail
@@ -28,7 +34,10 @@ rank 0 is gone stops too.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -57,9 +66,103 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def meeting_host(d) -> str:
+    """The address the ranks meet at and listen on: 127.0.0.1 when every rank runs on this machine
+    (nothing else needs to reach them), else node 0's --master-addr."""
+    return LOOPBACK if d.local_ranks == d.world and not d.torchrun else d.master_addr
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`:`port` only (port 0: a free one). torch's TCPStore server
+    binds every interface whatever its host; handed this socket, it listens here alone."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise ValueError(f"--master-addr {host}: cannot resolve it ({e}): give node 0's "
+                         f"address") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--master-port {port}: {addr[0]}:{port} is in use; choose another "
+                             f"port (or stop what is using it)") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--master-addr {host} ({addr[0]}) is not an address of this machine: "
+                             f"node 0 listens on it for the other ranks; give one of node 0's own "
+                             f"addresses") from None
+        raise ValueError(f"cannot listen on {addr[0]}:{port} for the ranks: "
+                         f"{e.strerror or e}") from None
+    return sock
+
+
 def _store(d, port: int, master: bool):
-    return dist.TCPStore(d.master_addr, port, d.world, is_master=master, timeout=CONNECT_TIMEOUT,
-                         wait_for_workers=False)
+    """Rank 0's store (master: listening on meeting_host(d) only), or a client of it."""
+    host = meeting_host(d)
+    if not master:
+        return dist.TCPStore(host, port, d.world, is_master=False, timeout=CONNECT_TIMEOUT)
+    sock = _listen(host, port)
+    if d.local_ranks < d.world and ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        log.warning("--master-addr %s is a loopback address: ranks on other machines cannot "
+                    "reach it (give node 0's network address)", host)
+    try:
+        store = dist.TCPStore(host, sock.getsockname()[1], d.world, is_master=True,
+                              timeout=CONNECT_TIMEOUT, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()          # the store owns the socket now and closes it when it goes
+    return store
+
+
+def _local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (host itself when it is this machine's):
+    a UDP socket "connected" there sends nothing but learns its source address."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ValueError(f"--master-addr {host}: this machine has no route to it ({e})") from None
+
+
+def gloo_interface(host: str) -> str:
+    """The name of this machine's network interface that reaches `host`, where gloo's listening
+    sockets go: left alone, gloo binds the address the machine's hostname resolves to, which on
+    many hosts is its public one."""
+    import psutil
+    ip = _local_address_towards(host)
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addrs):
+            return name
+    raise ValueError(f"no network interface of this machine holds {ip}, its address towards "
+                     f"{host}: set GLOO_SOCKET_IFNAME to the interface the ranks should use")
+
+
+@contextlib.contextmanager
+def _gloo_bound(d):
+    """gloo groups made inside listen on the interface towards meeting_host(d) only: the loopback
+    one on one machine; across machines GLOO_SOCKET_IFNAME, when set, wins."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    host = meeting_host(d)
+    one_machine = ipaddress.ip_address(_local_address_towards(host)).is_loopback
+    if one_machine or not before:
+        os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(host)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before
 
 
 def _exited(workers: list[subprocess.Popen], first_rank: int) -> str | None:
@@ -93,20 +196,19 @@ def join(d, rank: int, store=None, workers: list[subprocess.Popen] = ()) -> None
     if store is not None:
         _arrive(store, rank, d.world, workers)
     timeout = datetime.timedelta(seconds=STEP_TIMEOUT_S)
-    if d.torchrun:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=d.world, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=d.world, timeout=timeout)
-    # A worker waits on the control group for as long as the engine stays idle; rank 0 only sends on
-    # it, and a send that cannot complete within a step's timeout means a rank is gone: rank 0
-    # must fail the step then (RankLost), never wait on it for good.
-    _control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
+    with _gloo_bound(d):
+        how = {"init_method": "env://"} if d.torchrun else {"store": store}
+        dist.init_process_group("gloo", rank=rank, world_size=d.world, timeout=timeout, **how)
+        # A worker waits on the control group for as long as the engine stays idle; rank 0 only
+        # sends on it, and a send that cannot complete within a step's timeout means a rank is
+        # gone: rank 0 must fail the step then (RankLost), never wait on it for good.
+        _control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
 
 
 def spawn(d, port: int, threads: int) -> list[subprocess.Popen]:
     """Start this machine's other ranks (d.rank+1 .. d.rank+d.spawn) as worker processes."""
     workers = [subprocess.Popen([sys.executable, "-m", "kvserve.runner.worker", str(rank), str(d.world),
-                                 d.master_addr, str(port), str(threads)])
+                                 meeting_host(d), str(port), str(threads)])
                for rank in range(d.rank + 1, d.rank + 1 + d.spawn)]
     atexit.register(lambda: [w.kill() for w in workers if w.poll() is None])
     return workers
@@ -204,7 +306,7 @@ def start_ranks(cls, config):
         _forget_groups()
         raise
     log.info("ranks: %d, this machine runs %d of them (meeting at %s:%s)", d.world, d.local_ranks,
-             d.master_addr, store.port if store is not None else d.master_port)
+             meeting_host(d), store.port if store is not None else d.master_port)
     return ranks
 
 
@@ -214,10 +316,17 @@ def join_as_worker(d, rank: int) -> None:
     join(d, rank, store)
 
 
+class Stopped(Exception):
+    """Rank 0 said stop: it is closing, or its start failed before the first step (a worker
+    waiting for the configuration or the KV sizes then stops quietly, not on a bad object)."""
+
+
 def receive():
-    """A worker's next object from rank 0 (Ranks.broadcast)."""
+    """A worker's next object from rank 0 (Ranks.broadcast); Stopped when rank 0 says stop."""
     box = [None]
     dist.broadcast_object_list(box, src=0, group=_control)
+    if isinstance(box[0], tuple) and box[0] == ("stop",):
+        raise Stopped
     return box[0]
 
 
@@ -225,10 +334,10 @@ def steps(runner):
     """A worker's steps from rank 0 until it says stop: each step's copy-on-write copies are
     applied to `runner`'s pools here, then its work (when it has any) is yielded."""
     while True:
-        msg = receive()
-        if msg[0] == "stop":
+        try:
+            _, copy_blocks, work = receive()
+        except Stopped:
             return
-        _, copy_blocks, work = msg
         if copy_blocks:
             runner._copy_blocks(copy_blocks)
         if work is not None:

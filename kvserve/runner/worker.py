@@ -27,6 +27,8 @@ def execute(d: DistributedConfig, rank: int, threads: int) -> int:
         config = replace(ranks.receive(), num_threads=max(1, threads))
         main = pipeline_parallel.worker_main if config.pipeline_parallel_size > 1 else tensor_parallel.worker_main
         main(rank, d.world, config)
+    except ranks.Stopped:              # rank 0 stopped before the first step: its start failed
+        log.info("rank %d/%d stops: rank 0 stopped before the first step", rank, d.world)
     except RuntimeError as e:          # a collective failed: rank 0 (or another rank) is gone
         log.error("rank %d/%d stops: %s", rank, d.world, e)
         return 1

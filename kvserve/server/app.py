@@ -1,42 +1,46 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, args) -> FastAPI`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
-GET /version, GET /metrics, POST /tokenize, POST /detokenize, POST /v1/kv/prefill and
-/v1/kv/import (prefill/decode disaggregation, kvserve/engine/kv_transfer.py), and the live dashboard
-(GET /dashboard, /dashboard/data: kvserve/server/dashboard.py).
+GET /version, GET /metrics, POST /tokenize, POST /detokenize, the live dashboard (GET /dashboard,
+/dashboard/data: kvserve/server/dashboard.py), and with --kv-transfer-role POST /v1/kv/prefill
+and/or /v1/kv/import (prefill/decode disaggregation: kvserve/server/kv_routes.py).
 """
 from __future__ import annotations
 
 import json
-import uuid
 
 from fastapi import FastAPI, Request, Response
 
 from kvserve import __version__
 from kvserve.config import parse_size
-from kvserve.engine import kv_transfer
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
-from kvserve.sampling_params import SamplingParams
 from kvserve.server.dashboard import install_dashboard
 from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_error_handlers
-from kvserve.server.guard import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_KV_TRANSFER_BYTES, GuardMiddleware,
-                                  early_rejection)
+from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, early_rejection
+from kvserve.server.kv_routes import KVHandover, raw_body_paths
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     KVPrefillRequest, TokenizeRequest, chat_messages)
-from kvserve.server.serving import (ServerState, admission_error, check_context, check_output, check_request, merge,
-                                    off_loop, open_streams, with_cancellation)
+                                     TokenizeRequest, chat_messages)
+from kvserve.server.serving import (ServerState, admission_error, check_request, off_loop,
+                                    with_cancellation)
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completions import create_completion
 
 
 def build_app(engine: AsyncEngine, args=None) -> FastAPI:
-    """`args`: the parsed `kvserve serve` flags (served_model_name, api_key, max_body_bytes);
-    any of them may be missing."""
+    """`args`: the parsed `kvserve serve` flags (served_model_name, api_key, max_body_bytes,
+    kv_transfer_*); any of them may be missing. ValueError: a KV transfer role this engine
+    cannot serve."""
     api_key = getattr(args, "api_key", None) or None
     max_body = parse_size(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
     state = ServerState(engine=engine,
                         served_model_names=[getattr(args, "served_model_name", None) or engine.model_name],
                         api_key=api_key, max_body_bytes=max_body)
+    role = getattr(args, "kv_transfer_role", None)
+    handover = None if role is None else KVHandover(
+        engine, role, getattr(args, "kv_transfer_key", None),
+        shared_prefix=getattr(args, "kv_transfer_shared_prefix", False),
+        max_bytes=getattr(args, "max_kv_transfer_bytes", None),
+        body_timeout=getattr(args, "body_timeout", None))
     app = FastAPI(title="kvserve", version=__version__,
                   description="OpenAI-compatible API of the kvserve LLM serving engine")
     app.state.kv = state
@@ -45,19 +49,22 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
                        metrics_public=getattr(args, "metrics_public", False),
                        body_timeout=getattr(args, "body_timeout", None),
                        overloaded=lambda: admission_error(state),
-                       path_limits={"/v1/kv/import": parse_size(getattr(args, "max_kv_transfer_bytes", None)
-                                                                or DEFAULT_MAX_KV_TRANSFER_BYTES)})
+                       raw_body_paths=raw_body_paths(role))
     # the same answer, given by the HTTP protocol before any ASGI work (connections.py)
     app.state.early_rejection = early_rejection(api_key, lambda pending: admission_error(state, pending))
 
     @app.post("/v1/completions")
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request):
+        if handover is not None:
+            handover.claim_namespace(request, raw_request)
         return await create_completion(request, state)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        if handover is not None:
+            handover.claim_namespace(request, raw_request)
         return await create_chat_completion(request, state)
 
     def model_card(name: str) -> dict:
@@ -109,29 +116,8 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         body = await off_loop(json.dumps, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return Response(body, media_type="application/json")
 
-    @app.post("/v1/kv/prefill")
-    async def kv_prefill(request: KVPrefillRequest):
-        """Disaggregated prefill: compute the prompt (a one-token request), then hand over the KV
-        blocks its prefix cache now holds (kvserve/engine/kv_transfer.py), as application/octet-stream."""
-        ids = request.prompt_token_ids
-        check_context(len(ids), 1, engine.max_model_len, "prompt_token_ids")
-        # the engine checks the ids (empty, outside the vocabulary) and admission as for any request
-        streams = await open_streams(engine, [ids], SamplingParams(max_tokens=1, temperature=0),
-                                     f"kvprefill-{uuid.uuid4().hex}", 0, None, names={"prompt": "prompt_token_ids"})
-        async for _, out in merge(streams):
-            check_output(out)
-        payload = await engine.call(lambda core: kv_transfer.export_blocks(core, ids))
-        return Response(payload, media_type="application/octet-stream")
-
-    @app.post("/v1/kv/import")
-    async def kv_import(raw_request: Request):
-        """Disaggregated decode: adopt a prefill instance's KV blocks into this engine's prefix cache."""
-        payload = await raw_request.body()
-        try:
-            tokens = await engine.call(lambda core: kv_transfer.adopt_blocks(core, payload))
-        except ValueError as e:
-            raise BadRequest(str(e), "body") from None
-        return {"cached_tokens": tokens}
+    if handover is not None:
+        handover.install(app)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):

@@ -12,7 +12,6 @@ from kvserve.server.errors import APIError, RequestTimeout, TooLarge, Unauthoriz
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20
 DEFAULT_BODY_TIMEOUT = 30.0
-DEFAULT_MAX_KV_TRANSFER_BYTES = "512MiB"   # /v1/kv/import: a prompt's KV blocks (23 KB a token for the default model)
 DRAIN_LIMIT = 64 * 2**20  # past this much of an oversized body, stop reading and close
 # answered without the API key (the dashboard's page and script are static: its data are not)
 OPEN_PATHS = frozenset({"/health", "/dashboard", "/dashboard/dashboard.js"})
@@ -42,10 +41,12 @@ class GuardMiddleware:
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics_public: bool = False,
                  body_timeout: float | None = None, overloaded: Callable[[], APIError | None] | None = None,
-                 path_limits: dict[str, int] | None = None):
-        """path_limits: body limits of their own for some paths (the KV import of disaggregation)."""
+                 raw_body_paths: frozenset[str] = frozenset()):
+        """raw_body_paths: routes that read their own body, with a limit, a timeout and a
+        concurrency cap of their own, before which nothing is buffered here (the KV import of
+        disaggregation, kvserve/server/kv_routes.py)."""
         self.app = app
-        self.path_limits = path_limits or {}
+        self.raw_body_paths = raw_body_paths
         self.overloaded = overloaded
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -61,11 +62,10 @@ class GuardMiddleware:
             if not secrets.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                 return await _send_error(send, Unauthorized(
                     "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'"))
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["method"] not in ("POST", "PUT", "PATCH") or scope["path"] in self.raw_body_paths:
             return await self.app(scope, receive, send)
         try:
-            body = await asyncio.wait_for(self.read_body(headers, receive, self.path_limits.get(scope["path"])),
-                                          self.body_timeout)
+            body = await asyncio.wait_for(self.read_body(headers, receive), self.body_timeout)
         except asyncio.TimeoutError:
             return await _send_error(send, RequestTimeout(
                 f"the request body did not arrive within {self.body_timeout:g} seconds (--body-timeout)"),
@@ -80,13 +80,13 @@ class GuardMiddleware:
                 return await _send_error(send, error)
         return await self.app(scope, _replay(body, receive), send)
 
-    async def read_body(self, headers: dict, receive, limit: int | None = None) -> bytes | None:
+    async def read_body(self, headers: dict, receive) -> bytes | None:
         """The whole request body, or None when the client disconnected first. Raises
         BodyRejected past the size limit (reading on up to DRAIN_LIMIT to keep the connection)."""
-        flag = "--max-body-bytes" if limit is None else "--max-kv-transfer-bytes"
-        limit = self.max_body_bytes if limit is None else limit
+        limit = self.max_body_bytes
         drain = max(DRAIN_LIMIT, limit)
-        too_large = TooLarge(f"request body is larger than the limit of {limit} bytes ({flag})")
+        too_large = TooLarge(f"request body is larger than the limit of {limit} bytes "
+                             "(--max-body-bytes)")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > drain:
             raise BodyRejected(too_large, close=True)

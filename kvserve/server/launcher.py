@@ -20,6 +20,7 @@ import uvicorn
 
 from kvserve.config import add_engine_args, engine_config_from_args, parse_size
 from kvserve.config_file import add_config_arg, parse_args_with_config
+from kvserve.engine.kv_payload import KEY_ENV, KEY_HEADER, ROLES, check_transfer_args
 from kvserve.server.connections import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, AcceptErrorHandler,
                                         ConnectionLimits, default_max_connections, protocol_class,
                                         raise_open_files_limit)
@@ -50,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve /metrics and /dashboard/data without the API key (default: they need the key when one is set)")
     g.add_argument("--max-body-bytes", default="2MiB",
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
-    g.add_argument("--max-kv-transfer-bytes", default="512MiB",
-                   help="largest KV payload POST /v1/kv/import accepts (prefill/decode disaggregation through "
-                        "`kvserve router --prefill-replica`) (default: %(default)s)")
+    add_kv_transfer_args(g)
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them "
                         "(default: %(default)s)")
@@ -63,6 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_config_arg(p)
     return p
+
+
+def add_kv_transfer_args(g) -> None:
+    """Prefill/decode disaggregation (docs/scale-out.md): off unless a role is given."""
+    g.add_argument("--kv-transfer-role", default=None, choices=ROLES,
+                   help="take part in the KV handover of `kvserve router --prefill-replica`: "
+                        "prefill serves POST /v1/kv/prefill, decode POST /v1/kv/import, both both "
+                        "(default: neither route exists)")
+    g.add_argument("--kv-transfer-key", default=None, metavar="KEY",
+                   help=f"the secret the handover's calls carry in the header {KEY_HEADER}, the "
+                        f"same on the router and every replica; required with --kv-transfer-role "
+                        f"(default: ${KEY_ENV})")
+    g.add_argument("--kv-transfer-shared-prefix", action="store_true",
+                   help="register handed-over blocks in the prefix cache every unsalted request "
+                        "shares (default: a namespace of their own, read only by requests the "
+                        "router forwards with the key)")
+    g.add_argument("--max-kv-transfer-bytes", default=None,
+                   help="largest KV payload POST /v1/kv/import accepts (default: the payload of a "
+                        "whole --max-model-len context)")
 
 
 def add_connection_args(g) -> None:
@@ -176,8 +194,12 @@ def main(argv: list[str]) -> int:
     args = parse_args_with_config(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.api_key = args.api_key or os.environ.get("KVSERVE_API_KEY") or None
+    args.kv_transfer_key = args.kv_transfer_key or os.environ.get(KEY_ENV) or None
     try:
         parse_size(args.max_body_bytes)
+        if args.max_kv_transfer_bytes is not None:
+            parse_size(args.max_kv_transfer_bytes)
+        check_transfer_args(args.kv_transfer_role, args.kv_transfer_key)
         check_connection_args(args)
         config = engine_config_from_args(args)
     except ValueError as e:
@@ -198,14 +220,22 @@ def main(argv: list[str]) -> int:
     from kvserve.engine.core import EngineCore
     from kvserve.server.app import build_app
 
-    core = EngineCore(config)
+    try:
+        core = EngineCore(config)
+    except ValueError as e:          # refused at start (the device, the KV budget): the fix
+        print(f"kvserve serve: {e}", file=sys.stderr)
+        return 2
     print(core.describe(), file=sys.stderr, flush=True)
     # The engine thread's Python work (scheduling, sampling, detokenizing) holds the GIL between
     # kernel calls; at the default 5 ms switch interval the event loop waits up to that long for
     # each turn, which is what a fast 429 or a /health answer would cost under load.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine = AsyncEngine(core)
-    app = build_app(engine, args)
+    try:
+        app = build_app(engine, args)
+    except ValueError as e:                    # a --kv-transfer-role this engine cannot serve
+        print(f"kvserve serve: {e}", file=sys.stderr)
+        return 2
     name = args.served_model_name or core.model_name
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=not args.no_access_log,

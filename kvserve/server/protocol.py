@@ -264,11 +264,23 @@ def _check_content(v: Any) -> Any:
     raise ValueError("content must be a string or a list of text parts")
 
 
+class ToolCallFunction(_Model):
+    name: Annotated[Text, Field(min_length=1)]
+    arguments: Text                           # JSON text, as the model wrote it
+
+
+class ToolCall(_Model):
+    """One of an assistant's earlier calls, as OpenAI takes it back in `messages`."""
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_calls: list[JSONObject] | None = None      # an assistant's earlier calls
+    tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
     tool_call_id: Text | None = None          # a tool message: the call it answers
 
     @field_validator("content", mode="before")
@@ -284,12 +296,34 @@ class ChatMessage(_Model):
         return "\n".join(p.text for p in self.content)
 
 
+def check_tool_turns(messages: list[ChatMessage]) -> None:
+    """Each `tool` message answers a call of the assistant message before it (only other tool
+    messages between them) and names that call's id, as OpenAI requires: a 400 naming the
+    message otherwise."""
+    calls: set[str] | None = None        # the ids the latest assistant tool_calls made
+    for i, m in enumerate(messages):
+        if m.role != "tool":
+            calls = {c.id for c in m.tool_calls} if m.role == "assistant" and m.tool_calls else None
+            continue
+        if calls is None:
+            raise BadRequest(f"messages.{i}: a message with role 'tool' must answer a preceding "
+                             f"assistant message with 'tool_calls'", f"messages.{i}.role")
+        if m.tool_call_id is None:
+            raise BadRequest(f"messages.{i}.tool_call_id: a message with role 'tool' must name the "
+                             f"call it answers in 'tool_call_id'", f"messages.{i}.tool_call_id")
+        if m.tool_call_id not in calls:
+            raise BadRequest(f"messages.{i}.tool_call_id: {m.tool_call_id!r} is not the id of a "
+                             f"call in the preceding assistant message's 'tool_calls'",
+                             f"messages.{i}.tool_call_id")
+
+
 def chat_messages(messages: list[ChatMessage], tools: list[dict] | None = None) -> list[dict]:
     """Messages as the chat template takes them (string content; developer -> system). With
     tools, or tool calls and results in the history, in the model's tool-call format
     (kvserve.structured.tools: the default model's template has no tools section)."""
     out = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-            **({"tool_calls": m.tool_calls} if m.tool_calls else {})} for m in messages]
+            **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {})}
+           for m in messages]
     if tools or any(m.role == "tool" or m.tool_calls for m in messages):
         out = messages_for_template(out, tools)
     return out
@@ -309,6 +343,7 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        check_tool_turns(self.messages)
 
     @property
     def uses_tools(self) -> bool:
@@ -353,6 +388,8 @@ class TokenizeRequest(_Model):
             raise BadRequest("give exactly one of prompt or messages", "prompt")
         if self.messages is not None and not self.messages:
             raise BadRequest("messages must not be empty", "messages")
+        if self.messages:
+            check_tool_turns(self.messages)
 
 
 class DetokenizeRequest(_Model):

@@ -97,7 +97,42 @@ def test_oversized_bodies_parse_but_exceed_the_limit():
 
 
 def test_every_category_is_tested():
-    assert set(soak.ATTACKS) == set(PARSED) | {"malformed", "oversize"}
+    assert set(soak.ATTACKS) == set(PARSED) | {"malformed", "oversize", "grammar", "tool-calls",
+                                               "kv-handover"}
+
+
+def test_grammar_attacks_carry_their_chains():
+    variants = {v: json.loads(body) for v, _, body, _ in every_variant("grammar")}
+    assert len(variants) == 5
+    for variant, body in variants.items():
+        if "guided_grammar" in body:
+            assert body["guided_grammar"].count("\n") == soak.CHAIN_LINKS
+        elif "tools" in body:
+            assert body["tool_choice"] == "required"
+            defs = body["tools"][0]["function"]["parameters"]["properties"]["x"]["$defs"]
+            assert len(defs) == soak.CHAIN_LINKS
+        elif "guided_json" in body:
+            assert body["guided_json"].count("{") == 2 * soak.DEEP_JSON_LEVELS + 1
+        else:
+            schema = body["response_format"]["json_schema"]["schema"]
+            assert len(schema.get("$defs", {})) == soak.CHAIN_LINKS or "properties" in schema, variant
+
+
+def test_tool_call_attacks_are_chats_with_a_bad_tool_turn():
+    for variant, path, body, _ in every_variant("tool-calls"):
+        messages = json.loads(body)["messages"]
+        assert path == CHAT
+        bad = [m for m in messages if "tool_calls" in m or m["role"] == "tool"]
+        assert bad, variant
+
+
+def test_kv_handover_attacks_target_its_endpoints():
+    variants = list(every_variant("kv-handover"))
+    assert {path for _, path, _, _ in variants} == {"/v1/kv/import", "/v1/kv/prefill"}
+    made_up = next(body for v, _, body, _ in variants if v == "import made-up KV")
+    n = int.from_bytes(made_up[4:8], "little")
+    header = json.loads(made_up[8:8 + n])
+    assert made_up[:4] == b"KVX1" and len(header["token_ids"]) == 16
 
 
 def test_workload_shares_are_exact_and_seeded():
