@@ -8,6 +8,7 @@ types torch holds them in.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 MAX_N = 128
@@ -192,6 +193,72 @@ def is_text(s: str) -> bool:
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
+# Limits on a structured-output constraint, refused when a request is made (docs/server.md,
+# "Limits on structured output"): what the native grammar compiler takes within its stack and
+# time, far above what real schemas and grammars need.
+MAX_CONSTRAINT_BYTES = 1 << 20     # a grammar, a schema's JSON text, or all choices together
+MAX_REGEX_BYTES = 64 << 10
+MAX_GRAMMAR_RULES = 2000           # rule definitions of a Lark or GBNF grammar
+MAX_SCHEMA_DEPTH = 128             # nesting of a schema's JSON objects and arrays
+MAX_SCHEMA_REFS = 1000             # "$ref"s of a schema (or of the %json blocks of a grammar)
+MAX_CHOICES = 20000
+
+_RULE_LINE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(::=|:)", re.MULTILINE)
+
+
+def json_text_depth(text: str) -> int:
+    """The deepest nesting of objects and arrays in JSON text (or text with JSON inside), found
+    without parsing it (json.loads recurses: a 5,000-deep document is a RecursionError)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}]":
+            depth -= 1
+    return deepest
+
+
+def json_value_depth(value) -> int:
+    """The deepest nesting of dicts and lists in a parsed JSON value, walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:        # deep enough to refuse: no need to walk on
+            break
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
+
+
+def check_schema_text(text: str, what: str, bad) -> None:
+    """Refuse (bad(message)) schema or grammar text past the byte, depth and $ref limits."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_CONSTRAINT_BYTES:
+        bad(f"{what} is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}")
+    depth = json_text_depth(text)
+    if depth > MAX_SCHEMA_DEPTH:
+        bad(f"{what} nests {depth} levels of objects and arrays; the limit is {MAX_SCHEMA_DEPTH}")
+    refs = text.count('"$ref"')
+    if refs > MAX_SCHEMA_REFS:
+        bad(f"{what} has {refs} $ref; the limit is {MAX_SCHEMA_REFS}")
+
 
 @dataclass
 class StructuredOutputs:
@@ -233,15 +300,32 @@ class StructuredOutputs:
         if kind == "json":
             if not isinstance(self.json, (dict, str)):
                 bad("json must be a JSON schema (an object, or its JSON text)")
-            self._canonical_schema()
+            if isinstance(self.json, str):
+                check_schema_text(self.json, "json", bad)
+            elif json_value_depth(self.json) > MAX_SCHEMA_DEPTH:
+                bad(f"json nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays")
+            check_schema_text(self._canonical_schema(), "json", bad)
         elif kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if not isinstance(value, str) or not value or not is_text(value):
                 bad(f"{kind} must be a non-empty string")
+            if kind == "regex" and len(value.encode()) > MAX_REGEX_BYTES:
+                bad(f"regex is {len(value.encode())} bytes; the limit is {MAX_REGEX_BYTES}")
+            if kind == "grammar":
+                check_schema_text(value, "grammar", bad)
+                rules = len(_RULE_LINE.findall(value))
+                if rules > MAX_GRAMMAR_RULES:
+                    bad(f"grammar has {rules} rules; the limit is {MAX_GRAMMAR_RULES}")
         elif kind == "choice":
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or any(not isinstance(c, str) or not is_text(c) for c in self.choice)):
                 bad("choice must be a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                bad(f"choice has {len(self.choice)} strings; the limit is {MAX_CHOICES}")
+            size = sum(len(c.encode()) for c in self.choice)
+            if size > MAX_CONSTRAINT_BYTES:
+                bad(f"choice's strings are {size} bytes together; the limit is "
+                    f"{MAX_CONSTRAINT_BYTES}")
 
     def _canonical_schema(self) -> str:
         """The JSON schema as compact JSON text, keys in their given order (the order of

@@ -35,7 +35,7 @@ from kvserve.engine.errors import QueueFullError
 from kvserve.runner.ranks import RankLost
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger("kvserve")
 
@@ -138,11 +138,20 @@ class AsyncEngine:
             if not done:
                 self._send(("abort", request_id))
 
-    def compile_constraint(self, params: SamplingParams) -> None:
+    async def compile_constraint(self, params: SamplingParams) -> None:
         """Compile the params' output constraint now (cached for admission); ParamError with the
-        grammar engine's message when it does not compile. Thread-safe (the compiler has its own
-        lock): the server runs it in a worker thread, so a slow schema never stalls the steps."""
-        self.core.grammar.check(params)
+        grammar engine's message when it does not compile, or when it takes longer than the
+        compiler's COMPILE_TIMEOUT_S. It runs on the compile pool's own threads: no thread of
+        the loop's default pool (tokenizing) waits on it, and the steps never do."""
+        from kvserve.structured.compiler import COMPILE_TIMEOUT_S, timeout_message
+        if params.structured_outputs is None:
+            return
+        future = asyncio.wrap_future(self.core.grammar.check_future(params))
+        try:
+            await asyncio.wait_for(asyncio.shield(future), COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ParamError("structured_outputs",
+                             timeout_message(params.structured_outputs.kind)) from None
 
     async def call(self, fn):
         """fn(core) on the engine thread, between two steps; its result (or exception) here."""

@@ -36,6 +36,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.beam_search import BeamRun
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.errors import CONSTRAINT_FAILED
 from kvserve.engine.grammar import GrammarManager
 from kvserve.model.loader import load_model
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -531,9 +532,9 @@ class EngineCore:
         """Advance the sample's matcher; a complete grammar stops the sample (even with
         ignore_eos), a token the grammar refuses fails the request."""
         terminated, error = self.grammar.accept(sample.seq_id, token_id)
-        if error is not None:
-            log.error("request %s: %s", group.request_id, error)
-            self._fail_sequence(sample.seq_id, f"structured output: {error}")
+        if error is not None:                 # the request's own constraint: a warning, not ours
+            log.warning("request %s: %s", group.request_id, error)
+            self._fail_sequence(sample.seq_id, CONSTRAINT_FAILED + error)
         elif terminated and not sample.out.finished:
             self.scheduler.finish_request(sample.seq_id, RequestStatus.FINISHED_STOPPED)
             self._finish_sample(sample, sample.request)

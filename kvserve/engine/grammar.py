@@ -66,6 +66,26 @@ class GrammarManager:
         if params.structured_outputs is not None:
             self.compiler.compile(params.structured_outputs)
 
+    def check_future(self, params: SamplingParams) -> concurrent.futures.Future:
+        """check(params) as a future (None, or the ParamError), for a caller that must not hold a
+        thread while a constraint compiles: at once on a cache hit, else on the compile pool."""
+        so = params.structured_outputs
+        if so is None or self._compiler is None:
+            from kvserve.structured.compiler import compile_pool
+            return compile_pool().submit(self.check, params)
+        from kvserve.structured.compiler import checked
+        compiled = self._compiler.compile_future(so)
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(done: concurrent.futures.Future) -> None:
+            try:
+                checked(done.result(), "structured_outputs")
+                out.set_result(None)
+            except BaseException as e:
+                out.set_exception(e)
+        compiled.add_done_callback(settle)
+        return out
+
     def add(self, seq_id: str, so: StructuredOutputs) -> None:
         self._matchers[seq_id] = self.compiler.matcher(so)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import Request, Response
 
 from kvserve.engine.async_engine import AsyncEngine, EngineClosedError, EngineDeadError
-from kvserve.engine.errors import QueueFullError
+from kvserve.engine.errors import CONSTRAINT_FAILED, QueueFullError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.connections import CURRENT_ADMISSION
@@ -101,12 +101,12 @@ def reserve_capacity(state: ServerState, num_sequences: int, param: str):
 
 
 async def compile_constraint(state: ServerState, req, params: SamplingParams) -> None:
-    """Compile the request's output constraint in a worker thread (cached for the engine); a
+    """Compile the request's output constraint on the compile threads (cached for the engine); a
     400 naming the field it came from when it does not compile."""
     if params.structured_outputs is None:
         return
     try:
-        await off_loop(state.engine.compile_constraint, params)
+        await state.engine.compile_constraint(params)
     except ValueError as e:
         raise BadRequest(str(e), req.constraint()[1]) from None
 
@@ -129,8 +129,12 @@ def api_error(err: BaseException, names: dict[str, str] | None = None) -> APIErr
     return InternalError(f"request failed: {type(err).__name__}: {err}")
 
 
-def check_output(out: RequestOutput) -> None:
-    """A request that failed inside the engine (it fails alone) or was aborted under it."""
+def check_output(out: RequestOutput, constraint_field: str = "structured_outputs") -> None:
+    """A request that failed inside the engine (it fails alone) or was aborted under it. Its own
+    output constraint failing while generating is the client's 400, naming `constraint_field`."""
+    if out.error and out.error.startswith(CONSTRAINT_FAILED):
+        raise BadRequest(f"the output constraint failed while generating: "
+                         f"{out.error.removeprefix(CONSTRAINT_FAILED)}", constraint_field)
     if out.error:
         raise InternalError(f"request failed in the engine: {out.error}")
     if any(o.finish_reason == "abort" for o in out.outputs):

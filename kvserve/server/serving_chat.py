@@ -28,6 +28,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
     check_request(state, req.model)
     req.check()
     params = req.to_sampling_params()
+    constraint_field = req.constraint()[1]
     engine = state.engine
     with reserve_capacity(state, params.n, "n") as held:
         await compile_constraint(state, req, params)
@@ -59,7 +60,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
 
     if not req.stream:
         async for _, out in merge(streams):
-            check_output(out)
+            check_output(out, constraint_field)
             cached[0] = out.num_cached_tokens
             for o in out.outputs:
                 choices[o.index].add(o)
@@ -96,7 +97,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
         for c in choices:  # the role first, once per choice
             yield chunk(c.index, {"role": "assistant", "content": ""})
         async for _, out in merge(streams):
-            check_output(out)
+            check_output(out, constraint_field)
             cached[0] = out.num_cached_tokens
             for o in out.outputs:
                 choices[o.index].add(o)

@@ -19,6 +19,7 @@ async def create_completion(req: CompletionRequest, state: ServerState):
     check_request(state, req.model)
     req.check()
     params = req.to_sampling_params()
+    constraint_field = req.constraint()[1]
     engine = state.engine
     tok = engine.tokenizer
     prompts = req.prompts()
@@ -68,7 +69,7 @@ async def create_completion(req: CompletionRequest, state: ServerState):
 
     if not req.stream:
         async for i, out in merge(streams):
-            check_output(out)
+            check_output(out, constraint_field)
             record(i, out)
             for o in out.outputs:
                 choices[i * n + o.index].add(o)
@@ -91,7 +92,7 @@ async def create_completion(req: CompletionRequest, state: ServerState):
 
     async def chunks() -> AsyncIterator[dict]:
         async for i, out in merge(streams):
-            check_output(out)
+            check_output(out, constraint_field)
             record(i, out)
             for o in out.outputs:
                 c = choices[i * n + o.index]

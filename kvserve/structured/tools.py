@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 
-from kvserve.sampling_params import ParamError, StructuredOutputs
+from kvserve.sampling_params import (MAX_SCHEMA_DEPTH, ParamError, StructuredOutputs, check_schema_text,
+                                     json_value_depth)
 from kvserve.structured.constraints import closed_objects
 from kvserve.structured.tool_parser import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallStreamParser,
                                             parse_tool_calls)
@@ -62,9 +63,24 @@ def tool_functions(tools: list | None) -> list[dict]:
             raise ParamError("tools", f"tools[{i}]: function {name!r} is defined twice")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise ParamError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+        if fn.get("parameters") is not None:
+            _check_parameters(fn["parameters"], f"tools[{i}].function.parameters")
         names.add(name)
         functions.append(fn)
     return functions
+
+
+def _check_parameters(schema: dict, where: str) -> None:
+    """A tool's parameters schema within the structured-output limits (ParamError("tools"))."""
+    def bad(message: str):
+        raise ParamError("tools", message)
+    if json_value_depth(schema) > MAX_SCHEMA_DEPTH:
+        bad(f"{where} nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays")
+    try:
+        text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        bad(f"{where} is not serializable as JSON: {e}")
+    check_schema_text(text, where, bad)
 
 
 def tool_choice_constraint(tools: list | None, tool_choice: str | dict | None,
