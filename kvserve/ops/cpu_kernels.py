@@ -283,10 +283,20 @@ def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Te
     return out
 
 
+STACK_MAX_PARTS = 3        # packed parts of one fused linear (csrc/layer_stack.c)
+
+
+class StackPart(ctypes.Structure):
+    """stack_part_t of csrc/layer_stack.c: packed weights, their kind, their output rows."""
+    _fields_ = [("w", ctypes.c_void_p), ("kind", ctypes.c_int64), ("rows", ctypes.c_int64)]
+
+
 class StackLayer(ctypes.Structure):
-    """stack_layer_t of csrc/layer_stack.c: one layer's weights and KV pool."""
-    _fields_ = [(n, ctypes.c_void_p) for n in ("ln1", "ln2", "qkv", "o", "gate_up", "down")] \
-        + [(n, ctypes.c_int64) for n in ("qkv_kind", "o_kind", "gate_up_kind", "down_kind")] \
+    """stack_layer_t of csrc/layer_stack.c: one layer's weights and KV pool; a fused linear (qkv,
+    gate_up) as up to STACK_MAX_PARTS parts of different kinds, run side by side."""
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
+                ("qkv", StackPart * STACK_MAX_PARTS), ("o", StackPart),
+                ("gate_up", StackPart * STACK_MAX_PARTS), ("down", StackPart)] \
         + [(n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias", "k_cache", "v_cache")]
 
 

@@ -32,30 +32,44 @@ class CLayerStack:
 
     @classmethod
     def build(cls, model) -> CLayerStack | None:
-        """A CLayerStack for `model`, or None when some part has no C path (not a Llama-family
-        float32 model, a linear without packed GGUF weights, no C kernels)."""
-        if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32 or not cpu_kernels.available():
-            return None
+        """A CLayerStack for `model`, or None when some part has no C path (declined() says which)."""
+        return None if cls.declined(model) else cls(model, parts=_act_parts(model))
+
+    @staticmethod
+    def declined(model) -> str | None:
+        """Why `model` cannot run as a C layer stack, naming the tensor or condition (None: it
+        can): not a Llama-family float32 model, no C kernels, a linear without packed GGUF
+        weights (and the reason it was kept dense), biases the stack does not take."""
+        if not isinstance(model, LlamaForCausalLM):
+            return f"{type(model).__name__} is not a Llama-family model"
+        if model.dtype != torch.float32:
+            return f"the model computes in {model.dtype}, the C stack in float32"
+        if not cpu_kernels.available():
+            return "the C kernels are not built (no C compiler)"
         attn = model.layers[0].self_attn
         if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP:
-            return None
+            return (f"{attn.num_heads // attn.num_kv_heads} query heads per KV head, more than "
+                    f"{cpu_kernels.MAX_GROUP}")
         embed = model.embed_tokens.weight
         if embed is None and not (model.tied_head and getattr(model.lm_head, "gguf_packed", None) is not None):
-            return None       # rows read by a head that is not gguf-packed
+            return "the embedding's rows are read from a head that is not one packed matrix"
         if embed is not None and embed.dtype != torch.float32:
-            return None
-        parts = set()
-        for layer in model.layers:
+            return f"the embedding is {embed.dtype}"
+        for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not isinstance(lin.quant_method, GgufMethod) or lin.gguf_packed is None:
-                    return None
-                parts.add(lin.quant_method.parts)
+            for name, lin in (("attn qkv", attn.qkv_proj), ("attn o", attn.o_proj),
+                              ("mlp gate_up", mlp.gate_up_proj), ("mlp down", mlp.down_proj)):
+                if not isinstance(lin.quant_method, GgufMethod):
+                    return f"layer {i} {name}: weights in {type(lin.quant_method).__name__}, not GGUF blocks"
+                if not lin.gguf_parts:
+                    return f"layer {i} {name}: kept dense ({lin.dense_reason or 'not packed'})"
+                if name in ("attn o", "mlp down") and len(lin.gguf_parts) != 1:
+                    return f"layer {i} {name}: {len(lin.gguf_parts)} packed parts, the stack takes one"
             if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
-                return None
-        if len(parts) != 1:            # one activation precision for the whole stack
-            return None
-        return cls(model, parts=parts.pop())
+                return f"layer {i}: the MLP has biases"
+        if len({lin.quant_method.parts for lin in _linears(model)}) != 1:
+            return "the linears quantize activations differently (one precision for the whole stack)"
+        return None
 
     @staticmethod
     def runs(kv_caches) -> bool:
@@ -70,13 +84,20 @@ class CLayerStack:
 
         def ptr(t):
             return None if t is None else t.data_ptr()
+        def part(lin):
+            w, kind, rows = lin.gguf_parts[0]
+            return cpu_kernels.StackPart(w.data_ptr(), kind, rows)
+
+        def parts(lin):
+            out = (cpu_kernels.StackPart * cpu_kernels.STACK_MAX_PARTS)()
+            for j, (w, kind, rows) in enumerate(lin.gguf_parts):
+                out[j] = cpu_kernels.StackPart(w.data_ptr(), kind, rows)
+            return out
         for i, (layer, (k, v)) in enumerate(zip(m.layers, kv_caches, strict=True)):
             a, f = layer.self_attn, layer.mlp
             layers[i] = cpu_kernels.StackLayer(
                 ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-                ptr(a.qkv_proj.gguf_packed), ptr(a.o_proj.gguf_packed),
-                ptr(f.gate_up_proj.gguf_packed), ptr(f.down_proj.gguf_packed),
-                a.qkv_proj.gguf_kind, a.o_proj.gguf_kind, f.gate_up_proj.gguf_kind, f.down_proj.gguf_kind,
+                parts(a.qkv_proj), part(a.o_proj), parts(f.gate_up_proj), part(f.down_proj),
                 ptr(a.qkv_proj.bias), ptr(a.o_proj.bias), ptr(k), ptr(v))
         a = m.layers[0].self_attn
         self._struct = cpu_kernels.StackModel(
@@ -109,3 +130,13 @@ class CLayerStack:
                                 meta.block_tables.contiguous(),
                                 out_rows.contiguous(), out, isa=self.isa)
         return out
+
+
+def _linears(model):
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield from (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+
+def _act_parts(model) -> str:
+    return next(_linears(model)).quant_method.parts

@@ -157,9 +157,20 @@ class ModelRunner:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
                      self.layer_stack.isa)
         else:
-            log.info("steps run the PyTorch forward (no C layer stack for these weights)")
+            log.info("steps run the PyTorch forward: %s", self._why_no_layer_stack(
+                tp, pp, own_layers, one_window))
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.seed)
+
+    def _why_no_layer_stack(self, tp, pp, own_layers, one_window) -> str:
+        """The condition or tensor that keeps this runner off the C layer stack (start-up log)."""
+        if tp is not None or pp is not None:
+            return "the C layer stack runs one whole model in one process (tensor/pipeline parallel)"
+        if own_layers:
+            return "a pipeline stage's worker runs its own layers"
+        if len(self.kv_groups) != 1 or not one_window:
+            return "the C layer stack takes one attention window for every layer"
+        return CLayerStack.declined(self.model) or "no C layer stack for these weights"
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -251,7 +251,7 @@ def test_gguf_method_keeps_the_blocks_packed(qtype):
     assert torch.equal(lin(x[3:4].clone())[0], lin(x)[3])
 
 
-def test_gguf_method_fuses_q5_0_with_q8_0_but_not_different_kinds():
+def test_gguf_method_fuses_q5_0_with_q8_0_and_packs_other_kinds_apart():
     _lib_or_skip(None)
     from gguf.quants import quantize
     v = BlockTensor(quantize(np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32), Q.Q8_0),
@@ -260,8 +260,35 @@ def test_gguf_method_fuses_q5_0_with_q8_0_but_not_different_kinds():
     assert lin.gguf_kind == 8 and lin.dense_weight is None
     a, b = random_blocks(Q.Q4_K, 16, 256, 3), random_blocks(Q.Q6_K, 16, 256, 4)
     lin = _linear([a, b], 256)
-    assert lin.gguf_packed is None
-    assert torch.equal(lin.dense_weight, torch.from_numpy(np.concatenate([reference(a), reference(b)])))
+    assert lin.gguf_packed is None and lin.dense_weight is None      # two packed parts instead
+    assert [kind for _, kind, _ in lin.gguf_parts] == [14, 18]
+    assert torch.equal(lin.quant_method.dequantized(lin),
+                       torch.from_numpy(np.concatenate([reference(a), reference(b)])))
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K), (Q.Q6_K, Q.Q5_0)])
+def test_mixed_kinds_run_side_by_side_with_each_parts_own_bits(isa, qtypes, monkeypatch):
+    """Q4_K_M's fused q/k/v (Q4_K, Q4_K, Q6_K) packs as one part per run of a kind; each output
+    column has the bits of its part run alone, at every batch size, on every host build."""
+    _lib_or_skip(isa)
+    monkeypatch.setenv("KVSERVE_ISA", isa)
+    rows = [64, 32, 32][:len(qtypes)]
+    shards = [random_blocks(q, n, 256, seed=10 + i) for i, (q, n) in enumerate(zip(qtypes, rows))]
+    lin = _linear(shards, 256)
+    runs = len([q for i, q in enumerate(qtypes) if i == 0 or KINDS[q] != KINDS[qtypes[i - 1]]])
+    assert lin.dense_weight is None and len(lin.gguf_parts) == runs
+    x = acts(5, 256, seed=3)
+    got = lin(x)
+    off = 0
+    for shard in shards:
+        alone = _linear([shard], 256)
+        n = shard.shape[0]
+        assert torch.equal(got[:, off:off + n], alone(x)), (qtypes, off)
+        off += n
+    assert torch.equal(lin(x[2:3].clone())[0], got[2])
+    W = torch.from_numpy(np.concatenate([reference(s) for s in shards]))
+    assert torch.equal(lin.quant_method.dequantized(lin), W)
 
 
 # ---- the real Gemma 3 270M Q4_K_M tensors ----

@@ -19,9 +19,11 @@ class GgufMethod(_PackedMethod):
     at every batch size, on every ISA build: integer dot products of the weights with the
     activations as two 8-bit parts per block of 32 (~15 bits), weights read once per call for any
     number of rows. No other copy of the weights exists. Fused shards (q/k/v, gate/up) pack
-    together when their types share a kind (Q5_0 with Q8_0). A weight the loader has already
-    dequantized (a type without a kind, such as Q2_K or Q5_1, or a float checkpoint), or shards
-    whose kinds differ, stays a dense float32 tensor.
+    together when their types share a kind (Q5_0 with Q8_0); shards of different kinds (Q4_K_M's
+    Q6_K v beside Q4_K q and k) pack as consecutive parts, one per run of a kind, each run by the
+    kernel into its own output columns (`gguf_parts`: the same bits as one matrix, row for row). A
+    weight the loader has already dequantized (a type without a kind, such as Q2_K or Q5_1, or a
+    float checkpoint) stays a dense float32 tensor, and `dense_reason` says why.
 
     Used when the C kernels are built (cpu_kernels.available()); otherwise the gguf format falls
     back to torch kernels (kvserve.model.quant.method_for).
@@ -44,33 +46,68 @@ class GgufMethod(_PackedMethod):
             self.pack(layer, parts)
 
     def pack(self, layer, parts):
-        kinds = {packed_kind(p.qtype) if isinstance(p, BlockTensor) else None for p in parts}
-        if len(kinds) == 1 and None not in kinds:
-            packed, kind = pack_gguf_parts(parts)
-            layer.register_buffer("gguf_packed", packed, persistent=False)
-            layer.gguf_kind = kind
-            layer.dense_weight = None
+        kinds = [packed_kind(p.qtype) if isinstance(p, BlockTensor) else None for p in parts]
+        runs: list[list] = []                 # consecutive shards of one kind pack together
+        for part, kind in zip(parts, kinds):
+            if runs and runs[-1][0] == kind:
+                runs[-1][1].append(part)
+            else:
+                runs.append([kind, [part]])
+        layer.gguf_kind, layer.gguf_parts = 0, []
+        layer.dense_reason = _dense_reason(parts, kinds, runs)
+        if layer.dense_reason is not None:
+            layer.gguf_packed = None
+            weight = torch.cat([dense(p).float() for p in parts]).contiguous()
+            layer.register_buffer("dense_weight", weight, persistent=False)
+            return
+        layer.dense_weight = None
+        for i, (_, run) in enumerate(runs):
+            packed, kind = pack_gguf_parts(run)
+            name = "gguf_packed" if len(runs) == 1 else f"gguf_packed_part{i}"
+            layer.register_buffer(name, packed, persistent=False)
+            layer.gguf_parts.append((packed, kind, sum(p.shape[0] for p in run)))
+        if len(runs) == 1:
+            layer.gguf_kind = layer.gguf_parts[0][1]
         else:
-            layer.gguf_packed, layer.gguf_kind = None, 0
-            layer.register_buffer("dense_weight", torch.cat([dense(p).float() for p in parts]).contiguous(),
-                                  persistent=False)
+            layer.gguf_packed = None
 
     def apply(self, layer, x):
-        if layer.gguf_packed is None:
+        if layer.dense_weight is not None:
             bias = layer.bias.float() if layer.bias is not None else None
             return F.linear(x.float(), layer.dense_weight, bias).to(x.dtype)
-        return self._run_2d(layer, x, lambda x2: cpu_kernels.gguf_gemv(
-            layer.gguf_packed, layer.gguf_kind, layer.out_features, x2.float().contiguous(), isa=self.isa,
-            parts=self.parts))
+
+        def kernel(x2):
+            x2 = x2.float().contiguous()
+            outs = [cpu_kernels.gguf_gemv(w, kind, rows, x2, isa=self.isa, parts=self.parts)
+                    for w, kind, rows in layer.gguf_parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return self._run_2d(layer, x, kernel)
 
     def row_reader(self, layer):
-        """ids [R] -> the packed weight's rows as float32 [R, in_features] (None: kept dense)."""
+        """ids [R] -> the packed weight's rows as float32 [R, in_features] (None: not one packed
+        matrix)."""
         if layer.gguf_packed is None:
             return None
         return lambda ids: cpu_kernels.gguf_rows(layer.gguf_packed, layer.gguf_kind, layer.out_features,
                                                  layer.in_features, ids, isa=self.isa)
 
     def dequantized(self, layer) -> torch.Tensor:
-        if layer.gguf_packed is not None:
-            return unpack_gguf_rows(layer.gguf_packed, layer.gguf_kind, (layer.out_features, layer.in_features))
-        return layer.dense_weight
+        if layer.dense_weight is not None:
+            return layer.dense_weight
+        return torch.cat([unpack_gguf_rows(w, kind, (rows, layer.in_features))
+                          for w, kind, rows in layer.gguf_parts])
+
+
+def _dense_reason(parts, kinds, runs) -> str | None:
+    """Why these shards cannot stay packed (None: they can)."""
+    for part, kind in zip(parts, kinds):
+        if kind is None:
+            qtype = getattr(getattr(part, "qtype", None), "name", None)
+            return (f"GGUF type {qtype} has no packed kind" if qtype else
+                    "its weights are not GGUF blocks")
+    if len(runs) > 1:
+        if len(runs) > cpu_kernels.STACK_MAX_PARTS:
+            return f"{len(runs)} runs of packed kinds, more than {cpu_kernels.STACK_MAX_PARTS}"
+        if any(sum(p.shape[0] for p in run) % 16 for _, run in runs):
+            return "a part of mixed kinds does not end on a group of 16 rows"
+    return None

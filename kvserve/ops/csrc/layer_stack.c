@@ -54,10 +54,18 @@ void paged_attention_team(const float *q, const void *k_cache, const void *v_cac
                           const int64_t *lens, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
                           int64_t head_dim, int64_t block_size, float scale, int64_t window, int64_t kv_format);
 
+/* One packed part of a linear's output rows: a fused linear (q/k/v, gate/up) whose parts differ in
+ * kind (llama-quantize's Q4_K_M keeps v as Q6_K beside a Q4_K q and k) runs them side by side,
+ * each into its own columns of the output; rows == 0 ends the list. */
+#define STACK_MAX_PARTS 3
+typedef struct {
+    const uint8_t *w;                                /* gguf_gemv packed weights */
+    int64_t kind, rows;
+} stack_part_t;
+
 typedef struct {
     const float *ln1, *ln2;                          /* RMSNorm weights [hidden] */
-    const uint8_t *qkv, *o, *gate_up, *down;         /* gguf_gemv packed weights */
-    int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    stack_part_t qkv[STACK_MAX_PARTS], o, gate_up[STACK_MAX_PARTS], down;
     const float *qkv_bias, *o_bias;                  /* NULL when the layer has none */
     void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows (kv_format.h): float32[head_dim],
                                      int8[head_dim] + float32 scale, or IEEE half[head_dim] */
@@ -164,6 +172,27 @@ static void linear_quantized(const row_split_t *rs, const uint8_t *w, int64_t ki
     if (rs->nf) gguf_gemm_f32_team(w, kind, N, K, x, ldx, rs->f_rows, rs->nf, y, ldy, bias, accumulate, rs->ws_f);
 }
 
+/* linear_quantized() of each part of a fused linear, into its columns of y (and of the bias). */
+static void linear_parts_quantized(const row_split_t *rs, const stack_part_t *parts, int64_t K, const float *x,
+                                   int64_t ldx, float *y, int64_t ldy, const float *bias) {
+    int64_t off = 0;
+    for (int p = 0; p < STACK_MAX_PARTS && parts[p].rows; p++) {
+        linear_quantized(rs, parts[p].w, parts[p].kind, parts[p].rows, K, x, ldx, y + off, ldy,
+                         bias ? bias + off : NULL, 0);
+        off += parts[p].rows;
+    }
+}
+
+/* Whether a fused linear's parts cover exactly N rows, each of a kind the kernels run on K inputs. */
+static int parts_check(const stack_part_t *parts, int64_t N, int64_t K) {
+    int64_t rows = 0;
+    for (int p = 0; p < STACK_MAX_PARTS && parts[p].rows; p++) {
+        if (gguf_gemv_check(parts[p].kind, K) || parts[p].rows % 16) return -1;
+        rows += parts[p].rows;
+    }
+    return rows == N ? 0 : -1;
+}
+
 /* Block b of token t's row of K floats (src), quantized for the next linear when t takes the GEMV
  * (the float32 GEMM reads x itself). */
 static inline void quantize_row_block(const row_split_t *rs, int64_t t, int64_t K, int64_t b, const float *src) {
@@ -194,8 +223,9 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     if (m->act_parts < GGUF_TWO_PARTS || m->act_parts > GGUF_MIXED_PARTS) return -1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const stack_layer_t *L = &m->layers[l];
-        if (gguf_gemv_check(L->qkv_kind, H) || gguf_gemv_check(L->o_kind, qs) ||
-            gguf_gemv_check(L->gate_up_kind, H) || gguf_gemv_check(L->down_kind, I)) return -1;
+        if (parts_check(L->qkv, nqkv, H) || gguf_gemv_check(L->o.kind, qs) || L->o.rows != H ||
+            parts_check(L->gate_up, 2 * I, H) || gguf_gemv_check(L->down.kind, I) || L->down.rows != H)
+            return -1;
     }
     const int64_t kmax = H > qs ? (H > I ? H : I) : (qs > I ? qs : I);
     const int64_t nmax = nqkv > 2 * I ? (nqkv > H ? nqkv : H) : (2 * I > H ? 2 * I : H);
@@ -236,7 +266,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
         for (int64_t l = 0; l < m->num_layers; l++) {
             const stack_layer_t *L = &m->layers[l];
             norm_and_quantize(&rs, T, h, L->ln1, eps, H, x);
-            linear_quantized(&rs, L->qkv, L->qkv_kind, nqkv, H, x, H, qkv, nqkv, L->qkv_bias, 0);
+            linear_parts_quantized(&rs, L->qkv, H, x, H, qkv, nqkv, L->qkv_bias);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *row = qkv + t * nqkv;
@@ -249,9 +279,9 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
             paged_attention_team(q, L->k_cache, L->v_cache, att, qrow, seq, tables, table_stride, lens, T,
                                  m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
                                  m->kv_format);
-            linear(&rs, L->o, L->o_kind, H, qs, att, qs, h, H, L->o_bias, 1);
+            linear(&rs, L->o.w, L->o.kind, H, qs, att, qs, h, H, L->o_bias, 1);
             norm_and_quantize(&rs, T, h, L->ln2, eps, H, x);
-            linear_quantized(&rs, L->gate_up, L->gate_up_kind, 2 * I, H, x, H, gu, 2 * I, NULL, 0);
+            linear_parts_quantized(&rs, L->gate_up, H, x, H, gu, 2 * I, NULL);
             #pragma omp for schedule(static)
             for (int64_t tb = 0; tb < T * (I / 32); tb++) {   /* (token, block of 32): one token splits too */
                 const int64_t t = tb / (I / 32), b = tb % (I / 32);
@@ -260,7 +290,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
                 for (int i = 0; i < 32; i++) a[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
                 quantize_row_block(&rs, t, I, b, a);
             }
-            linear_quantized(&rs, L->down, L->down_kind, H, I, act, I, h, H, NULL, 1);
+            linear_quantized(&rs, L->down.w, L->down.kind, H, I, act, I, h, H, NULL, 1);
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < n_out; r++) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);

@@ -1,0 +1,144 @@
+"""Random-weight Llama-shaped GGUF files of real sizes, in the type mixes llama-quantize writes.
+
+`python3 -m kvserve.bench.gguf_presets --size 1b --preset q4_k_m -o /tmp/1b-q4_k_m.gguf` writes a
+model with the shapes of a 1B or 8B Llama (or a tiny one for tests), the default model's
+tokenizer, and every weight as blocks of the preset's types: Q4_K_M keeps attn_v and ffn_down as
+Q6_K in the layers llama-quantize gives more bits (the first and last eighth, and every third
+between), the rest Q4_K, the output Q6_K. The blocks are random bytes with small finite scales:
+decode speed does not depend on the values, and every type's layout is the file format's own, so
+loaders and kernels run exactly what they run on a downloaded file. No download, no llama.cpp.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+SIZES = {   # layers, hidden, heads, kv heads, ffn
+    "tiny": (4, 256, 4, 2, 512),
+    "1b": (16, 2048, 32, 8, 8192),
+    "8b": (32, 4096, 32, 8, 14336),
+}
+# qtype name -> (weights per block, bytes per block, byte offsets of its fp16 scales)
+LAYOUT = {"Q4_0": (32, 18, (0,)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)),
+          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "Q5_0": (32, 22, (0,))}
+PRESETS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m")
+SCALE = np.float16(2e-4)           # w stays within about +-0.5 for every type
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's use_more_bits: the layers whose attn_v / ffn_down get the larger type."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(preset: str, role: str, layer: int, layers: int) -> str:
+    """The GGUF type of one weight (role: attn_q/k/v/output, ffn_gate/up/down, token_embd,
+    output)."""
+    if preset in ("q4_0", "q8_0"):
+        base = preset.upper()
+        return "Q6_K" if role == "output" and preset == "q4_0" else base
+    base, more = ("Q4_K", "Q6_K") if preset == "q4_k_m" else ("Q5_K", "Q6_K")
+    if role == "output":
+        return "Q6_K"
+    if role in ("attn_v", "ffn_down"):
+        return more if more_bits(layer, layers) else base
+    return base
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """rows x cols weights of `qtype` as raw block bytes: random integers, small fp16 scales."""
+    per, size, halves = LAYOUT[qtype]
+    if cols % per:
+        raise ValueError(f"{qtype} needs rows of a multiple of {per} weights, not {cols}")
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for at in halves:
+        raw[..., at:at + 2] = np.array([SCALE], np.float16).view(np.uint8)
+    if qtype == "Q6_K":                      # 8-bit sub-block scales: keep them small too
+        raw[..., 192:208] = rng.integers(1, 16, (rows, cols // per, 16), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_model(path: str, size: str, preset: str, seed: int = 0,
+                tokenizer_from: str | None = None) -> None:
+    """Write the `size` model in `preset` to `path` (the tokenizer of `tokenizer_from`, by default
+    the default model's)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from kvserve.bench.common import model_path
+    if size not in SIZES or preset not in PRESETS:
+        raise ValueError(f"size is one of {sorted(SIZES)}, preset one of {PRESETS}")
+    layers, hidden, heads, kv_heads, ffn = SIZES[size]
+    head_dim = hidden // heads
+    reader = gguf.GGUFReader(model_path(tokenizer_from))
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(f"random {size} {preset}")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    _copy_tokenizer(reader, writer)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    writer.add_vocab_size(vocab)
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, qtype: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=Q[qtype])
+
+    add("token_embd.weight", tensor_type(preset, "token_embd", 0, layers), vocab, hidden)
+    add("output.weight", tensor_type(preset, "output", 0, layers), vocab, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for role, (rows, cols) in shapes.items():
+            add(f"blk.{i}.{role}.weight", tensor_type(preset, role, i, layers), rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _copy_tokenizer(reader, writer) -> None:
+    """The tokenizer.* fields of `reader`'s file into `writer`."""
+    import gguf
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            values = [bytes(field.parts[i]).decode("utf-8", "surrogateescape")
+                      if sub == gguf.GGUFValueType.STRING else field.parts[i].tolist()[0]
+                      for i in field.data]
+            writer.add_array(key, values)
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(key, bytes(field.parts[field.data[0]]).decode("utf-8"))
+        else:
+            value = field.parts[field.data[0]].tolist()[0]
+            writer.add_key_value(key, value, kind)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="1b")
+    p.add_argument("--preset", choices=PRESETS, default="q4_k_m")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True)
+    args = p.parse_args(argv)
+    write_model(args.output, args.size, args.preset, args.seed)
+    print(f"wrote {args.output}: {args.size} {args.preset}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
