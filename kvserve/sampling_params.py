@@ -202,6 +202,7 @@ MAX_GRAMMAR_RULES = 2000           # rule definitions of a Lark or GBNF grammar
 MAX_SCHEMA_DEPTH = 128             # nesting of a schema's JSON objects and arrays
 MAX_SCHEMA_REFS = 1000             # "$ref"s of a schema (or of the %json blocks of a grammar)
 MAX_CHOICES = 20000
+MAX_WHITESPACE_PATTERN_BYTES = 1024
 
 _RULE_LINE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(::=|:)", re.MULTILINE)
 
@@ -265,13 +266,16 @@ class StructuredOutputs:
     """A constraint on the generated text (vLLM's `structured_outputs`): exactly one of
     `json` (a JSON schema: a dict or its JSON text), `json_object` (any JSON object), `regex`,
     `choice` (one of these strings) or `grammar` (Lark syntax as llguidance reads it, or GBNF).
-    `disable_any_whitespace` makes JSON compact (no whitespace between its tokens), as in vLLM."""
+    `disable_any_whitespace` makes JSON compact (no whitespace between its tokens), as in vLLM;
+    `whitespace_pattern` (a regex, outlines' and vLLM's option) is the whitespace JSON may take
+    between its tokens instead."""
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -297,6 +301,14 @@ class StructuredOutputs:
             bad(f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got "
                 f"{', '.join(kinds) if kinds else 'none'}")
         kind = kinds[0]
+        pattern = self.whitespace_pattern
+        if pattern is not None:
+            if not isinstance(pattern, str) or not pattern or not is_text(pattern):
+                bad("whitespace_pattern must be a non-empty string (a regex)")
+            if len(pattern.encode()) > MAX_WHITESPACE_PATTERN_BYTES:
+                bad(f"whitespace_pattern is longer than {MAX_WHITESPACE_PATTERN_BYTES} bytes")
+            if kind not in ("json", "json_object"):
+                bad(f"whitespace_pattern applies to json and json_object, not {kind}")
         if kind == "json":
             if not isinstance(self.json, (dict, str)):
                 bad("json must be a JSON schema (an object, or its JSON text)")
@@ -349,9 +361,10 @@ class StructuredOutputs:
         """A hashable canonical form: equal constraints (whatever their spelling) give equal keys."""
         kind = self.kind
         if kind == "json":
-            return ("json", self._canonical_schema(), self.disable_any_whitespace)
+            return ("json", self._canonical_schema(), self.disable_any_whitespace,
+                    self.whitespace_pattern)
         if kind == "json_object":
-            return ("json_object", self.disable_any_whitespace)
+            return ("json_object", self.disable_any_whitespace, self.whitespace_pattern)
         if kind == "choice":
             return ("choice", tuple(self.choice))
         return (kind, getattr(self, kind))

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from kvserve.server.errors import BadRequest, TooLarge
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-MAX_JSON_DEPTH = 64          # a chat request nests about 5 levels; a tool's JSON schema a few more
+MAX_JSON_DEPTH = 160         # above the replicas' own bound on a schema's nesting (128 levels,
+                             # sampling_params.MAX_SCHEMA_DEPTH) plus the request's few levels
 MAX_INT_DIGITS = 4300        # Python's own limit for int from str (sys.int_info); the replica
                              # checks each field's range
 

@@ -26,6 +26,7 @@ UNSUPPORTED_FIELDS = ("logit_bias", "functions", "function_call",
 # vLLM's older names for the kinds of `structured_outputs`
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
+GUIDED_OPTIONS = {"guided_whitespace_pattern": "whitespace_pattern"}   # apply to the one above
 
 
 def _valid_unicode(v: str) -> str:
@@ -147,22 +148,33 @@ class _SamplingRequest(_Model):
             given.append(("structured_outputs", self.structured_outputs))
         if self.response_format is not None and self.response_format.type != "text":
             given.append(("response_format", self.response_format))
+        stray = [o for o in GUIDED_OPTIONS if extra.get(o) is not None
+                 and not any(name in GUIDED_FIELDS for name, _ in given)]
+        if stray:
+            raise BadRequest(f"{stray[0]} applies to a guided_json constraint in the same request",
+                             stray[0])
         if not given:
             return None, "structured_outputs"
-        if len(given) > 1:
+        built = [(self._one_constraint(name, value, extra), name) for name, value in given]
+        if len({so.key() for so, _ in built}) > 1:      # the same one in two fields is fine (vLLM)
             raise BadRequest(f"give one output constraint, not {', '.join(n for n, _ in given)}", given[1][0])
-        name, value = given[0]
+        return built[0]
+
+    @staticmethod
+    def _one_constraint(name: str, value, extra: dict) -> StructuredOutputs:
         try:
             if name == "response_format":
-                return value.constraint(), name
+                return value.constraint()
             if name == "structured_outputs":
                 known = set(StructuredOutputs.__dataclass_fields__)
                 unknown = sorted(set(value) - known)
                 if unknown:
                     raise BadRequest(f"structured_outputs: unknown key {unknown[0]!r} (known: "
                                      f"{', '.join(sorted(known))})", name)
-                return StructuredOutputs(**value), name
-            return StructuredOutputs(**{GUIDED_FIELDS[name]: value}), name
+                return StructuredOutputs(**value)
+            options = {field: extra[option] for option, field in GUIDED_OPTIONS.items()
+                       if extra.get(option) is not None}
+            return StructuredOutputs(**{GUIDED_FIELDS[name]: value}, **options)
         except ParamError as e:
             raise BadRequest(str(e), name) from None
 

@@ -7,8 +7,8 @@ and objects closed: an object schema that lists `properties` and says nothing of
 do; without it a small model keeps inventing keys until max_tokens). The output still validates
 against the schema as given;
 json_object: the schema {"type": "object"}; regex: Rust `regex` syntax; choice: a Lark rule with
-one literal per choice; grammar: Lark (llguidance's dialect, `%json {...}` included), or GBNF
-converted to Lark.
+one terminal of every choice; grammar: Lark (llguidance's dialect, `%json {...}` included), or
+GBNF (rules written `name ::= ...`) converted to Lark.
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> st
     grammar that does not parse); most errors only show when the grammar is compiled."""
     kind = so.kind
     json_options = {"whitespace_flexible": not so.disable_any_whitespace}
+    if so.whitespace_pattern is not None:
+        json_options["whitespace_pattern"] = so.whitespace_pattern
     try:
         if kind == "json":
             schema = closed_objects(json.loads(so.key()[1]))
@@ -61,6 +63,7 @@ def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> st
             return llguidance.LLMatcher.grammar_from_regex(so.regex)
         if kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(choice_lark(so.choice))
-        return llguidance.grammar_from("grammar", so.grammar)
+        # GBNF rules are written `name ::= ...`; Lark's `name: ...` (`?start:`, `!rule:` too)
+        return llguidance.grammar_from("grammar" if "::=" in so.grammar else "lark", so.grammar)
     except ValueError as e:
         raise ParamError(param, f"the {kind} constraint is invalid: {e}") from e

@@ -107,7 +107,8 @@ def test_a_client_fault_is_a_400_and_the_replica_stays_in(routed, monkeypatch):
             yield b" " * 1000
     r = client.post("/v1/completions", content=chunks())          # no length given: counted
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = client.post("/v1/completions", content=b'{"prompt": [' + b"[" * 100 + b"]" * 100 + b"]}")
+    deep = MAX_JSON_DEPTH + 10
+    r = client.post("/v1/completions", content=b'{"prompt": [' + b"[" * deep + b"]" * deep + b"]}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     # a header the HTTP client refuses to send (whatever let it through) is the client's fault
     monkeypatch.setattr(forwarding, "forward_headers", lambda raw: {"accept": "a\x00b"})
