@@ -9,7 +9,7 @@ rows, so every loader hands the model the same HF layout. (Its "qwen2" and "gemm
 HF's row order.) For "gemma3" it stores every norm weight as 1 + w; we hand over HF's w.
 
 With `keep_blocks` (the qtypes the chosen weight format keeps packed: quant.KEEP_BLOCKS, e.g. the
-`gguf` format's Q4_0/Q4_1/Q5_0/Q8_0/Q3_K-Q6_K), matrices of those types are handed over still
+`gguf` format's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/IQ4_XS/Q3_K-Q6_K), matrices of those types are handed over still
 packed (kvserve.model.quant.BlockTensor): the weight format takes the file's blocks as they are.
 """
 from __future__ import annotations

@@ -4,17 +4,22 @@ packed kinds (pack_gguf_parts / pack_gguf_rows); back to float32 with unpack_ggu
 
     kind  from            per block of 32 weights and row                         bytes / 16 rows
     4     Q4_0, Q4_1      fp16 d, fp16 m, 4-bit q (0..15)            w = d q + m               320
-    8     Q8_0, Q5_0      fp16 d, 8-bit q (stored q + 128)           w = d q                   544
+    8     Q8_0, Q5_0,     fp16 d, 8-bit q (stored q + 128)           w = d q                   544
+          IQ4_NL
     14    Q4_K            fp32 d, fp32 m, 4-bit q (0..15)            w = d q + m               384
     18    Q5_K, Q6_K,     fp32 d0 (weights 0..15), fp32 d1 (16..31),
-          Q3_K            fp32 m, 8-bit q (stored q + 128)           w = d_half q + m          704
+          Q3_K, Q5_1,     fp32 m, 8-bit q (stored q + 128)           w = d_half q + m          704
+          IQ4_XS
 
 Every value is the file's: Q5_0's q - 16 is a signed 8-bit integer with the block's fp16 d; a
 K-quant's sub-block scale (fp16 super-block d times a 4..8-bit sub-scale) and min are exact
 float32 products, and d_half q is exact in float32 (at most 24 significant bits), so the one
 rounding of d q + m is gguf's own (gguf.quants.dequantize). Formats without an offset store
 m = -0.0, which leaves every d q (signed zeros included) unchanged. K-quant sub-blocks of 32
-(Q4_K, Q5_K) have d0 = d1. Q2_K (a min per 16 weights) is not packed.
+(Q4_K, Q5_K) have d0 = d1. IQ4_NL and IQ4_XS store indices into a table of 16 signed 8-bit
+values: the value is q (IQ4_XS: d times its 6-bit sub-scale - 32 is d0 = d1, exact). Q5_1 (an
+fp16 min beside its fp16 d) takes kind 18 with d0 = d1 = d. Q2_K (a min per 16 weights) is not
+packed.
 
 `w` is any object with the GGUF tensor's `raw` blocks ([rows, bytes_per_row] uint8), `qtype` and
 `shape` (kvserve.model.quant.BlockTensor). Imports numpy and torch only (GGUF's type codes: kvserve.ops.gguf_types).
@@ -37,8 +42,13 @@ BLOCK_BYTES = {4: 320, 8: 544, 14: 384, 18: 704}
 
 def packed_kind(qtype) -> int | None:
     """The kind a GGUF type packs into, or None for a type the C kernels do not run."""
-    return {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 14,
-            Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18}.get(qtype)
+    return {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.IQ4_NL: 8, Q.Q4_K: 14,
+            Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18, Q.Q5_1: 18, Q.IQ4_XS: 18}.get(qtype)
+
+
+# The 16 values an IQ4_NL / IQ4_XS index stands for (ggml's kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.int16)
 
 
 def packable_types() -> tuple:
@@ -113,6 +123,28 @@ def _decode(w) -> _Decoded:
         low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
         q = (low | (high << 4)).astype(np.int16) - 16
         return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], (q + 128).astype(np.uint8))
+    if qt == Q.Q5_1:                  # fp16 d, fp16 m, 32 high bits, low nibbles; w = d q + m
+        b = _blocks(w, 24)
+        qh = b[..., 4:8].copy().view(np.uint32)
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = np.concatenate([b[..., 8:] & 15, b[..., 8:] >> 4], axis=-1) | (high << 4)
+        d, m = _half(b, 0)[..., 0], _half(b, 2)[..., 0]
+        return _Decoded(18, [d, d, m], (q + 128).astype(np.uint8))
+    if qt == Q.IQ4_NL:                # fp16 d, 16 bytes of table indices; w = d value[q]
+        b = _blocks(w, 18)
+        idx = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=-1)
+        return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]],
+                        (IQ4_VALUES[idx] + 128).astype(np.uint8))
+    if qt == Q.IQ4_XS:                # super-block: fp16 d, 6-bit sub-scales, table indices
+        b = _blocks(w, 136)
+        lo = (b[..., 4:8].reshape(N, -1, 4, 1) >> np.array([0, 4], np.uint8)) & 15    # [N, ns, 4, 2]
+        hi = b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))  # [N, ns, 8]
+        ls = lo.reshape(N, -1, 8).astype(np.int16) | ((hi & 3).astype(np.int16) << 4)
+        d = _half(b, 0) * (ls - 32).astype(np.float32)                                  # [N, ns, 8] exact
+        qs = b[..., 8:].reshape(N, -1, 8, 16)
+        idx = np.concatenate([qs & 15, qs >> 4], axis=-1)                               # [N, ns, 8, 32]
+        return _Decoded(18, [_per_32(d, N)] * 2 + [np.full(_per_32(d, N).shape, -0.0, np.float32)],
+                        _per_32(IQ4_VALUES[idx] + 128, N).astype(np.uint8))
     if qt in (Q.Q4_K, Q.Q5_K):        # w = (d sc) q - (dmin mn) per sub-block of 32
         b = _blocks(w, 144 if qt == Q.Q4_K else 176)
         sc, mn = _k_scale_min(b[..., 4:16])
@@ -149,7 +181,7 @@ def _decode(w) -> _Decoded:
 
 def _check(w):
     N, K = w.shape
-    per = SUPER if w.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K) else GROUP
+    per = SUPER if w.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_XS) else GROUP
     if K % per:
         raise ValueError(f"a {w.qtype.name} tensor needs rows of a multiple of {per} weights, "
                          f"got shape {tuple(w.shape)}")

@@ -21,12 +21,14 @@ from kvserve.ops.gguf_blocks import BLOCK_BYTES, pack_gguf_parts, pack_gguf_rows
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler")
-TYPES = [Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K]
-KINDS = {Q.Q5_0: 8, Q.Q4_K: 14, Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18}
+TYPES = [Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS]
+KINDS = {Q.Q5_0: 8, Q.Q4_K: 14, Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18, Q.Q5_1: 18, Q.IQ4_NL: 8,
+         Q.IQ4_XS: 18}
 HOST_ISAS = cpu_kernels.host_isas()
 SIMD_ISAS = [i for i in HOST_ISAS if i != "portable"]
 # Byte offsets of each block's fp16 fields (d; K-quants with mins: d, dmin).
 HALVES = {Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108],
+          Q.Q5_1: [0, 2], Q.IQ4_NL: [0], Q.IQ4_XS: [0],
           Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0]}
 
 
@@ -119,7 +121,7 @@ def test_bytes_per_weight_of_the_kinds():
 
 def test_gguf_format_keeps_the_new_types_as_blocks():
     assert set(TYPES) <= set(KEEP_BLOCKS["gguf"])
-    assert Q.Q2_K not in KEEP_BLOCKS["gguf"] and Q.Q5_1 not in KEEP_BLOCKS["gguf"]
+    assert Q.Q2_K not in KEEP_BLOCKS["gguf"] and Q.Q5_1 in KEEP_BLOCKS["gguf"]
     assert packed_kind(Q.Q2_K) is None
 
 

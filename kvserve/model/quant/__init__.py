@@ -12,8 +12,8 @@ per format:
            as they are (same group of 32, same 16 levels): no dequantize/requantize round trip.
            The LM head is int8.
     gguf   (gguf.py) the file's own blocks: Q4_0/Q4_1/Q8_0 (the default model's layers and its tied
-           Q8_0 LM head), Q5_0 and the K-quants Q3_K/Q4_K/Q5_K/Q6_K, decoded without changing a
-           value and interleaved 16 rows at a time (kvserve.ops.gguf_blocks) and run by our C
+           Q8_0 LM head), Q5_0, Q5_1, IQ4_NL, IQ4_XS and the K-quants Q3_K/Q4_K/Q5_K/Q6_K,
+           decoded without changing a value and interleaved 16 rows at a time (kvserve.ops.gguf_blocks) and run by our C
            kernels (ops/csrc/gguf_gemv*.c: AVX-512 VNNI, AVX2, AVX-VNNI, Arm NEON or portable C,
            the same bits on each; activations as two 8-bit parts per block of 32) at every batch
            size (GgufMethod). Other GGUF types (Q2_K, Q5_1, IQ*) are dequantized to float32.
@@ -130,7 +130,7 @@ DESCRIPTION = {
     "none": "dense weights in the model dtype, GGUF blocks dequantized",
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, LM head included",
-    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q8_0 and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size, activations as two 8-bit parts per block (the most accurate)",
+    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL/IQ4_XS and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size, activations as two 8-bit parts per block (the most accurate)",
     "gguf-a8": "gguf with activations as one 8-bit part per block (llama.cpp's precision): faster batches and prompts, less accurate",
     "gguf-mixed": "gguf with activations as one 8-bit part per block except where an outlier needs the second: near gguf-a8's speed, within the quality bound",
 }
