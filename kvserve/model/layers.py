@@ -92,13 +92,35 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """Token ids -> rows of `weight` [vocab, dim]. A tied model whose head keeps the embedding
-    packed reads the rows from that head instead (`read_rows_with`) and keeps no dense copy."""
+    packed reads the rows from that head instead (`read_rows_with`) and keeps no dense copy; an
+    untied one may keep the file's blocks packed itself (`load_packed`: `packed`, `kind`)."""
 
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
         self.dtype = dtype
         self.rows = None        # ids [R] -> float32 [R, dim] in place of `weight` (read_rows_with)
+        self.register_buffer("packed", None, persistent=False)     # load_packed's blocks
+        self.kind = 0
+
+    def load_packed(self, w) -> bool:
+        """Keep GGUF blocks `w` packed (kvserve.ops.gguf_blocks) and read rows from them: the
+        file's values, without a float32 copy of the whole table. False (nothing kept) when `w`
+        is not blocks of a packed kind, the model is not float32, or no C kernels are built."""
+        from kvserve.ops import cpu_kernels
+        from kvserve.ops.gguf_blocks import pack_gguf_rows, packed_kind
+        qtype = getattr(w, "qtype", None)
+        if (qtype is None or packed_kind(qtype) is None or self.dtype != torch.float32
+                or not cpu_kernels.available()):
+            return False
+        n, k = self.weight.shape
+        if tuple(w.shape) != (n, k):
+            raise ValueError(f"embedding is {(n, k)}, got {tuple(w.shape)}")
+        packed, kind = pack_gguf_rows(w)
+        self.packed, self.kind = packed, kind
+        isa = cpu_kernels.selected_isa()
+        self.read_rows_with(lambda ids: cpu_kernels.gguf_rows(packed, kind, n, k, ids, isa=isa))
+        return True
 
     def load_weight(self, w: torch.Tensor) -> None:
         w = dense(w)
@@ -138,6 +160,8 @@ class TiedHeadMixin:
             if rows is not None:
                 self.embed_tokens.read_rows_with(rows)
                 return
+        elif self.lm_head is not None and self.embed_tokens.load_packed(w):    # an untied head
+            return
         self.embed_tokens.load_weight(w)
 
     @torch.inference_mode()

@@ -51,7 +51,8 @@ class CLayerStack:
             return (f"{attn.num_heads // attn.num_kv_heads} query heads per KV head, more than "
                     f"{cpu_kernels.MAX_GROUP}")
         embed = model.embed_tokens.weight
-        if embed is None and not (model.tied_head and getattr(model.lm_head, "gguf_packed", None) is not None):
+        if embed is None and model.embed_tokens.packed is None and not (
+                model.tied_head and getattr(model.lm_head, "gguf_packed", None) is not None):
             return "the embedding's rows are read from a head that is not one packed matrix"
         if embed is not None and embed.dtype != torch.float32:
             return f"the embedding is {embed.dtype}"
@@ -104,12 +105,20 @@ class CLayerStack:
             len(m.layers), arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, arch.intermediate_size,
             kv_caches[0][0].shape[1], a.sliding_window or 0, cpu_kernels.kv_format(kv_caches[0][0].dtype),
             m.layers[0].input_layernorm.eps, a.scale,
-            ptr(m.embed_tokens.weight),       # None: rows from the tied head's packed weight
-            None if m.embed_tokens.weight is not None else ptr(m.lm_head.gguf_packed),
-            0 if m.embed_tokens.weight is not None else m.lm_head.gguf_kind,
+            ptr(m.embed_tokens.weight),       # None: rows from packed blocks (its own or the head's)
+            *self._embed_packed(),
             ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
             ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)), cpu_kernels.ACT_PARTS[self.parts])
         self._layers, self._kv_caches = layers, kv_caches
+
+    def _embed_packed(self) -> tuple:
+        """(pointer, kind) of the packed blocks the embedding's rows are read from, if any."""
+        e, head = self.model.embed_tokens, self.model.lm_head
+        if e.weight is not None:
+            return None, 0
+        if e.packed is not None:
+            return e.packed.data_ptr(), e.kind
+        return head.gguf_packed.data_ptr(), head.gguf_kind
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches, out_rows: torch.Tensor, prompt_lens: list[int]) -> torch.Tensor:
