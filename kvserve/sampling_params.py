@@ -205,6 +205,8 @@ MAX_CHOICES = 20000
 MAX_WHITESPACE_PATTERN_BYTES = 1024
 
 _RULE_LINE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(::=|:)", re.MULTILINE)
+# A "$ref" key however its characters are spelled in JSON text ("\u0024ref" is "$ref" too).
+_REF_KEY = re.compile(r'"(?:\$|\\u0024)(?:r|\\u0072)(?:e|\\u0065)(?:f|\\u0066)"')
 
 
 def json_text_depth(text: str) -> int:
@@ -256,7 +258,7 @@ def check_schema_text(text: str, what: str, bad) -> None:
     depth = json_text_depth(text)
     if depth > MAX_SCHEMA_DEPTH:
         bad(f"{what} nests {depth} levels of objects and arrays; the limit is {MAX_SCHEMA_DEPTH}")
-    refs = text.count('"$ref"')
+    refs = len(_REF_KEY.findall(text))
     if refs > MAX_SCHEMA_REFS:
         bad(f"{what} has {refs} $ref; the limit is {MAX_SCHEMA_REFS}")
 

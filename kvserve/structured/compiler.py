@@ -175,6 +175,16 @@ class GrammarCompiler:
             grammar = grammar_text(so)
         except ParamError as e:
             return CompiledGrammar(None, None, clean_message(str(e)))
+        try:
+            return self._build_template(kind, grammar)
+        except BaseException as e:
+            if not (isinstance(e, Exception) or type(e).__name__ == "PanicException"):
+                raise
+            # llguidance reports failures through is_error(); anything it raises instead (a Rust
+            # panic pyo3 turned into an exception included) is still this constraint's failure.
+            return CompiledGrammar(grammar, None, _failure(kind, str(e) or type(e).__name__))
+
+    def _build_template(self, kind: str, grammar: str) -> CompiledGrammar:
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
                                         limits=llguidance.LLParserLimits(verbose_errors=False))
         if template.is_error():
