@@ -1,12 +1,14 @@
 """Random-weight Llama-shaped GGUF files of real sizes, in the type mixes llama-quantize writes.
 
 `python3 -m kvserve.bench.gguf_presets --size 1b --preset q4_k_m -o /tmp/1b-q4_k_m.gguf` writes a
-model with the shapes of a 1B or 8B Llama (or a tiny one for tests), the default model's
-tokenizer, and every weight as blocks of the preset's types: Q4_K_M keeps attn_v and ffn_down as
-Q6_K in the layers llama-quantize gives more bits (the first and last eighth, and every third
-between), the rest Q4_K, the output Q6_K. The blocks are random bytes with small finite scales:
-decode speed does not depend on the values, and every type's layout is the file format's own, so
-loaders and kernels run exactly what they run on a downloaded file. No download, no llama.cpp.
+model with the shapes of a 1B or 8B Llama (or a small 12-layer one, or a tiny one for tests), the
+default model's tokenizer, and every weight as blocks of the preset's types: Q4_K_M keeps attn_v
+and ffn_down as Q6_K in the layers llama-quantize gives more bits (the first and last eighth, and
+every third between), the rest Q4_K, the output Q6_K. The blocks are random bytes with small
+finite scales and mins that centre every weight on zero (so a model's hidden states depend on
+its input, as tests comparing two paths need): decode speed does not depend on the values, and
+every type's layout is the file format's own, so loaders and kernels run exactly what they run
+on a downloaded file. No download, no llama.cpp.
 """
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ import numpy as np
 
 SIZES = {   # layers, hidden, heads, kv heads, ffn
     "tiny": (4, 256, 4, 2, 512),
+    "small": (12, 1024, 16, 4, 3584),
     "1b": (16, 2048, 32, 8, 8192),
     "8b": (32, 4096, 32, 8, 14336),
 }
 # qtype name -> (weights per block, bytes per block, byte offsets of its fp16 scales)
 LAYOUT = {"Q4_0": (32, 18, (0,)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)),
-          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "Q5_0": (32, 22, (0,))}
+          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "Q5_0": (32, 22, (0,)),
+          "Q2_K": (256, 84, (80, 82))}
 PRESETS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m")
 SCALE = np.float16(2e-4)           # w stays within about +-0.5 for every type
 
@@ -56,13 +60,20 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         raw[..., at:at + 2] = np.array([SCALE], np.float16).view(np.uint8)
     if qtype == "Q6_K":                      # 8-bit sub-block scales: keep them small too
         raw[..., 192:208] = rng.integers(1, 16, (rows, cols // per, 16), dtype=np.uint8)
+    if qtype in ("Q4_K", "Q5_K"):            # each sub-block's min mid-range: w = d sc (q - mid)
+        s = raw[..., 4:16]                   # (min index = scale index, dmin = d mid)
+        s[..., 4:8] = s[..., 0:4]
+        s[..., 8:12] = (s[..., 8:12] & 0x0F) * np.uint8(0x11)
+        mid = 8 if qtype == "Q4_K" else 16
+        raw[..., 2:4] = np.array([SCALE * mid], np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 def write_model(path: str, size: str, preset: str, seed: int = 0,
-                tokenizer_from: str | None = None) -> None:
+                tokenizer_from: str | None = None, types: dict[str, str] | None = None) -> None:
     """Write the `size` model in `preset` to `path` (the tokenizer of `tokenizer_from`, by default
-    the default model's)."""
+    the default model's); `types` overrides the type of named tensors ("blk.2.attn_v.weight":
+    "Q2_K")."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -89,6 +100,7 @@ def write_model(path: str, size: str, preset: str, seed: int = 0,
     rng = np.random.default_rng(seed)
 
     def add(name: str, qtype: str, rows: int, cols: int) -> None:
+        qtype = (types or {}).get(name, qtype)
         writer.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=Q[qtype])
 
     add("token_embd.weight", tensor_type(preset, "token_embd", 0, layers), vocab, hidden)

@@ -233,7 +233,10 @@ class EngineCore:
             graphs = self.runner.graphs
             return (f"PyTorch forward on {self.config.device}, Triton attention, "
                     + (f"CUDA graphs for decode batches up to {graphs.max_batch}" if graphs else "no CUDA graphs"))
-        return f"C layer stack, {stack.isa} kernels" if stack is not None else "PyTorch forward"
+        if stack is None:
+            why = self.runner.why_not_layer_stack
+            return f"PyTorch forward ({why})" if why else "PyTorch forward"
+        return f"C layer stack, {stack.isa} kernels"
 
     # ---- requests in ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

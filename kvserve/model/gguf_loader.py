@@ -168,4 +168,6 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
             data = g.raw(t)
             yield target, BlockTensor(data[order] if order is not None else data, t.qtype, t.shape)
         else:
-            yield target, load_tensor(g, t, order)
+            w = load_tensor(g, t, order)
+            w.gguf_qtype = t.qtype       # the file's type: a weight format names it when kept dense
+            yield target, w

@@ -33,7 +33,17 @@ class CLayerStack:
     @classmethod
     def build(cls, model) -> CLayerStack | None:
         """A CLayerStack for `model`, or None when some part has no C path (declined() says which)."""
-        return None if cls.declined(model) else cls(model, parts=_act_parts(model))
+        return cls.build_with_reason(model)[0]
+
+    @classmethod
+    def build_with_reason(cls, model, kv_caches=None) -> tuple[CLayerStack | None, str | None]:
+        """(a CLayerStack, None) for `model` (and its KV pools when given), or (None, why not):
+        the tensor or condition that keeps it on the PyTorch forward, for the start-up log."""
+        why = cls.declined(model)
+        if why is None and kv_caches is not None and not cls.runs(kv_caches):
+            why = (f"the KV cache is {kv_caches[0][0].dtype}; the C attention reads float32, "
+                   "float16 or int8 rows (--kv-cache-dtype)")
+        return (None, why) if why else (cls(model, parts=_act_parts(model)), None)
 
     @staticmethod
     def declined(model) -> str | None:
@@ -63,7 +73,10 @@ class CLayerStack:
                 if not isinstance(lin.quant_method, GgufMethod):
                     return f"layer {i} {name}: weights in {type(lin.quant_method).__name__}, not GGUF blocks"
                 if not lin.gguf_parts:
-                    return f"layer {i} {name}: kept dense ({lin.dense_reason or 'not packed'})"
+                    why = lin.dense_reason or "not packed"
+                    for j, shard in enumerate(_SHARDS.get(name, ())):    # "part 2:" -> "part v:"
+                        why = why.replace(f"part {j}:", f"part {shard}:")
+                    return f"layer {i} {name}: kept dense ({why})"
                 if name in ("attn o", "mlp down") and len(lin.gguf_parts) != 1:
                     return f"layer {i} {name}: {len(lin.gguf_parts)} packed parts, the stack takes one"
             if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
@@ -139,6 +152,9 @@ class CLayerStack:
                                 meta.block_tables.contiguous(),
                                 out_rows.contiguous(), out, isa=self.isa)
         return out
+
+
+_SHARDS = {"attn qkv": ("q", "k", "v"), "mlp gate_up": ("gate", "up")}     # fused shards, in order
 
 
 def _linears(model):

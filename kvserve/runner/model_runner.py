@@ -11,9 +11,10 @@ does not import spec) turns them into the accepted drafts plus one token. Draft 
 past the prompt, so the C layer stack computes them as it computes decodes (integer GEMV):
 a verified token has the very logits it would have had decoded alone.
 
-How a step runs is decided here: through the C layer stack (runner/layer_stack.py) when the
-model's weights allow it and its layers share one KV group, else through the model's PyTorch
-forward.
+How a step runs is decided here, once at start: through the C layer stack (runner/layer_stack.py)
+when the model's weights allow it, its layers share one KV group and the C attention reads its
+KV pool, else through the model's PyTorch forward; start-up logs which, and names the tensor or
+condition that kept the stack off (`why_not_layer_stack`).
 
 KV groups (config.KVGroup: the layers with one attention window): each layer's K and V pools
 hold its group's number of blocks, and each step gets one slot mapping and one set of block
@@ -134,8 +135,8 @@ class ModelRunner:
         self.verifier = verifier
         # The C layer stack takes one block table and one window for every layer.
         one_window = len({self.arch.window_of(i) for i in range(self.arch.num_layers)}) == 1
-        self.layer_stack = (CLayerStack.build(self.model) if len(self.kv_groups) == 1 and one_window and tp is None
-                            and pp is None and not own_layers and not on_gpu else None)
+        self.layer_stack, self.why_not_layer_stack = (None, None) if on_gpu else self._layer_stack(
+            tp, pp, own_layers, one_window)
         # The GPU: attention in the Triton kernels (ops/triton_attention.py), decode steps replayed
         # from CUDA graphs when the model has one KV group.
         self.gpu_attention = on_gpu
@@ -157,20 +158,21 @@ class ModelRunner:
             log.info("every step runs the C layer stack (%s build, ops/csrc/layer_stack.c)",
                      self.layer_stack.isa)
         else:
-            log.info("steps run the PyTorch forward: %s", self._why_no_layer_stack(
-                tp, pp, own_layers, one_window))
+            log.info("steps run the PyTorch forward: %s", self.why_not_layer_stack)
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.seed)
 
-    def _why_no_layer_stack(self, tp, pp, own_layers, one_window) -> str:
-        """The condition or tensor that keeps this runner off the C layer stack (start-up log)."""
+    def _layer_stack(self, tp, pp, own_layers, one_window) -> tuple[CLayerStack | None, str | None]:
+        """(the C layer stack, None) on the CPU, or (None, the condition or tensor that keeps this
+        runner off it), which start-up logs."""
         if tp is not None or pp is not None:
-            return "the C layer stack runs one whole model in one process (tensor/pipeline parallel)"
+            return None, ("the C layer stack runs one whole model in one process "
+                          "(tensor/pipeline parallel)")
         if own_layers:
-            return "a pipeline stage's worker runs its own layers"
+            return None, "a pipeline stage's worker runs its own layers"
         if len(self.kv_groups) != 1 or not one_window:
-            return "the C layer stack takes one attention window for every layer"
-        return CLayerStack.declined(self.model) or "no C layer stack for these weights"
+            return None, "the C layer stack takes one attention window for every layer"
+        return CLayerStack.build_with_reason(self.model, self.kv_caches)
 
     @property
     def kv_cache_bytes(self) -> int:

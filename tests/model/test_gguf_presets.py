@@ -38,12 +38,31 @@ def test_every_preset_runs_the_c_layer_stack(preset_files, preset):
 
 
 def test_mixed_kinds_on_the_c_stack_compute_what_the_pytorch_layers_do(preset_files):
+    """In the gguf format (two activation parts, as the layer-stack test of the default model):
+    final hidden states and logits of a step of decodes beside a prompt chunk agree; the rows
+    differ from each other (the weights are centred: a wrong or missing part shows)."""
     from kvserve.model.loader import load_model
-    lm = load_model(ModelConfig(model=preset_files["q4_k_m"]))
+    lm = load_model(ModelConfig(model=preset_files["q4_k_m"], quantization="gguf"))
     a = _mixed_step(lm, PROMPTS, c_stack=True)
     b = _mixed_step(lm, PROMPTS, c_stack=False)
-    assert b.isfinite().all() and b.abs().max() > 0
+    assert b.isfinite().all() and (b[1:] - b[0]).abs().max() > 0.05 * b.abs().max()
     assert (a - b).abs().max().item() < 1e-3 * b.abs().max().item()
+    la, lb = lm.model.compute_logits(a), lm.model.compute_logits(b)
+    assert (la - lb).abs().max().item() < 1e-3 * lb.abs().max().item()
+
+
+def test_a_kv_cache_the_stack_cannot_read_is_named_at_start(preset_files, caplog):
+    """A bfloat16 KV pool keeps a packed model on the PyTorch forward, and start-up says so
+    instead of announcing the C layer stack."""
+    import logging
+
+    from kvserve import LLM
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        llm = LLM(preset_files["q4_k_m"], kv_cache_memory="16MiB", max_model_len=128,
+                  kv_cache_dtype="bfloat16")
+    assert llm.engine.runner.layer_stack is None
+    assert "every step runs the C layer stack" not in caplog.text
+    assert "steps run the PyTorch forward: the KV cache is torch.bfloat16" in caplog.text
 
 
 def test_a_declined_stack_names_the_tensor(preset_files, caplog):
@@ -56,9 +75,27 @@ def test_a_declined_stack_names_the_tensor(preset_files, caplog):
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(lm_file, kv_cache_memory="16MiB", max_model_len=128, quantization="gguf")
     assert "every step runs the C layer stack" in caplog.text
+    assert llm.engine.step_path.startswith("C layer stack")
     model = llm.engine.runner.model
     lin = model.layers[1].mlp.down_proj
     assert isinstance(lin.quant_method, GgufMethod)
     lin.gguf_parts, lin.dense_reason = [], "GGUF type Q5_1 has no packed kind"
     from kvserve.runner.layer_stack import CLayerStack
     assert CLayerStack.declined(model) == "layer 1 mlp down: kept dense (GGUF type Q5_1 has no packed kind)"
+
+
+def test_a_tensor_without_a_packed_kind_is_named_at_start(tmp_path, default_gguf, caplog):
+    """One Q2_K attn_v (a type the C kernels do not run) keeps that fused q/k/v dense and the
+    model on the PyTorch forward: start-up names the layer, the linear and the type."""
+    import logging
+
+    from kvserve import LLM
+    path = str(tmp_path / "tiny-q2_k-v.gguf")
+    write_model(path, "tiny", "q4_k_m", tokenizer_from=default_gguf,
+                types={"blk.2.attn_v.weight": "Q2_K"})
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        llm = LLM(path, kv_cache_memory="16MiB", max_model_len=128)
+    assert llm.engine.runner.layer_stack is None
+    why = "layer 2 attn qkv: kept dense (part v: GGUF type Q2_K has no packed kind)"
+    assert f"steps run the PyTorch forward: {why}" in caplog.text
+    assert llm.engine.step_path == f"PyTorch forward ({why})"      # what benchmarks record

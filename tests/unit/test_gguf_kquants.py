@@ -291,6 +291,24 @@ def test_mixed_kinds_run_side_by_side_with_each_parts_own_bits(isa, qtypes, monk
     assert torch.equal(lin(x[2:3].clone())[0], got[2])
     W = torch.from_numpy(np.concatenate([reference(s) for s in shards]))
     assert torch.equal(lin.quant_method.dequantized(lin), W)
+    # against x W^T with gguf's dequantized W, within the integer GEMV's bound of each part
+    pcs = torch.cat([pieces(w, kind, (n, 256)) for w, kind, n in lin.gguf_parts])
+    check_gemv_bound(got, x, W.double(), pcs)
+    ids = torch.tensor([sum(rows) - 1, 0, 63, 64, 95, 5, 64, 95])   # every part's, in any order
+    assert torch.equal(lin.row_reader()(ids), W[ids])
+
+
+def test_mixed_kinds_off_the_16_row_groups_stay_dense_and_say_why():
+    """Parts of different kinds whose rows do not fill groups of 16 cannot run side by side (the
+    kernel's output groups): the weight is kept dense, and dense_reason names the condition
+    (which the C layer stack's refusal and the start-up log repeat)."""
+    _lib_or_skip(None)
+    shards = [random_blocks(Q.Q4_K, 24, 256, seed=1), random_blocks(Q.Q6_K, 8, 256, seed=2)]
+    lin = _linear(shards, 256)
+    assert lin.gguf_parts == [] and lin.dense_weight is not None and lin.row_reader() is None
+    assert "does not end on a group of 16 rows" in lin.dense_reason
+    W = torch.from_numpy(np.concatenate([reference(s) for s in shards]))
+    assert torch.equal(lin.dense_weight, W)
 
 
 # ---- the real Gemma 3 270M Q4_K_M tensors ----

@@ -84,12 +84,29 @@ class GgufMethod(_PackedMethod):
         return self._run_2d(layer, x, kernel)
 
     def row_reader(self, layer):
-        """ids [R] -> the packed weight's rows as float32 [R, in_features] (None: not one packed
-        matrix)."""
-        if layer.gguf_packed is None:
+        """ids [R] -> the packed weight's rows as float32 [R, in_features], each read from its
+        part (None: a dense weight)."""
+        if not getattr(layer, "gguf_parts", None):
             return None
-        return lambda ids: cpu_kernels.gguf_rows(layer.gguf_packed, layer.gguf_kind, layer.out_features,
-                                                 layer.in_features, ids, isa=self.isa)
+        if layer.gguf_packed is not None:
+            return lambda ids: cpu_kernels.gguf_rows(layer.gguf_packed, layer.gguf_kind,
+                                                     layer.out_features, layer.in_features, ids,
+                                                     isa=self.isa)
+
+        def read(ids):
+            ids = ids.reshape(-1).to(torch.int64)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layer.out_features):
+                raise IndexError(f"row ids must be in [0, {layer.out_features})")
+            out = torch.empty(ids.numel(), layer.in_features)
+            start = 0
+            for w, kind, rows in layer.gguf_parts:
+                sel = ((ids >= start) & (ids < start + rows)).nonzero().reshape(-1)
+                if sel.numel():
+                    out[sel] = cpu_kernels.gguf_rows(w, kind, rows, layer.in_features,
+                                                     ids[sel] - start, isa=self.isa)
+                start += rows
+            return out
+        return read
 
     def dequantized(self, layer) -> torch.Tensor:
         if layer.dense_weight is not None:
@@ -99,12 +116,15 @@ class GgufMethod(_PackedMethod):
 
 
 def _dense_reason(parts, kinds, runs) -> str | None:
-    """Why these shards cannot stay packed (None: they can)."""
-    for part, kind in zip(parts, kinds):
+    """Why these shards cannot stay packed (None: they can); a shard of a fused weight is named
+    by its index ("part 2: ...")."""
+    for i, (part, kind) in enumerate(zip(parts, kinds)):
         if kind is None:
-            qtype = getattr(getattr(part, "qtype", None), "name", None)
-            return (f"GGUF type {qtype} has no packed kind" if qtype else
-                    "its weights are not GGUF blocks")
+            qtype = part.qtype if isinstance(part, BlockTensor) else getattr(part, "gguf_qtype", None)
+            qtype = getattr(qtype, "name", None)       # gguf_qtype: the loader dequantized it
+            why = (f"GGUF type {qtype} has no packed kind" if qtype else
+                   "its weights are not GGUF blocks")
+            return f"part {i}: {why}" if len(parts) > 1 else why
     if len(runs) > 1:
         if len(runs) > cpu_kernels.STACK_MAX_PARTS:
             return f"{len(runs)} runs of packed kinds, more than {cpu_kernels.STACK_MAX_PARTS}"
