@@ -12,21 +12,11 @@ import textwrap
 import pytest
 
 from kvserve import sampling_params as sp
+from kvserve.bench.soak import chain_grammar, defs_chain  # the soak's attacks, shared
 from kvserve.sampling_params import ParamError, StructuredOutputs
 from kvserve.structured.compiler import GrammarCompiler, clean_message
 from kvserve.structured.tools import tool_choice_constraint
 from tests.unit.test_structured_compiler import tiny_tokenizer
-
-
-def chain_grammar(links: int) -> str:
-    rules = [f'r{i}: "a" r{i + 1}' for i in range(links - 1)]
-    return "\n".join(["start: r0", *rules, f'r{links - 1}: "a"'])
-
-
-def defs_chain(links: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links - 1)}
-    defs[f"d{links - 1}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 def nested(levels: int) -> dict:
