@@ -1,4 +1,5 @@
 """kvserve: an LLM inference and serving engine."""
+
 from kvserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -9,5 +10,6 @@ def __getattr__(name):
     # LLM pulls in torch and the model code: import it only when asked for.
     if name == "LLM":
         from kvserve.engine.llm import LLM
+
         return LLM
     raise AttributeError(name)

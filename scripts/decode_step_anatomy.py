@@ -5,6 +5,7 @@ Python around the kernels). One greedy request of --output-len tokens after a sh
 
     KVSERVE_ISA=avx2 python3 scripts/decode_step_anatomy.py --quantization gguf
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,13 +15,18 @@ from kvserve import LLM, SamplingParams
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quantization", default=None)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
-    llm = LLM(enable_prefix_caching=False, **({"quantization": args.quantization} if args.quantization else {}))
+    llm = LLM(
+        enable_prefix_caching=False,
+        **({"quantization": args.quantization} if args.quantization else {}),
+    )
     runner, engine = llm.engine.runner, llm.engine
     if runner.layer_stack is None:
         raise SystemExit("this build runs no C layer stack")
@@ -34,6 +40,7 @@ def main() -> None:
             finally:
                 spent[key] += time.perf_counter() - t0
                 spent["steps"] += key == "step"
+
         return call
 
     stack_type = type(runner.layer_stack)
@@ -54,9 +61,11 @@ def main() -> None:
         stack_type.__call__ = stack_call
     n = spent["steps"]
     rest = spent["step"] - spent["stack"] - spent["head"]
-    print(f"{n} steps: {wall / n * 1e3:.3f} ms a step; layer stack {spent['stack'] / n * 1e3:.3f}, "
-          f"LM head {spent['head'] / n * 1e3:.3f}, the rest of the step {rest / n * 1e3:.3f}, "
-          f"outside steps {(wall - spent['step']) / n * 1e3:.3f}")
+    print(
+        f"{n} steps: {wall / n * 1e3:.3f} ms a step; layer stack {spent['stack'] / n * 1e3:.3f}, "
+        f"LM head {spent['head'] / n * 1e3:.3f}, the rest of the step {rest / n * 1e3:.3f}, "
+        f"outside steps {(wall - spent['step']) / n * 1e3:.3f}"
+    )
 
 
 if __name__ == "__main__":

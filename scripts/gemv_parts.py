@@ -5,6 +5,7 @@ Gaussian activations, optionally with an outlier in every --outlier-every-th blo
 
     KVSERVE_ISA=avx2 python3 scripts/gemv_parts.py --rows 2,8,64 [--outlier-every 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,13 @@ from kvserve.ops import cpu_kernels
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", default="2,8,64")
-    p.add_argument("--outlier-every", type=int, default=0, help="an outlier in every N-th block (0: none)")
+    p.add_argument(
+        "--outlier-every", type=int, default=0, help="an outlier in every N-th block (0: none)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
@@ -31,11 +36,14 @@ def main() -> None:
     n, k = 3072, 576
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
     packed, kind = pack_gguf_rows(BlockTensor(quantize(w, Q.Q4_1), Q.Q4_1, (n, k)))
-    print(f"{cpu_kernels.selected_isa()}, {n} x {k} Q4_1, {args.threads} threads, us per call (best of {args.rounds})")
+    print(
+        f"{cpu_kernels.selected_isa()}, {n} x {k} Q4_1, {args.threads} threads, "
+        f"us per call (best of {args.rounds})"
+    )
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         if args.outlier_every:
-            x[:, 3::32 * args.outlier_every] = 20.0
+            x[:, 3 :: 32 * args.outlier_every] = 20.0
         best = {}
         for _ in range(args.rounds):
             for parts in cpu_kernels.ACT_PARTS:

@@ -13,6 +13,7 @@ Starts its own `kvserve serve` (default model, --threads 1). The client is raw a
 times are stamped in the transport callbacks: from a request's write to its status line's
 arrival.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from kvserve.bench.servers import kvserve_server
 
 def http_request(method: str, path: str, body: dict | None = None) -> bytes:
     data = json.dumps(body).encode() if body is not None else b""
-    head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n")
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
     return head.encode() + data
 
 
@@ -106,31 +109,53 @@ def summary(ms: list[float]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--burst", type=int, default=200)
     p.add_argument("--max-waiting", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--tokenize-chars", type=int, default=2_000_000)
     args = p.parse_args()
-    flags = ["--threads", "1", "--max-waiting", str(args.max_waiting), "--max-num-seqs", str(args.max_num_seqs),
-             "--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--max-body-bytes", "4MiB"]
-    body = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": args.max_tokens,
-            "ignore_eos": True}
+    flags = [
+        "--threads",
+        "1",
+        "--max-waiting",
+        str(args.max_waiting),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "128MiB",
+        "--max-body-bytes",
+        "4MiB",
+    ]
+    body = {
+        "prompt": "Write a long story about a lighthouse keeper.",
+        "max_tokens": args.max_tokens,
+        "ignore_eos": True,
+    }
     with kvserve_server(None, flags) as url:
         port = int(url.rsplit(":", 1)[1])
         results = asyncio.run(burst(port, args.burst, body))
         health, seconds = asyncio.run(health_during_tokenize(port, 4, args.tokenize_chars))
     print(f"CPU: {machine_info().get('cpu')}")
-    print(f"burst of {args.burst} completions (max_tokens {args.max_tokens}), --max-waiting {args.max_waiting}, "
-          f"--max-num-seqs {args.max_num_seqs}:")
+    print(
+        f"burst of {args.burst} completions (max_tokens {args.max_tokens}), "
+        f"--max-waiting {args.max_waiting}, "
+        f"--max-num-seqs {args.max_num_seqs}:"
+    )
     by_status: dict[int, list[float]] = {}
     for status, s in results:
         by_status.setdefault(status, []).append(1000 * s)
     for status, ms in sorted(by_status.items()):
         print(f"  {status}: {len(ms):4d}  {summary(ms)}")
-    print(f"/health while 4 x /tokenize of {args.tokenize_chars:,} characters ran ({seconds:.1f} s): "
-          f"{len(health)} polls, {summary([1000 * s for s in health])}")
+    print(
+        f"/health while 4 x /tokenize of {args.tokenize_chars:,} characters ran ({seconds:.1f} s): "
+        f"{len(health)} polls, {summary([1000 * s for s in health])}"
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ p99, and the long requests' time to first token, p50 and p99.
 
     python3 scripts/pd_tpot.py [--seconds 40] [--streams 3] [--long-every 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ import openai
 from kvserve.bench.report import md_table
 from kvserve.router.launcher import running_router, start_replicas, stop_replicas
 
-LONG = ("The log of the lighthouse keeper records the tide, the wind and the ships that passed, day by day, "
-        "in the same careful hand; ")
+LONG = (
+    "The log of the lighthouse keeper records the tide, the wind and the ships that passed, "
+    "day by day, in the same careful hand; "
+)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -49,8 +52,13 @@ async def run_load(url: str, args) -> dict:
         n = 0
         while time.monotonic() < deadline:
             s = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": f"Story {i}-{n}: tell me about the sea."}],
-                max_tokens=args.decode_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True})
+                model=model,
+                messages=[{"role": "user", "content": f"Story {i}-{n}: tell me about the sea."}],
+                max_tokens=args.decode_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             last = None
             async for chunk in s:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -66,8 +74,12 @@ async def run_load(url: str, args) -> dict:
             t0 = time.perf_counter()
             text = f"Copy {k}. " + LONG * (args.long_chars // len(LONG))
             s = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": text + "\nSummarize the log."}],
-                max_tokens=16, temperature=0, stream=True)
+                model=model,
+                messages=[{"role": "user", "content": text + "\nSummarize the log."}],
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+            )
             first = None
             async for chunk in s:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -78,9 +90,15 @@ async def run_load(url: str, args) -> dict:
 
     await asyncio.gather(*(stream(i) for i in range(args.streams)), longs())
     await client.close()
-    return {"tpot_p50_ms": 1e3 * pct(gaps, 0.5), "tpot_p99_ms": 1e3 * pct(gaps, 0.99),
-            "tpot_mean_ms": 1e3 * statistics.mean(gaps), "tokens": len(gaps),
-            "long_ttft_p50_s": pct(ttfts, 0.5), "long_ttft_p99_s": pct(ttfts, 0.99), "long_requests": len(ttfts)}
+    return {
+        "tpot_p50_ms": 1e3 * pct(gaps, 0.5),
+        "tpot_p99_ms": 1e3 * pct(gaps, 0.99),
+        "tpot_mean_ms": 1e3 * statistics.mean(gaps),
+        "tokens": len(gaps),
+        "long_ttft_p50_s": pct(ttfts, 0.5),
+        "long_ttft_p99_s": pct(ttfts, 0.99),
+        "long_requests": len(ttfts),
+    }
 
 
 def setup(kind: str, args) -> dict:
@@ -89,15 +107,20 @@ def setup(kind: str, args) -> dict:
         urls, procs = start_replicas(1, engine + ["--threads", "2"], None)
         extra = [a for u in urls for a in ("--replica", u)]
     else:
-        key = secrets.token_urlsafe(16)     # the handover's own secret, shared by the three
-        urls, procs = start_replicas(2, engine + ["--threads", "1", "--kv-transfer-role", "both",
-                                                  "--kv-transfer-key", key], None)
+        key = secrets.token_urlsafe(16)  # the handover's own secret, shared by the three
+        urls, procs = start_replicas(
+            2,
+            engine + ["--threads", "1", "--kv-transfer-role", "both", "--kv-transfer-key", key],
+            None,
+        )
         extra = ["--prefill-replica", urls[0], "--replica", urls[1], "--kv-transfer-key", key]
     try:
         with running_router(["--log-level", "warning", *extra]) as url:
             result = asyncio.run(run_load(url, args))
             if kind != "mixed":
-                result["handed_over_tokens"] = httpx.get(f"{url}/router/stats", timeout=10).json()["handed_over_tokens"]
+                result["handed_over_tokens"] = httpx.get(f"{url}/router/stats", timeout=10).json()[
+                    "handed_over_tokens"
+                ]
     finally:
         stop_replicas(procs)
     return {"setup": kind, **result}
@@ -113,10 +136,31 @@ def main(argv: list[str]) -> int:
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     rows = [setup(kind, args) for kind in ("mixed", "disaggregated")]
-    print(md_table(["setup", "decode TPOT p50 ms", "decode TPOT p99 ms", "decode tokens", "long-prompt TTFT p50 s",
-                    "long-prompt TTFT p99 s", "long requests"],
-                   [[r["setup"], f"{r['tpot_p50_ms']:.1f}", f"{r['tpot_p99_ms']:.1f}", r["tokens"],
-                     f"{r['long_ttft_p50_s']:.2f}", f"{r['long_ttft_p99_s']:.2f}", r["long_requests"]] for r in rows]))
+    print(
+        md_table(
+            [
+                "setup",
+                "decode TPOT p50 ms",
+                "decode TPOT p99 ms",
+                "decode tokens",
+                "long-prompt TTFT p50 s",
+                "long-prompt TTFT p99 s",
+                "long requests",
+            ],
+            [
+                [
+                    r["setup"],
+                    f"{r['tpot_p50_ms']:.1f}",
+                    f"{r['tpot_p99_ms']:.1f}",
+                    r["tokens"],
+                    f"{r['long_ttft_p50_s']:.2f}",
+                    f"{r['long_ttft_p99_s']:.2f}",
+                    r["long_requests"],
+                ]
+                for r in rows
+            ],
+        )
+    )
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

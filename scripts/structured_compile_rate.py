@@ -7,6 +7,7 @@ with llguidance's message, and compile time p50 / p90 / max.
 
     PYTHONPATH=. python3 scripts/structured_compile_rate.py DIR [--model GGUF_OR_HF_DIR] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,9 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("directory", help="a directory of JSON schema files (*.json)")
-    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
+    ap.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: the default model)"
+    )
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = ap.parse_args()
 
@@ -63,7 +66,9 @@ def main() -> int:
         hit_ms.append((time.perf_counter() - t0) * 1e3)
 
     result = {
-        "schemas": len(files), "compiled": len(compile_ms), "failed": len(failures),
+        "schemas": len(files),
+        "compiled": len(compile_ms),
+        "failed": len(failures),
         "compile_rate": len(compile_ms) / len(files),
         "compile_ms_p50": statistics.median(compile_ms) if compile_ms else None,
         "compile_ms_p90": percentile(compile_ms, 0.9) if compile_ms else None,
@@ -76,10 +81,16 @@ def main() -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['compiled']}/{result['schemas']} schemas compile ({100 * result['compile_rate']:.1f}%)")
+    print(
+        f"{result['compiled']}/{result['schemas']} schemas compile "
+        f"({100 * result['compile_rate']:.1f}%)"
+    )
     if compile_ms:
-        print(f"compile (cold: grammar, matcher, first mask): p50 {result['compile_ms_p50']:.2f} ms, "
-              f"p90 {result['compile_ms_p90']:.2f} ms, max {result['compile_ms_max']:.2f} ms ({slowest[0]})")
+        print(
+            f"compile (cold: grammar, matcher, first mask): p50 {result['compile_ms_p50']:.2f} ms, "
+            f"p90 {result['compile_ms_p90']:.2f} ms, "
+            f"max {result['compile_ms_max']:.2f} ms ({slowest[0]})"
+        )
         print(f"matcher from the cache: p50 {result['cached_matcher_ms_p50']:.3f} ms")
     print(f"tokenizer bridge (once per model): {bridge_ms:.0f} ms")
     for name, error in failures:

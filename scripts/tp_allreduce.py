@@ -5,6 +5,7 @@ step and an all-gather of the logits.
 
     python3 scripts/tp_allreduce.py [--hidden 576] [--rows 1,8,64,512] [--iters 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,13 @@ import torch.distributed as dist
 
 def worker(rank: int, world: int, port: int, hidden: int, rows: list[int], iters: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     for n in rows:
         x = torch.randn(n, hidden)
         for _ in range(20):
@@ -34,7 +40,10 @@ def worker(rank: int, world: int, port: int, hidden: int, rows: list[int], iters
             times.append(time.perf_counter() - t0)
         if rank == 0:
             med = statistics.median(times)
-            print(f"| {n} | {n * hidden * 4 / 1024:.1f} | {med * 1e6:.0f} | {60 * med * 1e3:.2f} |", flush=True)
+            print(
+                f"| {n} | {n * hidden * 4 / 1024:.1f} | {med * 1e6:.0f} | {60 * med * 1e3:.2f} |",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 
@@ -51,6 +60,7 @@ def main(argv: list[str]) -> int:
         worker(args.rank, 2, args.port, args.hidden, rows, args.iters)
         return 0
     from kvserve.runner.ranks import free_port
+
     port = free_port()
     print("| rows | KiB | all-reduce median us | x 60 per step (30 layers x 2), ms |")
     print("|---|---|---|---|")

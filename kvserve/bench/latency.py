@@ -1,4 +1,5 @@
-"""`kvserve bench latency`: one request at a time, prompt length P, output length O (or --workload w1).
+"""`kvserve bench latency`: one request at a time, prompt length P, output length O (or
+--workload w1).
 
 Each repeat measures the prefill time (a max_tokens=1 request, end to end), then a full request:
 its TTFT and its decode tokens/s = (O - 1) / (last token - first token). Figures are the median
@@ -6,6 +7,7 @@ of --repeat runs with min..max. kvserve runs offline through kvserve.LLM (or, wi
 through a running server); prefix caching is turned off so every repeat recomputes the prompt.
 Peers: hf (transformers generate, TTFT = prefill time), llamacpp (its server, streamed).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,22 +21,44 @@ import time
 
 from kvserve.bench import common
 from kvserve.bench.datasets import BenchRequest, gguf_vocab_size, standard_requests
-from kvserve.bench.throughput import add_output_args, add_peer_args, check_peers, llamacpp_config, threads
+from kvserve.bench.throughput import (
+    add_output_args,
+    add_peer_args,
+    check_peers,
+    llamacpp_config,
+    threads,
+)
 
 FIGURES = ("prefill_s", "ttft_s", "decode_tok_s", "e2e_s", "e2e_tok_s")
 
 
 def add_args(p) -> None:
     from kvserve.config import add_engine_args
+
     g = p.add_argument_group("workload")
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens P (default: %(default)s)")
-    g.add_argument("--output-len", type=int, default=128, help="output tokens O (default: %(default)s)")
-    g.add_argument("--workload", choices=["w1"], default=None, help="the standard W1 request instead of P/O")
-    g.add_argument("--dataset-path", default=None, help="w1-w2.json (default: the copy in the package, kvserve/bench/data/w1-w2.json)")
+    g.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens P (default: %(default)s)"
+    )
+    g.add_argument(
+        "--output-len", type=int, default=128, help="output tokens O (default: %(default)s)"
+    )
+    g.add_argument(
+        "--workload", choices=["w1"], default=None, help="the standard W1 request instead of P/O"
+    )
+    g.add_argument(
+        "--dataset-path",
+        default=None,
+        help="w1-w2.json (default: the copy in the package, kvserve/bench/data/w1-w2.json)",
+    )
     g.add_argument("--repeat", type=int, default=3, help="timed repeats (default: %(default)s)")
-    g.add_argument("--base-url", default=None, help="measure kvserve through this running server instead")
-    g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                   help="bearer key for --base-url (default: $KVSERVE_API_KEY or $OPENAI_API_KEY)")
+    g.add_argument(
+        "--base-url", default=None, help="measure kvserve through this running server instead"
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer key for --base-url (default: $KVSERVE_API_KEY or $OPENAI_API_KEY)",
+    )
     add_engine_args(p)
     add_peer_args(p, "measure")
     add_output_args(p)
@@ -45,7 +69,9 @@ def the_request(args, gguf: str) -> BenchRequest:
         return standard_requests(args.workload, args.dataset_path, gguf)[0]
     vocab = gguf_vocab_size(gguf)
     rng = random.Random(args.seed)
-    return BenchRequest([rng.randrange(vocab // 100, vocab) for _ in range(args.input_len)], args.output_len)
+    return BenchRequest(
+        [rng.randrange(vocab // 100, vocab) for _ in range(args.input_len)], args.output_len
+    )
 
 
 def summarize_runs(samples: list[dict]) -> dict:
@@ -57,13 +83,20 @@ def summarize_runs(samples: list[dict]) -> dict:
 
 
 def _sample(prefill: float, ttft: float, decode_time: float, e2e: float, out_tokens: int) -> dict:
-    return {"prefill_s": prefill, "ttft_s": ttft, "decode_tok_s": (out_tokens - 1) / decode_time,
-            "e2e_s": e2e, "e2e_tok_s": out_tokens / e2e, "output_tokens": out_tokens}
+    return {
+        "prefill_s": prefill,
+        "ttft_s": ttft,
+        "decode_tok_s": (out_tokens - 1) / decode_time,
+        "e2e_s": e2e,
+        "e2e_tok_s": out_tokens / e2e,
+        "output_tokens": out_tokens,
+    }
 
 
 def run_kvserve(args, req: BenchRequest) -> dict:
     from kvserve import LLM, SamplingParams
     from kvserve.config import engine_config_from_args
+
     args.no_prefix_caching = True
     llm = LLM(config=engine_config_from_args(args))
     print(llm.engine.describe(), file=sys.stderr)
@@ -71,7 +104,9 @@ def run_kvserve(args, req: BenchRequest) -> dict:
 
     def gen(n: int):
         t0 = time.perf_counter()
-        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
+        )[0]
         return out, time.perf_counter() - t0
 
     gen(4)  # warm-up
@@ -80,18 +115,35 @@ def run_kvserve(args, req: BenchRequest) -> dict:
         _, prefill = gen(1)
         out, e2e = gen(req.max_tokens)
         m = out.metrics
-        samples.append(_sample(prefill, m.first_token_time - m.arrival_time, m.last_token_time - m.first_token_time,
-                               e2e, len(out.outputs[0].token_ids)))
-    config = {"dtype": llm.engine.config.model.dtype, "device": llm.engine.config.device,
-              "quantization": llm.engine.quantization, "steps": llm.engine.step_path}
-    del llm
+        samples.append(
+            _sample(
+                prefill,
+                m.first_token_time - m.arrival_time,
+                m.last_token_time - m.first_token_time,
+                e2e,
+                len(out.outputs[0].token_ids),
+            )
+        )
+    config = {
+        "dtype": llm.engine.config.model.dtype,
+        "device": llm.engine.config.device,
+        "quantization": llm.engine.quantization,
+        "steps": llm.engine.step_path,
+    }
+    llm = None  # free the model before the peer runs
     gc.collect()
-    return {"engine": "kvserve", "mode": "offline", "config": config, "samples": samples,
-            "summary": summarize_runs(samples)}
+    return {
+        "engine": "kvserve",
+        "mode": "offline",
+        "config": config,
+        "samples": samples,
+        "summary": summarize_runs(samples),
+    }
 
 
 def run_hf(args, req: BenchRequest, gguf: str) -> dict:
     from kvserve.bench.hf_peer import load_hf, peer_device, time_single
+
     device, dtype = peer_device(args)
     model = load_hf(gguf, threads(args), device, dtype)
     time_single(model, BenchRequest(req.prompt_ids, 4), 4)  # warm-up
@@ -102,23 +154,37 @@ def run_hf(args, req: BenchRequest, gguf: str) -> dict:
         samples.append(_sample(prefill, prefill, e2e - prefill, e2e, req.max_tokens))
     del model
     gc.collect()
-    return {"engine": "hf", "mode": "offline", "config": {"dtype": dtype, "device": device}, "samples": samples,
-            "summary": summarize_runs(samples)}
+    return {
+        "engine": "hf",
+        "mode": "offline",
+        "config": {"dtype": dtype, "device": device},
+        "samples": samples,
+        "summary": summarize_runs(samples),
+    }
 
 
-def server_samples(url: str, req: BenchRequest, repeat: int, kwargs: dict, flush: bool,
-                   api_key: str | None = None) -> list[dict]:
+def server_samples(
+    url: str, req: BenchRequest, repeat: int, kwargs: dict, flush: bool, api_key: str | None = None
+) -> list[dict]:
     """Streamed single requests. `flush` sends a short unrelated prompt before each timed one, so a
     server that reuses its last context's common prefix (llama-cpp-python) recomputes the prompt."""
     from kvserve.bench.loadgen import run_load, served_model
     from kvserve.bench.serve import reset_prefix_cache
+
     model = served_model(url, api_key)
     kwargs = {**kwargs, "api_key": api_key}
 
     def one(r: BenchRequest):
         if flush:
-            asyncio.run(run_load(url, [BenchRequest([], 1)], model, progress=False,
-                                 **{**kwargs, "prompt_texts": ["Hello"]}))
+            asyncio.run(
+                run_load(
+                    url,
+                    [BenchRequest([], 1)],
+                    model,
+                    progress=False,
+                    **{**kwargs, "prompt_texts": ["Hello"]},
+                )
+            )
         reset_prefix_cache(url, api_key)
         (t,), _ = asyncio.run(run_load(url, [r], model, progress=False, **kwargs))
         if not t.ok:
@@ -136,40 +202,68 @@ def server_samples(url: str, req: BenchRequest, repeat: int, kwargs: dict, flush
 
 def run_server_kvserve(args, req: BenchRequest) -> dict:
     samples = server_samples(args.base_url, req, args.repeat, {}, flush=False, api_key=args.api_key)
-    return {"engine": "kvserve", "mode": f"server {args.base_url}", "samples": samples,
-            "summary": summarize_runs(samples)}
+    return {
+        "engine": "kvserve",
+        "mode": f"server {args.base_url}",
+        "samples": samples,
+        "summary": summarize_runs(samples),
+    }
 
 
 def run_llamacpp(args, req: BenchRequest, gguf: str) -> dict:
     from kvserve.bench.servers import llamacpp_request_kwargs, llamacpp_server
-    server = llamacpp_server(gguf, threads(args), 1, args.llamacpp_ctx, args.llamacpp_bin,
-                             shlex.split(args.llamacpp_args))
+
+    server = llamacpp_server(
+        gguf,
+        threads(args),
+        1,
+        args.llamacpp_ctx,
+        args.llamacpp_bin,
+        shlex.split(args.llamacpp_args),
+    )
     kw = llamacpp_request_kwargs(gguf, args.llamacpp_bin, [req])
     kw["extra"] = {"cache_prompt": False}
     with server as url:
         samples = server_samples(url, req, args.repeat, kw, flush="prompt_texts" in kw)
     cfg = llamacpp_config(args)
     cfg["slots"] = 1
-    return {"engine": "llamacpp", "mode": "server", "config": cfg, "samples": samples,
-            "summary": summarize_runs(samples)}
+    return {
+        "engine": "llamacpp",
+        "mode": "server",
+        "config": cfg,
+        "samples": samples,
+        "summary": summarize_runs(samples),
+    }
 
 
 def print_table(runs: list[dict]) -> None:
     rows = []
     for r in runs:
         s = r["summary"]
-        rows.append([r["engine"]] + [f"{s[k]['median']:.3f} ({s[k]['min']:.3f}-{s[k]['max']:.3f})"
-                                      if k.endswith("_s") else f"{s[k]['median']:.1f} ({s[k]['min']:.1f}-{s[k]['max']:.1f})"
-                                      for k in FIGURES])
-    print(common.table(["engine", "prefill s", "TTFT s", "decode tok/s", "e2e s", "e2e tok/s"], rows))
+        rows.append(
+            [r["engine"]]
+            + [
+                f"{s[k]['median']:.3f} ({s[k]['min']:.3f}-{s[k]['max']:.3f})"
+                if k.endswith("_s")
+                else f"{s[k]['median']:.1f} ({s[k]['min']:.1f}-{s[k]['max']:.1f})"
+                for k in FIGURES
+            ]
+        )
+    print(
+        common.table(["engine", "prefill s", "TTFT s", "decode tok/s", "e2e s", "e2e tok/s"], rows)
+    )
     base = next((r for r in runs if r["engine"] == "kvserve"), None)
     if base:
         for r in runs:
             if r is not base:
                 b, p = base["summary"], r["summary"]
-                print(f"kvserve / {r['engine']}: decode tok/s x{common.ratio(b['decode_tok_s']['median'], p['decode_tok_s']['median']):.2f}, "
-                      f"e2e tok/s x{common.ratio(b['e2e_tok_s']['median'], p['e2e_tok_s']['median']):.2f}, "
-                      f"prefill faster x{common.ratio(p['prefill_s']['median'], b['prefill_s']['median']):.2f}")
+                decode = common.ratio(b["decode_tok_s"]["median"], p["decode_tok_s"]["median"])
+                e2e = common.ratio(b["e2e_tok_s"]["median"], p["e2e_tok_s"]["median"])
+                prefill = common.ratio(p["prefill_s"]["median"], b["prefill_s"]["median"])
+                print(
+                    f"kvserve / {r['engine']}: decode tok/s x{decode:.2f}, "
+                    f"e2e tok/s x{e2e:.2f}, prefill faster x{prefill:.2f}"
+                )
 
 
 def main(args, argv: list[str]) -> int:
@@ -178,15 +272,25 @@ def main(args, argv: list[str]) -> int:
         return common.die(msg)
     gguf = common.model_path(args.model)
     req = the_request(args, gguf)
-    print(f"latency: prompt {len(req.prompt_ids)} tokens, output {req.max_tokens} tokens, {args.repeat} repeats",
-          file=sys.stderr)
+    print(
+        f"latency: prompt {len(req.prompt_ids)} tokens, output {req.max_tokens} tokens, "
+        f"{args.repeat} repeats",
+        file=sys.stderr,
+    )
     result = common.new_result("latency", argv, args)
-    result["workload"] = {"name": args.workload or f"P{len(req.prompt_ids)}-O{req.max_tokens}",
-                          "prompt_tokens": len(req.prompt_ids), "output_tokens": req.max_tokens}
+    result["workload"] = {
+        "name": args.workload or f"P{len(req.prompt_ids)}-O{req.max_tokens}",
+        "prompt_tokens": len(req.prompt_ids),
+        "output_tokens": req.max_tokens,
+    }
     if not args.only_peers:
-        result["runs"].append(run_server_kvserve(args, req) if args.base_url else run_kvserve(args, req))
+        result["runs"].append(
+            run_server_kvserve(args, req) if args.base_url else run_kvserve(args, req)
+        )
     for peer in args.peer:
-        result["runs"].append(run_hf(args, req, gguf) if peer == "hf" else run_llamacpp(args, req, gguf))
+        result["runs"].append(
+            run_hf(args, req, gguf) if peer == "hf" else run_llamacpp(args, req, gguf)
+        )
     print_table(result["runs"])
     common.save_result(result, args.output, args.save, f"latency-{result['workload']['name']}")
     return 0

@@ -3,6 +3,7 @@
 Requests leave on a Poisson process at `rate` per second (inf: all at once), at most
 `max_concurrency` in flight, each timed from its send to every streamed chunk.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,21 +19,33 @@ from kvserve.bench.datasets import BenchRequest
 from kvserve.bench.metrics import RequestTiming
 
 
-def completion_payload(req: BenchRequest, model: str, prompt_text: str | None = None,
-                       min_tokens: bool = False, extra: dict | None = None) -> dict:
+def completion_payload(
+    req: BenchRequest,
+    model: str,
+    prompt_text: str | None = None,
+    min_tokens: bool = False,
+    extra: dict | None = None,
+) -> dict:
     """Greedy, exactly max_tokens: ignore_eos (the vLLM / llama.cpp extension) or, for servers
     without it (llama-cpp-python), min_tokens = max_tokens."""
-    body = {"model": model, "prompt": prompt_text if prompt_text is not None else req.prompt_ids,
-            "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt_text if prompt_text is not None else req.prompt_ids,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     if min_tokens:
         body["min_tokens"] = req.max_tokens
     body.update(extra or {})
     return body
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: dict, prompt_tokens: int,
-                   max_tokens: int) -> RequestTiming:
+async def send_one(
+    client: httpx.AsyncClient, url: str, body: dict, prompt_tokens: int, max_tokens: int
+) -> RequestTiming:
     t = RequestTiming(start=time.perf_counter(), prompt_tokens=prompt_tokens, max_tokens=max_tokens)
     usage = None
     chunks = 0
@@ -57,11 +70,13 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, prompt_token
                 if choices[0].get("text"):
                     t.chunk_times.append(time.perf_counter())
                 if choices[0].get("text") or choices[0].get("finish_reason") is None:
-                    chunks += 1   # a token, even one whose text is still held back
+                    chunks += 1  # a token, even one whose text is still held back
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         t.ok, t.error = False, f"{type(e).__name__}: {e}"
         return t
-    t.output_tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks
+    t.output_tokens = (
+        usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks
+    )
     if usage and usage.get("prompt_tokens"):
         t.prompt_tokens = usage["prompt_tokens"]
     if not t.chunk_times:
@@ -69,22 +84,43 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, prompt_token
     return t
 
 
-async def run_load(base_url: str, requests: list[BenchRequest], model: str, rate: float = math.inf,
-                   max_concurrency: int | None = None, seed: int = 0, prompt_texts: list[str] | None = None,
-                   min_tokens: bool = False, extra: dict | None = None, progress: bool = True,
-                   timeout: float = 3600, api_key: str | None = None) -> tuple[list[RequestTiming], float]:
+async def run_load(
+    base_url: str,
+    requests: list[BenchRequest],
+    model: str,
+    rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    prompt_texts: list[str] | None = None,
+    min_tokens: bool = False,
+    extra: dict | None = None,
+    progress: bool = True,
+    timeout: float = 3600,
+    api_key: str | None = None,
+) -> tuple[list[RequestTiming], float]:
     """Send every request; returns their timings and the wall time from first send to last reply."""
     url = base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc=f"rate {rate:g}" + (f" conc {max_concurrency}" if max_concurrency else ""),
-               unit="req", disable=not progress, dynamic_ncols=True)
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 1, max_keepalive_connections=64)
+    bar = tqdm(
+        total=len(requests),
+        desc=f"rate {rate:g}" + (f" conc {max_concurrency}" if max_concurrency else ""),
+        unit="req",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    limits = httpx.Limits(
+        max_connections=max_concurrency or len(requests) + 1, max_keepalive_connections=64
+    )
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits,
-                                 headers=auth_headers(api_key)) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=30), limits=limits, headers=auth_headers(api_key)
+    ) as client:
+
         async def one(i: int, req: BenchRequest) -> RequestTiming:
-            body = completion_payload(req, model, prompt_texts[i] if prompt_texts else None, min_tokens, extra)
+            body = completion_payload(
+                req, model, prompt_texts[i] if prompt_texts else None, min_tokens, extra
+            )
             if sem is None:
                 t = await send_one(client, url, body, len(req.prompt_ids), req.max_tokens)
             else:
@@ -112,7 +148,9 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 def served_model(base_url: str, api_key: str | None = None) -> str:
     """The first model id the server lists (GET /v1/models), or 'default'."""
     try:
-        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10, headers=auth_headers(api_key))
+        r = httpx.get(
+            base_url.rstrip("/") + "/v1/models", timeout=10, headers=auth_headers(api_key)
+        )
         data = r.json().get("data") or []
         return data[0]["id"] if data else "default"
     except (httpx.HTTPError, ValueError, KeyError):
@@ -126,8 +164,12 @@ def wait_ready(base_url: str, timeout: float, proc=None, api_key: str | None = N
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
         try:
-            if httpx.get(base_url.rstrip("/") + "/v1/models", timeout=2,
-                         headers=auth_headers(api_key)).status_code == 200:
+            if (
+                httpx.get(
+                    base_url.rstrip("/") + "/v1/models", timeout=2, headers=auth_headers(api_key)
+                ).status_code
+                == 200
+            ):
                 return
         except httpx.HTTPError:
             pass

@@ -7,6 +7,7 @@ Conventions follow vLLM's benchmark_serving:
   ITL   = gaps between successive streamed chunks
 Percentiles interpolate linearly between order statistics, like numpy's default.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,11 +45,12 @@ def summarize(values: list[float]) -> dict[str, float]:
 @dataclass
 class RequestTiming:
     """One request as a client saw it. Times are seconds on one monotonic clock."""
+
     start: float
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
     output_tokens: int = 0
     prompt_tokens: int = 0
-    max_tokens: int = 0          # what was asked for: the useful-token count
+    max_tokens: int = 0  # what was asked for: the useful-token count
     ok: bool = True
     error: str = ""
 
@@ -104,7 +106,9 @@ def parse_slo(text: str) -> dict[str, float]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in SLO_KEYS:
-            raise ValueError(f"bad SLO term {part!r}: expected one of {', '.join(SLO_KEYS)} as key=duration")
+            raise ValueError(
+                f"bad SLO term {part!r}: expected one of {', '.join(SLO_KEYS)} as key=duration"
+            )
         slo[key] = parse_duration(value)
     return slo
 
@@ -122,7 +126,9 @@ def meets_slo(t: RequestTiming, slo: dict[str, float]) -> bool:
     return all(checks[k] <= bound for k, bound in slo.items())
 
 
-def goodput(timings: list[RequestTiming], slo: dict[str, float], duration: float) -> dict[str, float]:
+def goodput(
+    timings: list[RequestTiming], slo: dict[str, float], duration: float
+) -> dict[str, float]:
     """Share of requests meeting every SLO bound, and those requests per second."""
     good = sum(meets_slo(t, slo) for t in timings)
     return {
@@ -132,7 +138,9 @@ def goodput(timings: list[RequestTiming], slo: dict[str, float], duration: float
     }
 
 
-def serve_report(timings: list[RequestTiming], duration: float, slo: dict[str, float] | None = None) -> dict:
+def serve_report(
+    timings: list[RequestTiming], duration: float, slo: dict[str, float] | None = None
+) -> dict:
     """Everything `bench serve` prints for one run."""
     done = [t for t in timings if t.ok]
     out_tokens = sum(t.output_tokens for t in done)
@@ -145,8 +153,10 @@ def serve_report(timings: list[RequestTiming], duration: float, slo: dict[str, f
         "request_throughput": len(done) / duration if duration > 0 else math.nan,
         "input_token_throughput": in_tokens / duration if duration > 0 else math.nan,
         "output_token_throughput": out_tokens / duration if duration > 0 else math.nan,
-        "useful_output_token_throughput":
-            sum(min(t.output_tokens, t.max_tokens) for t in done) / duration if duration > 0 else math.nan,
+        "useful_output_token_throughput": sum(min(t.output_tokens, t.max_tokens) for t in done)
+        / duration
+        if duration > 0
+        else math.nan,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "ttft_s": summarize([t.ttft for t in done]),
@@ -163,9 +173,11 @@ def serve_report(timings: list[RequestTiming], duration: float, slo: dict[str, f
     return report
 
 
-def throughput_report(num_requests: int, input_tokens: int, output_tokens: int,
-                      useful_tokens: int, elapsed: float) -> dict:
-    """Offline figures: requests/s, token rates, useful output tokens/s (sum of max_tokens / wall)."""
+def throughput_report(
+    num_requests: int, input_tokens: int, output_tokens: int, useful_tokens: int, elapsed: float
+) -> dict:
+    """Offline figures: requests/s, token rates, useful output tokens/s (sum of max_tokens /
+    wall)."""
     return {
         "num_requests": num_requests,
         "elapsed_s": elapsed,

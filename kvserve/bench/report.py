@@ -1,54 +1,49 @@
 """`kvserve bench report`: regenerate docs/benchmarks.md from the saved results.
 
-Reads every docs/bench-results/*.json that `kvserve bench ... --save` wrote and writes one page:
-the machines and versions, then per result its exact command, kvserve and each peer side by side
-with ratios, and the sweep plots.
+Reads every docs/bench-results/*.json that `kvserve bench ... --save` wrote and writes one page: a
+short intro, then one table per machine class (CPU model and kernel build, or GPU). A row is one
+figure (kind of benchmark, model, workload, peer) from the newest result that measured it, with
+its command and JSON file. Older results stay in docs/bench-results/ as the record.
 """
+
 from __future__ import annotations
 
 import json
 import math
-import os
+import re
+import subprocess
+import textwrap
+from datetime import datetime
 from pathlib import Path
 
 from kvserve.bench import common
 
 
-NOTES_FILE = "benchmarks-notes.md"   # beside the page; included verbatim at its top when present
-
-
 def add_args(p) -> None:
-    p.add_argument("--results-dir", default=str(common.RESULTS_DIR), help="result JSON files (default: %(default)s)")
-    p.add_argument("--output", "-o", default=str(common.REPO_ROOT / "docs" / "benchmarks.md"),
-                   help="page to write (default: %(default)s)")
+    p.add_argument(
+        "--results-dir",
+        default=str(common.RESULTS_DIR),
+        help="result JSON files (default: %(default)s)",
+    )
+    p.add_argument(
+        "--output",
+        "-o",
+        default=str(common.REPO_ROOT / "docs" / "benchmarks.md"),
+        help="page to write (default: %(default)s)",
+    )
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(common.fmt(c, 1) if isinstance(c, float) else str(c) for c in r) + " |" for r in rows]
+    lines += [
+        "| " + " | ".join(common.fmt(c, 1) if isinstance(c, float) else str(c) for c in r) + " |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
 def x(r: float) -> str:
     return "-" if r is None or math.isnan(r) else f"{r:.2f}x"
-
-
-def engine_label(run: dict) -> str:
-    cfg = run.get("config") or {}
-    if run["engine"] == "hf":
-        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(cfg.get("dtype"), "fp32")
-        on = f" on {cfg['device']}" if cfg.get("device", "cpu") != "cpu" else ""
-        return f"hf transformers, {dtype}{on}" + (f", static batch {cfg['batch_size']}" if cfg.get("batch_size") else "")
-    if run["engine"] == "llamacpp":
-        return f"llama.cpp ({cfg.get('server', '?')}, {cfg.get('slots', '?')} slot(s))"
-    if run["engine"] == "vllm":
-        return f"vLLM {cfg.get('version', '?')} CPU, float32 copy, max_num_seqs {cfg.get('max_num_seqs', '?')}"
-    parts = [cfg[k] for k in ("quantization", "dtype") if cfg.get(k)]
-    if cfg.get("device", "cpu") != "cpu":
-        parts.append(f"on {cfg['device']}")
-    if cfg.get("prefix_caching") is False:
-        parts.append("no prefix caching")
-    return "kvserve" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def pct(rate) -> str:
@@ -59,261 +54,504 @@ def secs(v) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"
 
 
-def section_throughput(res: dict) -> list[str]:
-    w = res["workload"]
-    how = (f"in {w['turns']} rounds of {w['conversations']} conversations (round t sends system + q1 + a1 + ... + "
-           f"q_t, a_i being kvserve's own answers)" if w.get("turns") else "all submitted at once")
-    out = [f"Workload `{w['dataset']}`: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
-           f"{w['max_tokens_total']} output tokens asked, {how}.", ""]
-    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
-    # TTFT and the prefix cache hit rate only where some run measured them (kvserve since they were added).
-    cache_cols = any("ttft_median_s" in r or "hit_rate" in r for r in res["runs"])
-    rows = []
-    for r in res["runs"]:
-        m = r["metrics"]
-        row = [engine_label(r), m["useful_output_tokens_per_s"], m["output_tokens_per_s"], m["requests_per_s"],
-               m["input_tokens_per_s"], m["elapsed_s"],
-               x(common.ratio(base["metrics"]["useful_output_tokens_per_s"], m["useful_output_tokens_per_s"]))
-               if base else "-"]
-        if cache_cols:
-            row += [secs(r.get("ttft_median_s")), pct(r.get("hit_rate"))]
-        rows.append(row)
-    out.append(md_table(["engine", "useful out tok/s", "out tok/s", "req/s", "in tok/s", "wall s", "kvserve vs it"]
-                        + (["TTFT p50 s", "prefix cache hit rate"] if cache_cols else []), rows))
-    n = max((len(r.get("rounds", [])) for r in res["runs"]), default=0)
-    if n:
-        ratios = "; ".join(f"{peer} " + ", ".join(x(v) for v in rs) for peer, rs in res.get("round_ratios", {}).items())
-        out += ["", f"Each engine's median of {n} rounds (kvserve, then each peer, {n} times)."
-                + (f" kvserve over the peer, round by round: {ratios}." if ratios else "")]
-    for r in res["runs"]:
-        if r.get("per_turn"):
-            out += ["", f"Per turn, {engine_label(r)}:", "",
-                    md_table(["turn", "prompt tokens", "cached", "hit rate", "TTFT p50 s", "TTFT mean s", "wall s"],
-                             [[t["turn"], t["prompt_tokens"], t["cached_prompt_tokens"], pct(t.get("hit_rate")),
-                               secs(t.get("ttft_median_s")), secs(t.get("ttft_mean_s")), t["elapsed_s"]]
-                              for t in r["per_turn"]])]
-    return out
+# ---- machine classes ----------------------------------------------------------------------------
+
+# CPUs whose /proc/cpuinfo name hides the core: (vendor word, family, model) -> the core's name.
+CORES = {
+    ("AMD", 25, 1): "Zen 3",
+    ("AMD", 25, 17): "Zen 4",
+    ("Intel", 6, 106): "Ice Lake",
+    ("Intel", 6, 207): "Emerald Rapids",
+}
+ISA_ALIASES = {"avx512": "avx512vnni", "avx512_vnni": "avx512vnni"}  # KVSERVE_ISA spellings
 
 
-def section_latency(res: dict) -> list[str]:
-    w = res["workload"]
-    out = [f"One request: prompt {w['prompt_tokens']} tokens, {w['output_tokens']} output tokens; "
-           f"median of {len(res['runs'][0]['samples'])} runs (min-max).", ""]
-    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
-    rows = []
-    for r in res["runs"]:
-        s = r["summary"]
-        rng = lambda k, d=3: f"{s[k]['median']:.{d}f} ({s[k]['min']:.{d}f}-{s[k]['max']:.{d}f})"  # noqa: E731
-        rows.append([engine_label(r) + (f" [{r['mode']}]" if r.get("mode") else ""), rng("decode_tok_s", 1),
-                     rng("e2e_tok_s", 1), rng("prefill_s"), rng("ttft_s"),
-                     x(common.ratio(base["summary"]["decode_tok_s"]["median"], s["decode_tok_s"]["median"]))
-                     if base else "-"])
-    out.append(md_table(["engine", "decode tok/s", "e2e tok/s", "prefill s", "TTFT s", "kvserve decode vs it"], rows))
-    return out
+def cpu_name(cpu: str) -> str:
+    m = re.search(r"family (\d+), model (\d+)", cpu)
+    vendor = "AMD" if "AMD" in cpu else "Intel" if "Intel" in cpu else ""
+    core = CORES.get((vendor, int(m[1]), int(m[2]))) if m else None
+    return f"{cpu} ({core})" if core else cpu
 
 
-def section_serve(res: dict, page_dir: Path) -> list[str]:
-    w = res["workload"]
-    args = res["args"]
-    out = [f"Workload `{w['dataset']}`: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
-           f"{w['max_tokens_total']} output tokens; SLO `{args.get('slo')}`.", ""]
-    rows = []
-    for r in res["runs"]:
-        for p in r["points"]:
-            m = p["metrics"]
-            rows.append([engine_label(r), f"{p['request_rate']:g}", p["max_concurrency"] or "-",
-                         f"{m['completed']}/{m['num_requests']}", m["output_token_throughput"],
-                         f"{m['ttft_s']['median']:.2f} / {m['ttft_s']['p99']:.2f}",
-                         f"{m['tpot_s']['median'] * 1e3:.0f} / {m['tpot_s']['p99'] * 1e3:.0f}",
-                         f"{m['itl_s']['p99'] * 1e3:.0f}", f"{m['e2e_s']['median']:.2f}",
-                         f"{m.get('goodput', {}).get('rate', math.nan):.2f} "
-                         f"({m.get('goodput', {}).get('share', math.nan) * 100:.0f}%)"])
-    out.append(md_table(["engine", "rate", "conc", "ok", "out tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 ms",
-                         "ITL p99 ms", "e2e p50 s", "goodput req/s"], rows))
-    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
-    for peer in (r for r in res["runs"] if r["engine"] != "kvserve"):
-        if base is None:
-            break
-        ratios = [f"{a['request_rate']:g}/{a['max_concurrency'] or '-'}: "
-                  f"{x(common.ratio(a['metrics']['output_token_throughput'], b['metrics']['output_token_throughput']))}"
-                  for a, b in zip(base["points"], peer["points"])]
-        out += ["", f"kvserve / {engine_label(peer)} output tokens/s (rate/conc): " + ", ".join(ratios)]
-    if res.get("plot") and Path(res["plot"]).exists():
-        out += ["", f"![{res['kind']} sweep]({os.path.relpath(res['plot'], page_dir)})"]
-    return out
+def steps_of(res: dict) -> str:
+    """How kvserve ran its steps ("C layer stack, avx2 kernels", "PyTorch forward on cuda, ...")."""
+    for run in res.get("runs", []):
+        if run.get("engine") == "kvserve":
+            steps = run.get("steps") or (run.get("config") or {}).get("steps")
+            if steps:
+                return steps
+    return ""
 
 
-def section_roofline(res: dict) -> list[str]:
-    mp = res["machine_peaks"]
-    out = [md_table(["kernel", "GFLOP/s", "at M,K,N"],
-                    [[k, v["gflops"], ",".join(map(str, v["shape_mkn"]))] for k, v in mp["matmul"].items()]),
-           "", f"Memory bandwidth ({mp['memory']['tensor_mib']} MiB tensor, {mp['threads']} threads): "
-           f"read {mp['memory']['read_gbs']:.1f} GB/s, copy {mp['memory']['copy_gbs']:.1f} GB/s (read + write)."]
-    m = res.get("model")
+def on_gpu(res: dict) -> bool:
+    if res["kind"] == "gpu-kernels":
+        return True
+    args = res.get("args") or {}
+    cfgs = [r.get("config") or {} for r in res.get("runs", [])]
+    return (
+        args.get("device") == "cuda"
+        or "--device cuda" in (args.get("server_args") or "")
+        or any(c.get("device", "cpu") not in ("cpu", None) for c in cfgs)
+    )
+
+
+def isa_of(res: dict) -> str:
+    """The kernel build kvserve ran: the step path it recorded, else KVSERVE_ISA, else the best
+    build the CPU's flags allow."""
+    m = re.search(r"(\w+) kernels", steps_of(res))
     if m:
-        d, pf, bd = m["decode_batch1"], m["prefill"], m["batch_decode"]
-        out += ["", f"Model `{Path(m['model']).name}` ({m['dtype']}, weights {m.get('quantization')}): "
-                f"{m['facts']['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step.", "",
-                md_table(["regime", "tokens/s", "achieved", "MBU",
-                          f"MFU (vs {m.get('mfu_peak', {}).get('kernel', 'fp32')} peak)"], [
-                    [f"decode, batch 1, prompt {d['prompt_len']}", d["tokens_per_s"], f"{d['achieved_gbs']:.1f} GB/s",
-                     f"{d['mbu'] * 100:.0f}%", f"{d['mfu'] * 100:.1f}%"],
-                    [f"prefill {pf['tokens']} tokens", pf["tokens_per_s"], f"{pf['gflops']:.1f} GFLOP/s", "-",
-                     f"{pf['mfu'] * 100:.0f}%"],
-                    [f"decode, batch {bd['batch']}", bd["output_tokens_per_s"], f"{bd['gflops']:.1f} GFLOP/s",
-                     f"{bd['mbu_weights_only'] * 100:.0f}% (weights)", f"{bd['mfu'] * 100:.0f}%"]])]
-        if "mbu_samples" in d:
-            from kvserve.bench.roofline import bandwidth_beside_decode
-            out += ["", bandwidth_beside_decode(d) + "."]
+        return m[1]
+    env = res.get("kvserve_isa_env")
+    if env:
+        return ISA_ALIASES.get(env, env)
+    simd = set((res.get("machine") or {}).get("simd", []))
+    if "avx512_vnni" in simd:
+        return "avx512vnni"
+    if "avx_vnni" in simd:
+        return "avxvnni"
+    return "avx2" if "avx2" in simd else "portable"
+
+
+def machine_class(res: dict) -> str:
+    m = res.get("machine") or {}
+    if m.get("gpu") and on_gpu(res):
+        return f"GPU: {m['gpu']}"
+    cores = f", {m['cores']} cores" if m.get("cores") else ""
+    return f"CPU: {cpu_name(m.get('cpu', '?'))}{cores}, {isa_of(res)} build"
+
+
+# ---- what a result measured ---------------------------------------------------------------------
+
+
+def model_name(res: dict) -> str:
+    path = (res.get("args") or {}).get("model")
+    return Path(path).name.removesuffix(".gguf") if path else "default (SmolLM2-135M)"
+
+
+def peer_label(res: dict, run: dict) -> str:
+    engine = run["engine"]
+    cfg = run.get("config") or {}
+    if engine == "llamacpp":
+        m = re.search(r"--llamacpp-bin\s+(\S+)", res.get("command", ""))
+        binary = (res.get("args") or {}).get("llamacpp_bin") or (m[1] if m else None)
+        build = Path(binary).parent.parent.name if binary else cfg.get("server", "?")
+        return f"llama.cpp ({build})"
+    if engine == "hf":
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+            cfg.get("dtype"), "fp32"
+        )
+        on = f" on {cfg['device']}" if cfg.get("device", "cpu") != "cpu" else ""
+        return f"transformers {dtype}{on}"
+    if engine == "vllm":
+        return f"vLLM {cfg.get('version', '?')} CPU"
+    return engine
+
+
+def shown_command(res: dict) -> str:
+    """The command as a user would run it: no output file, no progress flags; llama-server's path
+    (machine-specific) as LLAMA_SERVER."""
+    cmd = re.sub(r"\s(--output|-o)\s+\S+", "", res.get("command", "?"))
+    cmd = re.sub(r"\s--(save|no-progress)\b", "", cmd)
+    cmd = re.sub(r"(--llamacpp-bin)\s+\S+", r"\1 LLAMA_SERVER", cmd)
+    isa = res.get("kvserve_isa_env")
+    return f"{'KVSERVE_ISA=' + isa + ' ' if isa else ''}{cmd}"
+
+
+def settings(res: dict) -> str:
+    """Settings that change what a workload measures (part of a row's identity)."""
+    args = res.get("args") or {}
+    out = []
+    if args.get("no_prefix_caching"):
+        out.append("no prefix caching")
+    if args.get("kv_cache_dtype") not in (None, "auto"):
+        out.append(f"{args['kv_cache_dtype']} KV")
+    return "".join(f", {s}" for s in out)
+
+
+def fmt_rate(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.1f}"
+
+
+def rows_latency(res: dict) -> list[dict]:
+    w = res["workload"]
+    name = w.get("name")
+    load = name.upper() if name else f"prompt {w['prompt_tokens']}, {w['output_tokens']} out"
+    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    if base is None:
+        return []
+    ours = base["summary"]["decode_tok_s"]["median"]
+    what = f"decode tok/s, median of {len(base['samples'])}"
+    rows = [dict(what=what, metric="decode", load=load, ours=fmt_rate(ours))]
+    for r in res["runs"]:
+        if r is not base:
+            theirs = r["summary"]["decode_tok_s"]["median"]
+            rows.append(_peer_row(res, r, what, "decode", load, ours, theirs))
+    return rows if len(rows) == 1 else rows[1:]
+
+
+def _peer_row(res: dict, run: dict, what: str, metric: str, load: str, ours, theirs) -> dict:
+    """One table row: kvserve against one peer's run of the same result."""
+    return dict(
+        what=what,
+        metric=metric,
+        load=load,
+        ours=fmt_rate(ours),
+        peer=peer_label(res, run),
+        peer_key=run["engine"],
+        theirs=fmt_rate(theirs),
+        ratio=x(common.ratio(ours, theirs)),
+    )
+
+
+def rows_throughput(res: dict) -> list[dict]:
+    w = res["workload"]
+    load = f"{w['dataset'].upper() if w['dataset'] in ('w1', 'w2') else w['dataset']}, "
+    n = w["num_requests"]
+    load += f"{n} request{'s' if n != 1 else ''}"
+    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    if base is None:
+        return []
+    n = len(base.get("rounds", [])) or 1
+    what = "useful out tok/s" + (f", median of {n} rounds" if n > 1 else ", one run")
+    ours = base["metrics"]["useful_output_tokens_per_s"]
+    peers = [r for r in res["runs"] if r is not base]
+    if not peers:
+        cell = fmt_rate(ours)
+        if w["dataset"] in ("prefix", "multiturn") and "hit_rate" in base:
+            # What these workloads are for: the prefix cache's hits and the first token's wait.
+            cell += (
+                f" (TTFT p50 {secs(base.get('ttft_median_s'))} s, "
+                f"prefix cache hit rate {pct(base['hit_rate'])})"
+            )
+        return [dict(what=what, metric="useful", load=load, ours=cell)]
+    out = []
+    for r in peers:
+        theirs = r["metrics"]["useful_output_tokens_per_s"]
+        out.append(_peer_row(res, r, what, "useful", load, ours, theirs))
     return out
 
 
-def soak_run_lines(run: dict, workload: dict) -> list[str]:
-    from kvserve.bench.soak import CLASSES, FAILURES, VERDICTS, mib, statuses_text, verdict_label
-    server, classes = run["server"], run["classes"]
-    failed = [c["check"] for c in run["invariants"] if c["ok"] is False]
-    out = [f"{run['num_requests']} requests, {workload['concurrency']} at a time, in {run['duration_s']:.0f} s "
-           f"({run['requests_per_s']:.1f} req/s): {workload['disconnect_fraction']:.0%} dropped by the client, "
-           f"{workload['bad_fraction']:.0%} bad inputs (attacks: {workload['attacks']}), seed {workload['seed']}. "
-           f"Server RSS after the first {run['warmup']} requests {mib(server['rss_start'])} MiB, at the end "
-           f"{mib(server['rss_end'])} MiB, peak {mib(server['rss_peak'])} MiB.", "",
-           md_table(["class", "sent", *VERDICTS], [[k, classes[k]["sent"], *(classes[k][v] for v in VERDICTS)]
-                                                   for k in CLASSES]), "",
-           md_table(["invariant", "value", "result"], [[c["check"], common.fmt(c["value"]), verdict_label(c["ok"])]
-                                                       for c in run["invariants"]]), "",
-           "Verdict: " + ("all invariants hold" if not failed else "invariants failed: " + ", ".join(failed))
-           + ". Bad inputs: " + run["bad_inputs"] + "."]
-    if run["misanswered"]:
-        out += ["", md_table(["class", "request", "sent", "failed", "statuses", "example"],
-                             [[r["kind"], r["name"], r["sent"], sum(r["verdicts"].get(v, 0) for v in FAILURES),
-                               statuses_text(r), r["example"][:100].replace("|", "\\|")]
-                              for r in run["misanswered"]])]
+def rows_serve(res: dict) -> list[dict]:
+    w = res["workload"]
+    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    if base is None:
+        return []
+    peer = next((r for r in res["runs"] if r is not base), None)
+    out = []
+    for i, p in enumerate(base["points"]):
+        conc = p.get("max_concurrency")
+        rate = p["request_rate"]
+        point = (
+            f"concurrency {conc}"
+            if conc
+            else "all at once"
+            if math.isinf(rate)
+            else f"{rate:g} requests/s"
+        )
+        m = p["metrics"]
+        row = dict(
+            what="server out tok/s (TTFT p50)",
+            load=f"{w['dataset'].upper()}, {w['num_requests']} requests, {point}",
+            ours=f"{fmt_rate(m['output_token_throughput'])} ({m['ttft_s']['median']:.2f} s)",
+        )
+        if peer is not None and i < len(peer["points"]):
+            pm = peer["points"][i]["metrics"]
+            row.update(
+                peer=peer_label(res, peer),
+                peer_key=peer["engine"],
+                theirs=f"{fmt_rate(pm['output_token_throughput'])} "
+                f"({pm['ttft_s']['median']:.2f} s)",
+                ratio=x(common.ratio(m["output_token_throughput"], pm["output_token_throughput"])),
+            )
+        out.append(row)
     return out
 
 
-def section_soak(res: dict) -> list[str]:
-    return [line for run in res["runs"] for line in soak_run_lines(run, res["workload"])]
+def rows_spec(res: dict) -> list[dict]:
+    run = res["runs"][0]
+    method = run["config"]["speculative_config"]["method"]
+    peer = next((r for r in res["runs"][1:] if r["engine"] == "llamacpp"), None)
+    theirs = {w["workload"]: w for w in peer["workloads"]} if peer else {}
+    out = []
+    for w in run["workloads"]:
+        n = len(w.get("spec_samples", [])) or "?"
+        acc = "" if w["acceptance"] is None else f", {100 * w['acceptance']:.0f}% accepted"
+        what = f"{method} decode tok/s, median of {n}"
+        metric = f"spec {method}"
+        load = w["workload"]
+        ours = f"{fmt_rate(w['spec_decode_tok_s'])}{acc}"
+        out.append(
+            dict(
+                what=what,
+                metric=metric,
+                load=load,
+                ours=ours,
+                peer="kvserve, no speculation",
+                peer_key="plain",
+                theirs=fmt_rate(w["plain_decode_tok_s"]),
+                ratio=x(w["speedup"]),
+            )
+        )
+        t = theirs.get(w["workload"])
+        if t:
+            out.append(
+                dict(
+                    what=what,
+                    metric=metric,
+                    load=load,
+                    ours=ours,
+                    peer=f"{peer_label(res, peer)}, speculative",
+                    peer_key="llamacpp",
+                    theirs=fmt_rate(t["spec_decode_tok_s"]),
+                    ratio=x(common.ratio(w["spec_decode_tok_s"], t["spec_decode_tok_s"])),
+                )
+            )
+    return out
 
 
-def section_structured(res: dict) -> list[str]:
+def rows_roofline(res: dict) -> list[dict]:
+    mem = res["machine_peaks"]["memory"]
+    out = [
+        dict(
+            what="memory read GB/s",
+            load=f"{mem['tensor_mib']} MiB tensor",
+            ours=f"{mem['read_gbs']:.1f}",
+        )
+    ]
+    d = (res.get("model") or {}).get("decode_batch1")
+    if d:
+        out.append(
+            dict(
+                what="batch-1 decode tok/s (MBU)",
+                load=f"prompt {d['prompt_len']}",
+                ours=f"{fmt_rate(d['tokens_per_s'])} ({d['mbu'] * 100:.0f}%)",
+            )
+        )
+    return out
+
+
+def rows_soak(res: dict) -> list[dict]:
+    w = res["workload"]
+    out = []
+    for run in res["runs"]:
+        failed = [c["check"] for c in run["invariants"] if c["ok"] is False]
+        out.append(
+            dict(
+                what="invariants (leaks, restarts, RSS drift, answers)",
+                load=f"{run['num_requests']} requests, {w['concurrency']} at a time, "
+                f"{w['disconnect_fraction']:.0%} dropped, {w['bad_fraction']:.0%} bad",
+                ours="all hold" if not failed else "failed: " + ", ".join(failed),
+            )
+        )
+    return out
+
+
+def rows_structured(res: dict) -> list[dict]:
     out = []
     sch = res.get("schemas")
     if sch:
-        mask = sch.get("mask_ms_per_token")
-        out += [md_table(["schemas", "compiled", "finished (stop)", "valid of finished", "truncated (length)",
-                          "mask ms / constrained token"],
-                         [[sch["schemas"], f"{sch['compiled']} ({pct(sch['compile_rate'])})", sch["finished"],
-                           f"{sch['valid']} ({pct(sch['validity_rate'])})",
-                           f"{sch['truncated']} ({pct(sch['truncation_rate'])})", secs(mask)]]), ""]
-        fails = [f"{r['schema']}: {r.get('error') or r.get('valid')}" for r in sch.get("failures", [])]
-        if fails:
-            out += ["Not compiled or not valid:", ""] + [f"- {f.splitlines()[0]}" for f in fails] + [""]
+        out.append(
+            dict(
+                what="JSON schemas compiled; valid of finished",
+                load=f"{sch['schemas']} schemas",
+                ours=f"{pct(sch['compile_rate'])}; {pct(sch['validity_rate'])}",
+            )
+        )
     cost = res.get("cost")
     if cost:
         from kvserve.bench.structured import cost_table
+
         rows, _ = cost_table(cost["runs"])
-        out += ["Cost of a constraint (offline, the same chat prompts, greedy; runs interleaved):", "",
-                md_table(["batch", "TPOT ms, unconstrained", "TPOT ms, JSON schema", "cost"], rows)]
+        for batch, free, cons, extra in rows:
+            out.append(
+                dict(
+                    what="TPOT ms with a JSON-schema constraint",
+                    load=f"chat prompts, batch {batch}",
+                    ours=f"{cons} ({extra})",
+                    peer="kvserve, unconstrained",
+                    peer_key="unconstrained",
+                    theirs=free,
+                )
+            )
     return out
 
 
-def section_spec(res: dict) -> list[str]:
-    from kvserve.bench.spec import TABLE_HEADERS, table_rows
-    run = res["runs"][0]
-    out = [f"`{json.dumps(run['config']['speculative_config'])}`, {run['config']['steps']}; a token row costs "
-           f"{run['config']['row_share_at_batch_1']:.2f} of a one-row step here (fitted over the run)", "",
-           md_table(TABLE_HEADERS, table_rows(run["workloads"]))]
-    peer = next((r for r in res["runs"][1:] if r["engine"] == "llamacpp"), None)
-    if peer is not None:
-        from kvserve.bench.spec import PEER_HEADERS, peer_table
-        out += ["", f"llama.cpp's llama-server in the same command, plain and with `{peer['config']['spec_args']}`:", "",
-                md_table(TABLE_HEADERS[:6], [row[:6] for row in table_rows(peer["workloads"])]), "",
-                md_table(PEER_HEADERS, peer_table([run, peer]))]
-    return out
-
-
-def section_gpu_kernels(res: dict) -> list[str]:
-    """The Triton attention kernels against the device's copy bandwidth, and decode steps
-    (scripts/gpu_kernels.py)."""
+def rows_gpu_kernels(res: dict) -> list[dict]:
     out = []
-    if res.get("attention"):
-        out += [f"{res['device']}, device-to-device copy {res['copy_gb_per_s']} GB/s (read + write). Kernel times "
-                f"are per call in a replayed CUDA graph (as captured decode steps run them); the eager column is "
-                f"one call from Python, launch included.", ""]
-        dec = [r for r in res["attention"] if r["kernel"] == "decode"]
-        out.append(md_table(["decode: seqs x context", "heads q/kv x dim", "KV", "splits", "us", "eager us",
-                             "GB/s", "of copy"],
-                            [[f"{r['seqs']} x {r['context']}", r["heads"], r["kv_dtype"], r["splits"], r["us"],
-                              r.get("eager_call_us", "-"), r["gb_per_s"], pct(r["of_copy_bandwidth"])] for r in dec]))
-        pre = [r for r in res["attention"] if r["kernel"] == "prefill"]
-        out += ["", md_table(["prefill (causal): seqs x tokens", "heads q/kv x dim", "us", "TFLOP/s",
-                              "torch SDPA on contiguous K/V, us"],
-                             [[f"{r['seqs']} x {r['context']}", r["heads"], r["us"], r["tflop_per_s"],
-                               r["torch_sdpa_contiguous_us"]] for r in pre])]
-    if res.get("note"):
-        out += ["", f"Note: {res['note']}."]
-    if res.get("decode_steps"):
-        fams = sorted({f for r in res["decode_steps"] for f in r.get("gpu_ms_per_step_by_kernel_family", {})})
-        out += ["", "Decode steps of the engine (default model, 512-token prompts): wall time per step with CUDA "
-                "graphs and eagerly, and the eager step's GPU time by kernel family (torch.profiler).", "",
-                md_table(["batch", "step ms (graphs)", "step ms (eager)", "GPU ms"] + [f"{f} ms" for f in fams],
-                         [[r["batch"], r.get("step_ms_graphs", "-"), r.get("step_ms_eager", "-"),
-                           r.get("gpu_ms_per_step", "-")]
-                          + [r.get("gpu_ms_per_step_by_kernel_family", {}).get(f, "-") for f in fams]
-                          for r in res["decode_steps"]])]
+    for kv in sorted({r["kv_dtype"] for r in res.get("attention", []) if r["kernel"] == "decode"}):
+        best = max(
+            (r for r in res["attention"] if r["kernel"] == "decode" and r["kv_dtype"] == kv),
+            key=lambda r: r["of_copy_bandwidth"],
+        )
+        out.append(
+            dict(
+                what="paged decode attention, share of copy bandwidth",
+                load=f"{kv} KV, {best['seqs']} x {best['context']}, heads {best['heads']}",
+                ours=pct(best["of_copy_bandwidth"]),
+            )
+        )
+    for r in res.get("decode_steps", []):
+        out.append(
+            dict(
+                what="decode step ms, CUDA graphs (eager)",
+                load=f"batch {r['batch']}, context {r.get('context', '?')}",
+                ours=f"{r.get('step_ms_graphs', '-')} ({r.get('step_ms_eager', '-')})",
+            )
+        )
     return out
 
 
-SECTIONS = {"roofline": "Hardware limits (roofline)", "latency": "Latency", "throughput": "Offline throughput",
-            "serve": "Serving load", "soak": "Soak: fault isolation under load",
-            "structured": "Structured output", "spec": "Speculative decoding",
-            "gpu-kernels": "GPU kernels and decode steps"}
+KINDS = {
+    "latency": ("latency", rows_latency),
+    "throughput": ("throughput", rows_throughput),
+    "serve": ("serve", rows_serve),
+    "spec": ("speculative", rows_spec),
+    "structured": ("structured", rows_structured),
+    "soak": ("soak", rows_soak),
+    "roofline": ("roofline", rows_roofline),
+    "gpu-kernels": ("GPU kernels", rows_gpu_kernels),
+}
+
+
+# ---- which result is current --------------------------------------------------------------------
+
+
+def commit_time(commit: str | None, cache: dict) -> float | None:
+    """When kvserve's commit was made (git), None outside a clone or for an unknown commit."""
+    if not commit:
+        return None
+    if commit not in cache:
+        try:
+            out = subprocess.run(
+                ["git", "show", "-s", "--format=%ct", commit],
+                cwd=common.REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            cache[commit] = float(out.stdout.split()[0]) if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            cache[commit] = None
+    return cache[commit]
+
+
+def run_time(date: str) -> float:
+    try:
+        return datetime.fromisoformat(date[:19]).timestamp()
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def current_rows(results: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
+    """Machine class -> its rows: per (kind, model, workload, peer) the row of the newest result:
+    the newest kvserve commit (when git knows it), then the newest run."""
+    cache: dict = {}
+    best: dict[tuple, dict] = {}
+    for path, res in results:
+        kind = res.get("kind")
+        if kind not in KINDS:
+            continue
+        try:
+            rows = KINDS[kind][1](res)
+        except (KeyError, TypeError, IndexError, ZeroDivisionError) as e:
+            print(f"skipping {path.name}: {type(e).__name__} {e}")
+            continue
+        date = res.get("date", "")
+        when = commit_time(res.get("versions", {}).get("kvserve_commit"), cache)
+        age = (when if when is not None else run_time(date), date)
+        cls, model, extra = machine_class(res), model_name(res), settings(res)
+        for row in rows:
+            row.update(
+                kind=kind,
+                model=model,
+                load=row["load"] + extra,
+                command=shown_command(res),
+                file=path.name,
+                date=date[:10],
+                age=age,
+            )
+            metric = row.get("metric", row["what"])
+            key = (cls, kind, model, metric, row["load"], row.get("peer_key", "-"))
+            if key not in best or best[key]["age"] <= age:
+                best[key] = row
+    classes: dict[str, list[dict]] = {}
+    order = list(KINDS)
+    # Stable sort: within a kind, model and metric, rows keep the order their results gave them.
+    for (cls, *_), row in sorted(
+        best.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]), *kv[0][2:4])
+    ):
+        classes.setdefault(cls, []).append(row)
+    return classes
+
+
+# ---- the page -----------------------------------------------------------------------------------
+
+INTRO = """\
+# kvserve benchmarks
+
+Generated by `python3 -m kvserve bench report` from `docs/bench-results/*.json`; do not edit by
+hand. One table per machine class: a CPU model with the kvserve kernel build that ran (the best
+the CPU has, or one forced with `KVSERVE_ISA`), or a GPU. For each kind of benchmark, model,
+workload and peer the table shows the newest result only (the newest kvserve commit, then the
+newest run); every result saved stays in `docs/bench-results/` as the record.
+
+To reproduce a row, run its command from a clone of the repository (`--save` writes the JSON,
+then `python3 -m kvserve bench report` rebuilds this page):
+
+```bash
+[KVSERVE_ISA=avx2] python3 -m kvserve bench KIND [--workload w1 | --dataset w2] \\
+    --peer llamacpp --llamacpp-bin LLAMA_SERVER --repeat 3 --save
+```
+
+Peers run in the same command, on the same token ids, after the same warm-up. The ratio is
+kvserve's figure over the peer's; with `--repeat 3` or more each figure is the median of that many
+rounds, kvserve and its peers alternating, and the "what" column says how many. `LLAMA_SERVER` is
+the llama-server binary whose build the "against" column names. What the workloads, peers and
+columns are, and the caveats: [methodology.md](methodology.md); every flag:
+[bench.md](bench.md).
+"""
+
+HEADERS = ["kind", "what", "model", "workload", "kvserve", "against", "its figure", "ratio"]
 
 
 def build_page(results: list[tuple[Path, dict]], page_dir: Path) -> str:
-    lines = ["# kvserve benchmarks", "",
-             "Generated by `kvserve bench report` from `docs/bench-results/*.json`; every figure below was measured "
-             "by the command shown with it. Peers run in the same command on the same token ids "
-             "(see docs/bench.md for how each peer is run).", ""]
-    notes = page_dir / NOTES_FILE
-    if notes.exists():   # the hand-written reading of the results below (targets, startup, quality)
-        lines += [notes.read_text().rstrip(), ""]
-    machines = {json.dumps(r["machine"], sort_keys=True): r["machine"] for _, r in results}
-    lines += ["## Machines and versions", ""]
-    for m in machines.values():
-        lines.append(f"- {m['cpu']}, {m['cores']} cores, {m.get('memory_gib')} GiB, SIMD {', '.join(m.get('simd', []))}"
-                     + (f"; GPU {m['gpu']}" if m.get("gpu") else "") + f"; {m.get('os')}; Python {m.get('python')}")
-    vers = {json.dumps(r["versions"], sort_keys=True): r["versions"] for _, r in results}
-    for v in vers.values():
-        lines.append("- " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
-    for kind, title in SECTIONS.items():
-        of_kind = [(p, r) for p, r in results if r["kind"] == kind]
-        if not of_kind:
-            continue
-        lines += ["", f"## {title}"]
-        for path, r in of_kind:
-            load = r.get("load_avg_before")
-            isa = f"KVSERVE_ISA={r['kvserve_isa_env']} " if r.get("kvserve_isa_env") else ""
-            lines += ["", f"### {path.stem}", "", f"`{isa}{r['command']}`  ",
-                      f"{r['date']}, kvserve {r['versions'].get('kvserve_commit')}"
-                      + (f", load average {load:.1f} on {r['machine']['cores']} cores before the run" if load else ""), ""]
-            if kind == "throughput":
-                lines += section_throughput(r)
-            elif kind == "latency":
-                lines += section_latency(r)
-            elif kind == "serve":
-                lines += section_serve(r, page_dir)
-            elif kind == "soak":
-                lines += section_soak(r)
-            elif kind == "structured":
-                lines += section_structured(r)
-            elif kind == "spec":
-                lines += section_spec(r)
-            elif kind == "gpu-kernels":
-                lines += section_gpu_kernels(r)
-            else:
-                lines += section_roofline(r)
-    return "\n".join(lines) + "\n"
+    lines = [INTRO]
+    classes = current_rows(results)
+    newest: dict[str, dict] = {}
+    for _, res in results:
+        if res.get("kind") in KINDS:
+            cls = machine_class(res)
+            if cls not in newest or newest[cls].get("date", "") < res.get("date", ""):
+                newest[cls] = res
+    # CPUs first, then GPUs; by name within each.
+    for cls in sorted(classes, key=lambda c: (c.startswith("GPU"), c)):
+        res = newest[cls]
+        m, v = res["machine"], res.get("versions", {})
+        about = (
+            f"{m.get('memory_gib', '?')} GiB, {m.get('os', '?')}, Python {m.get('python', '?')}, "
+            + ", ".join(f"{k} {val}" for k, val in v.items() if val and k != "kvserve_commit")
+            + f" (newest result). SIMD: {', '.join(m.get('simd', [])) or '-'}."
+        )
+        lines += [f"## {cls}", "", *textwrap.wrap(about, 100), ""]
+        rows = classes[cls]
+        lines.append(
+            md_table(
+                HEADERS + ["result"],
+                [
+                    [KINDS[r["kind"]][0], r["what"], r["model"], r["load"], r["ours"]]
+                    + [r.get("peer", "-"), r.get("theirs", "-"), r.get("ratio", "-")]
+                    + [f"[{Path(r['file']).stem}](bench-results/{r['file']}), {r['date']}"]
+                    for r in rows
+                ],
+            )
+        )
+        commands = {}
+        for r in rows:
+            commands.setdefault(r["file"], r["command"])
+        lines += ["", "Commands:", ""]
+        lines += [f"- `{Path(f).stem}`: `{c}`" for f, c in commands.items()]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(args, argv: list[str]) -> int:

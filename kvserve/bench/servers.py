@@ -3,6 +3,7 @@
 Each runs as a subprocess on a free 127.0.0.1 port, its output in a log file, and is
 terminated (then killed) on exit.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,31 +18,50 @@ import tempfile
 from kvserve.bench.common import free_port
 from kvserve.bench.loadgen import wait_ready
 
-LLAMACPP_INSTALL = ("the llama.cpp peer needs llama-cpp-python's server: pip install 'kvserve[peers]' "
-                    "(or pip install 'llama-cpp-python[server]'; it compiles llama.cpp, minutes on 2 cores), "
-                    "or pass --llamacpp-bin PATH/llama-server")
+LLAMACPP_INSTALL = (
+    "the llama.cpp peer needs llama-cpp-python's server: pip install 'kvserve[peers]' "
+    "(or pip install 'llama-cpp-python[server]'; it compiles llama.cpp, minutes on 2 cores), "
+    "or pass --llamacpp-bin PATH/llama-server"
+)
 
 
 class ServerProcess:
     """`with ServerProcess(name, cmd, port) as base_url:` — started, ready, stopped."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, ready_timeout: float = 300,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        ready_timeout: float = 300,
+        api_key: str | None = None,
+    ):
         self.name, self.cmd, self.port, self.ready_timeout = name, cmd, port, ready_timeout
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
-        self.log = tempfile.NamedTemporaryFile(prefix=f"kvserve-bench-{name}-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"kvserve-bench-{name}-", suffix=".log", delete=False
+        )
 
     def __enter__(self) -> str:
-        print(f"starting {self.name}: {shlex.join(self.cmd)}  (log: {self.log.name})", file=sys.stderr)
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        print(
+            f"starting {self.name}: {shlex.join(self.cmd)}  (log: {self.log.name})", file=sys.stderr
+        )
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             wait_ready(self.base_url, self.ready_timeout, self.proc, self.api_key)
         except RuntimeError as e:
             self.stop()
-            raise RuntimeError(f"{self.name}: {e}\n--- last lines of {self.log.name} ---\n{self.tail()}") from e
+            raise RuntimeError(
+                f"{self.name}: {e}\n--- last lines of {self.log.name} ---\n{self.tail()}"
+            ) from e
         return self.base_url
 
     def __exit__(self, *exc) -> None:
@@ -62,10 +82,21 @@ class ServerProcess:
             self.proc.wait()
 
 
-def kvserve_server(model: str | None, extra_args: list[str], api_key: str | None = None) -> ServerProcess:
+def kvserve_server(
+    model: str | None, extra_args: list[str], api_key: str | None = None
+) -> ServerProcess:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--no-access-log"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-access-log",
+    ]
     if model:
         cmd += ["--model", model]
     if api_key:
@@ -76,21 +107,62 @@ def kvserve_server(model: str | None, extra_args: list[str], api_key: str | None
 def llamacpp_available(binary: str | None) -> bool:
     if binary:
         return shutil.which(binary) is not None or os.access(binary, os.X_OK)
-    return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("uvicorn") is not None
+    return (
+        importlib.util.find_spec("llama_cpp") is not None
+        and importlib.util.find_spec("uvicorn") is not None
+    )
 
 
-def llamacpp_server(gguf: str, threads: int, slots: int, ctx_per_slot: int, binary: str | None = None,
-                    extra_args: list[str] = ()) -> ServerProcess:
+def llamacpp_server(
+    gguf: str,
+    threads: int,
+    slots: int,
+    ctx_per_slot: int,
+    binary: str | None = None,
+    extra_args: list[str] = (),
+) -> ServerProcess:
     """llama.cpp's own `llama-server` (parallel slots, continuous batching) when a binary is given,
     else llama-cpp-python's server (one request at a time: it serializes on one llama context)."""
     port = free_port()
     if binary:
-        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-               "-tb", str(threads), "-np", str(slots), "-c", str(ctx_per_slot * slots), "-cb"]
+        cmd = [
+            binary,
+            "-m",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(ctx_per_slot * slots),
+            "-cb",
+        ]
     else:
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
-               "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-               "--n_ctx", str(ctx_per_slot), "--interrupt_requests", "false"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_threads",
+            str(threads),
+            "--n_threads_batch",
+            str(threads),
+            "--n_ctx",
+            str(ctx_per_slot),
+            "--interrupt_requests",
+            "false",
+        ]
     return ServerProcess("llamacpp", cmd + list(extra_args), port)
 
 
@@ -100,5 +172,6 @@ def llamacpp_request_kwargs(gguf: str, binary: str | None, requests) -> dict:
     if binary:
         return {}
     from kvserve.bench.tokenize import decoder
+
     decode = decoder(gguf)
     return {"prompt_texts": [decode(r.prompt_ids) for r in requests], "min_tokens": True}

@@ -8,8 +8,8 @@ first / time from the first token to the last), median of the repeats, and their
 runs to its end of sequence, as the answer a user gets does, up to --output-len tokens;
 `--ignore-eos` counts exactly --output-len tokens, past the end of the answer too (what the model
 writes after its answer is a new, made-up conversation: no copy to draft from). w1 keeps its
-standard definition whatever the flags: exactly its 128 tokens (kvserve/bench/data/w1-w2.json). Each pair
-of runs must give the same tokens (greedy speculation is exact), else the command fails.
+standard definition whatever the flags: exactly its 128 tokens (kvserve/bench/data/w1-w2.json).
+Each pair of runs must give the same tokens (greedy speculation is exact), else the command fails.
 Acceptance (accepted / drafted tokens) and the mean accepted length (accepted drafts per
 verification) come from the engine's spec_decode counters.
 
@@ -17,10 +17,11 @@ Workloads: the copy-heavy prompts in kvserve/bench/data/spec-prompts.json (repea
 a function in code, answer by quoting documents) and w1, the standard open chat request.
 
 `--peer llamacpp --llamacpp-bin llama-server`: in the same command, llama.cpp's server on the same
-GGUF and the same prompt token ids (1 slot, prompt cache off, greedy, --ignore-eos alike), started once
-plain and once with --llamacpp-spec-args (default: its prompt-lookup mode, `--spec-type
+GGUF and the same prompt token ids (1 slot, prompt cache off, greedy, --ignore-eos alike), started
+once plain and once with --llamacpp-spec-args (default: its prompt-lookup mode, `--spec-type
 ngram-simple`), each workload streamed --repeat times; decode tok/s as above, from the stream.
 """
+
 from __future__ import annotations
 
 import gc
@@ -35,24 +36,47 @@ from kvserve.bench.datasets import standard_requests
 from kvserve.bench.throughput import add_output_args, add_peer_args, threads
 
 PROMPTS = Path(__file__).parent / "data" / "spec-prompts.json"
-DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 6, "prompt_lookup_min": 3}'
+DEFAULT_SPEC = (
+    '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 6, '
+    '"prompt_lookup_min": 3}'
+)
 DEFAULT_LLAMACPP_SPEC = "--spec-type ngram-simple"
 
 
 def add_args(p) -> None:
     from kvserve.config import add_engine_args
+
     g = p.add_argument_group("workload")
-    g.add_argument("--workloads", default="copy-text,edit-code,rag-quote,w1",
-                   help="comma-separated: names in spec-prompts.json and/or w1 (default: %(default)s)")
-    g.add_argument("--output-len", type=int, default=512,
-                   help="most tokens per request; it stops at its end of sequence (default: %(default)s)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="generate exactly --output-len tokens, past the end of the answer (default: stop there)")
-    g.add_argument("--repeat", type=int, default=5, help="timed pairs of runs per workload (default: %(default)s)")
+    g.add_argument(
+        "--workloads",
+        default="copy-text,edit-code,rag-quote,w1",
+        help="comma-separated: names in spec-prompts.json and/or w1 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--output-len",
+        type=int,
+        default=512,
+        help="most tokens per request; it stops at its end of sequence (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate exactly --output-len tokens, past the end of the answer "
+        "(default: stop there)",
+    )
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="timed pairs of runs per workload (default: %(default)s)",
+    )
     add_engine_args(p)
     add_peer_args(p, "run")
-    p.add_argument("--llamacpp-spec-args", default=DEFAULT_LLAMACPP_SPEC,
-                   help="llama-server flags of its speculative run (default: %(default)s)")
+    p.add_argument(
+        "--llamacpp-spec-args",
+        default=DEFAULT_LLAMACPP_SPEC,
+        help="llama-server flags of its speculative run (default: %(default)s)",
+    )
     add_output_args(p)
 
 
@@ -67,10 +91,14 @@ def workload_chats(names: list[str]) -> dict[str, list[dict] | None]:
 
 
 def workloads(chats: dict[str, list[dict] | None], llm) -> dict[str, list[int]]:
-    """Prompt token ids per workload: w1's from the standard file, the others through the chat template."""
-    return {name: standard_requests("w1", None, llm.engine.model_path)[0].prompt_ids if msgs is None
-            else llm.chat_prompt(msgs)
-            for name, msgs in chats.items()}
+    """Prompt token ids per workload: w1's from the standard file, the others through the chat
+    template."""
+    return {
+        name: standard_requests("w1", None, llm.engine.model_path)[0].prompt_ids
+        if msgs is None
+        else llm.chat_prompt(msgs)
+        for name, msgs in chats.items()
+    }
 
 
 def output_budget(name: str, args) -> tuple[int, bool]:
@@ -82,8 +110,12 @@ def output_budget(name: str, args) -> tuple[int, bool]:
 
 def _decode_run(llm, ids: list[int], n: int, ignore_eos: bool = True) -> tuple[float, list[int]]:
     from kvserve import SamplingParams
-    out = llm.generate([{"prompt_token_ids": ids}],
-                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos), use_tqdm=False)[0]
+
+    out = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos),
+        use_tqdm=False,
+    )[0]
     m = out.metrics
     tokens = list(out.outputs[0].token_ids)
     return (len(tokens) - 1) / (m.last_token_time - m.first_token_time), tokens
@@ -91,7 +123,10 @@ def _decode_run(llm, ids: list[int], n: int, ignore_eos: bool = True) -> tuple[f
 
 def _counters(llm) -> dict:
     s = llm.engine.stats()
-    return {k: s.get(f"spec_decode_{k}", 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return {
+        k: s.get(f"spec_decode_{k}", 0)
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
 
 
 def engine_configs(args, spec_json: str):
@@ -100,6 +135,7 @@ def engine_configs(args, spec_json: str):
     from dataclasses import replace
 
     from kvserve.config import engine_config_from_args
+
     args.no_prefix_caching = True
     args.speculative_config = spec_json
     spec = engine_config_from_args(args)
@@ -108,6 +144,7 @@ def engine_configs(args, spec_json: str):
 
 def run(args, spec_json: str, chats: dict[str, list[dict] | None]) -> list[dict]:
     from kvserve import LLM
+
     plain_config, spec_config = engine_configs(args, spec_json)
     plain = LLM(config=plain_config)
     spec = LLM(config=spec_config)
@@ -115,7 +152,7 @@ def run(args, spec_json: str, chats: dict[str, list[dict] | None]) -> list[dict]
     rows = []
     prompts = workloads(chats, plain)
     for name, ids in prompts.items():
-        _decode_run(plain, ids, 8), _decode_run(spec, ids, 8)   # warm-up
+        _decode_run(plain, ids, 8), _decode_run(spec, ids, 8)  # warm-up
         before = _counters(spec)
         tp, ts = [], []
         n, ignore_eos = output_budget(name, args)
@@ -128,20 +165,45 @@ def run(args, spec_json: str, chats: dict[str, list[dict] | None]) -> list[dict]
             ts.append(b)
         after = _counters(spec)
         d = {k: after[k] - before[k] for k in after}
-        rows.append({"workload": name, "prompt_tokens": len(ids), "output_tokens": len(tok_a),
-                     "plain_decode_tok_s": statistics.median(tp), "spec_decode_tok_s": statistics.median(ts),
-                     "plain_samples": tp, "spec_samples": ts,
-                     "speedup": statistics.median(ts) / statistics.median(tp),
-                     "acceptance": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None,
-                     "mean_accepted_length": d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None,
-                     **d})
+        rows.append(
+            {
+                "workload": name,
+                "prompt_tokens": len(ids),
+                "output_tokens": len(tok_a),
+                "plain_decode_tok_s": statistics.median(tp),
+                "spec_decode_tok_s": statistics.median(ts),
+                "plain_samples": tp,
+                "spec_samples": ts,
+                "speedup": statistics.median(ts) / statistics.median(tp),
+                "acceptance": d["num_accepted_tokens"] / d["num_draft_tokens"]
+                if d["num_draft_tokens"]
+                else None,
+                "mean_accepted_length": d["num_accepted_tokens"] / d["num_drafts"]
+                if d["num_drafts"]
+                else None,
+                **d,
+            }
+        )
         print(table_line(rows[-1]), file=sys.stderr)
     share = spec.engine.drafter.step_cost.row_share(1)
-    config = {"steps": spec.engine.step_path, "speculative_config": json.loads(spec_json),
-              "row_share_at_batch_1": share, "max_output_tokens": args.output_len, "ignore_eos": args.ignore_eos}
+    config = {
+        "steps": spec.engine.step_path,
+        "speculative_config": json.loads(spec_json),
+        "row_share_at_batch_1": share,
+        "max_output_tokens": args.output_len,
+        "ignore_eos": args.ignore_eos,
+    }
     del plain, spec
     gc.collect()
-    return [{"engine": "kvserve", "mode": "offline", "config": config, "workloads": rows, "prompt_ids": prompts}]
+    return [
+        {
+            "engine": "kvserve",
+            "mode": "offline",
+            "config": config,
+            "workloads": rows,
+            "prompt_ids": prompts,
+        }
+    ]
 
 
 def run_llamacpp(args, prompts: dict[str, list[int]], gguf: str) -> dict:
@@ -149,52 +211,119 @@ def run_llamacpp(args, prompts: dict[str, list[int]], gguf: str) -> dict:
     from kvserve.bench.datasets import BenchRequest
     from kvserve.bench.latency import server_samples
     from kvserve.bench.servers import llamacpp_server
+
     tok_s: dict[str, dict[str, list[float]]] = {name: {} for name in prompts}
     for label, extra in (("plain", []), ("spec", shlex.split(args.llamacpp_spec_args))):
-        server = llamacpp_server(gguf, threads(args), 1, args.llamacpp_ctx, args.llamacpp_bin,
-                                 shlex.split(args.llamacpp_args) + extra)
+        server = llamacpp_server(
+            gguf,
+            threads(args),
+            1,
+            args.llamacpp_ctx,
+            args.llamacpp_bin,
+            shlex.split(args.llamacpp_args) + extra,
+        )
         with server as url:
             for name, ids in prompts.items():
                 n, ignore_eos = output_budget(name, args)
-                samples = server_samples(url, BenchRequest(ids, n), args.repeat,
-                                         {"extra": {"cache_prompt": False, "ignore_eos": ignore_eos}}, flush=False)
+                samples = server_samples(
+                    url,
+                    BenchRequest(ids, n),
+                    args.repeat,
+                    {"extra": {"cache_prompt": False, "ignore_eos": ignore_eos}},
+                    flush=False,
+                )
                 tok_s[name][label] = [s["decode_tok_s"] for s in samples]
                 tok_s[name]["output_tokens"] = [s["output_tokens"] for s in samples]
-                print(f"llama.cpp {label} {name}: decode {statistics.median(tok_s[name][label]):.1f} tok/s",
-                      file=sys.stderr)
-    rows = [{"workload": name, "prompt_tokens": len(ids), "output_tokens": statistics.median(tok_s[name]["output_tokens"]),
-             "plain_decode_tok_s": statistics.median(tok_s[name]["plain"]),
-             "spec_decode_tok_s": statistics.median(tok_s[name]["spec"]),
-             "plain_samples": tok_s[name]["plain"], "spec_samples": tok_s[name]["spec"],
-             "speedup": statistics.median(tok_s[name]["spec"]) / statistics.median(tok_s[name]["plain"]),
-             "acceptance": None, "mean_accepted_length": None} for name, ids in prompts.items()]
-    return {"engine": "llamacpp", "mode": "server", "config": {"binary": args.llamacpp_bin, "threads": threads(args),
-            "spec_args": args.llamacpp_spec_args, "extra_args": args.llamacpp_args}, "workloads": rows}
+                print(
+                    f"llama.cpp {label} {name}: "
+                    f"decode {statistics.median(tok_s[name][label]):.1f} tok/s",
+                    file=sys.stderr,
+                )
+    rows = [
+        {
+            "workload": name,
+            "prompt_tokens": len(ids),
+            "output_tokens": statistics.median(tok_s[name]["output_tokens"]),
+            "plain_decode_tok_s": statistics.median(tok_s[name]["plain"]),
+            "spec_decode_tok_s": statistics.median(tok_s[name]["spec"]),
+            "plain_samples": tok_s[name]["plain"],
+            "spec_samples": tok_s[name]["spec"],
+            "speedup": statistics.median(tok_s[name]["spec"])
+            / statistics.median(tok_s[name]["plain"]),
+            "acceptance": None,
+            "mean_accepted_length": None,
+        }
+        for name, ids in prompts.items()
+    ]
+    return {
+        "engine": "llamacpp",
+        "mode": "server",
+        "config": {
+            "binary": args.llamacpp_bin,
+            "threads": threads(args),
+            "spec_args": args.llamacpp_spec_args,
+            "extra_args": args.llamacpp_args,
+        },
+        "workloads": rows,
+    }
 
 
 def peer_table(runs: list[dict]) -> list[list]:
     """Per workload: speculative decode tok/s of kvserve and llama.cpp, each engine's speed-up, and
     the ratio of the two speculative figures."""
     ours, peer = runs[0]["workloads"], runs[1]["workloads"]
-    return [[a["workload"], f"{a['spec_decode_tok_s']:.1f}", f"x{a['speedup']:.2f}", f"{b['spec_decode_tok_s']:.1f}",
-             f"x{b['speedup']:.2f}", f"x{a['spec_decode_tok_s'] / b['spec_decode_tok_s']:.2f}"]
-            for a, b in zip(ours, peer)]
+    return [
+        [
+            a["workload"],
+            f"{a['spec_decode_tok_s']:.1f}",
+            f"x{a['speedup']:.2f}",
+            f"{b['spec_decode_tok_s']:.1f}",
+            f"x{b['speedup']:.2f}",
+            f"x{a['spec_decode_tok_s'] / b['spec_decode_tok_s']:.2f}",
+        ]
+        for a, b in zip(ours, peer)
+    ]
 
 
-PEER_HEADERS = ["workload", "kvserve speculative tok/s", "kvserve speed-up", "llama.cpp speculative tok/s",
-                "llama.cpp speed-up", "kvserve / llama.cpp"]
+PEER_HEADERS = [
+    "workload",
+    "kvserve speculative tok/s",
+    "kvserve speed-up",
+    "llama.cpp speculative tok/s",
+    "llama.cpp speed-up",
+    "kvserve / llama.cpp",
+]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
-    return [[r["workload"], r["prompt_tokens"], r["output_tokens"], f(r["plain_decode_tok_s"], ".1f"), f(r["spec_decode_tok_s"], ".1f"),
-             f"x{r['speedup']:.2f}", "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%",
-             f(r["mean_accepted_length"], ".2f")] for r in rows]
+
+    return [
+        [
+            r["workload"],
+            r["prompt_tokens"],
+            r["output_tokens"],
+            f(r["plain_decode_tok_s"], ".1f"),
+            f(r["spec_decode_tok_s"], ".1f"),
+            f"x{r['speedup']:.2f}",
+            "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%",
+            f(r["mean_accepted_length"], ".2f"),
+        ]
+        for r in rows
+    ]
 
 
-TABLE_HEADERS = ["workload", "prompt tokens", "output tokens", "plain decode tok/s", "speculative decode tok/s", "speed-up",
-                 "acceptance", "mean accepted / verification"]
+TABLE_HEADERS = [
+    "workload",
+    "prompt tokens",
+    "output tokens",
+    "plain decode tok/s",
+    "speculative decode tok/s",
+    "speed-up",
+    "acceptance",
+    "mean accepted / verification",
+]
 
 
 def table_line(r: dict) -> str:
@@ -203,6 +332,7 @@ def table_line(r: dict) -> str:
 
 def main(args, argv: list[str]) -> int:
     from kvserve.config import SpeculativeConfig
+
     spec_json = args.speculative_config or DEFAULT_SPEC
     try:
         method = SpeculativeConfig.parse(spec_json).method
@@ -210,17 +340,25 @@ def main(args, argv: list[str]) -> int:
     except ValueError as e:
         return common.die(str(e))
     if set(args.peer) - {"llamacpp"}:
-        return common.die("bench spec compares with llama.cpp only: --peer llamacpp --llamacpp-bin PATH")
+        return common.die(
+            "bench spec compares with llama.cpp only: --peer llamacpp --llamacpp-bin PATH"
+        )
     from kvserve.bench.servers import llamacpp_available
+
     if args.peer and not (args.llamacpp_bin and llamacpp_available(args.llamacpp_bin)):
-        return common.die("--peer llamacpp needs --llamacpp-bin PATH: llama.cpp's own llama-server "
-                          "(llama-cpp-python's server has no speculative modes)")
+        return common.die(
+            "--peer llamacpp needs --llamacpp-bin PATH: llama.cpp's own llama-server "
+            "(llama-cpp-python's server has no speculative modes)"
+        )
     result = common.new_result("spec", argv, args)
     result["runs"] = run(args, spec_json, chats)
     from kvserve.bench.report import md_table
+
     print(md_table(TABLE_HEADERS, table_rows(result["runs"][0]["workloads"])))
     if args.peer:
-        result["runs"].append(run_llamacpp(args, result["runs"][0]["prompt_ids"], common.model_path(args.model)))
+        result["runs"].append(
+            run_llamacpp(args, result["runs"][0]["prompt_ids"], common.model_path(args.model))
+        )
         print(md_table(PEER_HEADERS, peer_table(result["runs"])))
     common.save_result(result, args.output, args.save, f"spec-{method}")
     return 0

@@ -1,5 +1,7 @@
 """A tokenizer for the benchmark client side: ShareGPT text -> ids, and ids -> text for servers
-that take only text prompts (llama-cpp-python). kvserve's own tokenizer, read from the model file."""
+that take only text prompts (llama-cpp-python). kvserve's own tokenizer, read from the model
+file."""
+
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ from functools import lru_cache
 def tokenizer_of(model: str):
     """kvserve's Tokenizer of a GGUF file or HF directory (cached)."""
     from kvserve.model.tokenizer import Tokenizer
+
     return Tokenizer.from_pretrained(model) if os.path.isdir(model) else Tokenizer.from_gguf(model)
 
 

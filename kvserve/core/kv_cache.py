@@ -1,8 +1,8 @@
-"""KVCacheManager: each request's block tables on top of one BlockPool per KV group.
+"""KVCacheManager: each sequence's block tables on top of one BlockPool per KV group.
 
 A KV group (config.KVGroup) is the set of layers that attend with the same window: a model with
 full attention everywhere has one group; Gemma 3 has a full group and a window-512 group. Each
-group has its own pool and block ids, and each request one table per group. Token i lives in
+group has its own pool and block ids, and each sequence one table per group. Token i lives in
 slot `table[i // block_size] * block_size + i % block_size` of its group's layers.
 
 Sliding windows: a query at position p reads keys j with p - j < W only, and later queries read
@@ -17,7 +17,7 @@ of n tokens at most ceil((W + n - 2) / B) + 1 (config.blocks_held).
 
 Blocks reach a table three ways: fresh from the pool, as a prefix-cache hit
 (`get_computed_blocks`), or shared with an n > 1 sibling (`get_fork_blocks`). A shared block
-may be referenced by several tables; before a request writes into a block whose refcount is
+may be referenced by several tables; before a sequence writes into a block whose refcount is
 above 1, `allocate_slots` gives it a private copy (copy-on-write) and records (group, src, dst)
 so the runner copies the block in the group's layers before the forward.
 
@@ -26,15 +26,14 @@ needs the full groups' blocks 0..k-1 and, in a window group, the blocks from
 first_needed_block(k * B) to k - 1 (those a query at k * B reads); the hit is cut back to the
 longest k for which every group still holds what it needs.
 """
-from __future__ import annotations
 
-from collections.abc import Sequence
+from __future__ import annotations
 
 from kvserve.config import KVGroup, cdiv, first_needed_block
 from kvserve.core.block_pool import Block, BlockPool, hash_block_tokens
-from kvserve.core.request import Request
+from kvserve.core.sequence import Sequence
 
-NULL_BLOCK = 0     # what block_ids() names for a freed (out-of-window) table entry; never read
+NULL_BLOCK = 0  # what block_ids() names for a freed (out-of-window) table entry; never read
 
 # Per group, the blocks of a table (None where a window group freed one).
 Tables = list[list["Block | None"]]
@@ -43,8 +42,9 @@ __all__ = ["KVCacheManager", "NULL_BLOCK", "cdiv"]
 
 
 class KVCacheManager:
-    def __init__(self, groups: int | Sequence[KVGroup], block_size: int = 16,
-                 enable_caching: bool = True) -> None:
+    def __init__(
+        self, groups: int | list[KVGroup], block_size: int = 16, enable_caching: bool = True
+    ) -> None:
         """`groups`: the KV groups with their pool sizes, or a block count for one full-attention
         group (every layer at the same block ids)."""
         if isinstance(groups, int):
@@ -53,8 +53,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pools = [BlockPool(g.num_blocks, enable_caching) for g in self.groups]
-        self.tables: dict[str, Tables] = {}           # request id -> one table per group
-        self.num_dropped: dict[str, list[int]] = {}   # request id -> per group, leading None entries
+        self.tables: dict[str, Tables] = {}  # sequence id -> one table per group
+        self.num_dropped: dict[
+            str, list[int]
+        ] = {}  # sequence id -> per group, leading None entries
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         # Usage weighs a group's blocks by its layers (memory); an unlabelled group counts as one.
@@ -72,39 +74,41 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Referenced KV memory / all KV memory (a group's blocks weighted by its layers)."""
-        used = sum(w * (p.num_blocks - p.num_free_blocks) for w, p in zip(self._weights, self.pools))
+        used = sum(
+            w * (p.num_blocks - p.num_free_blocks) for w, p in zip(self._weights, self.pools)
+        )
         return used / sum(w * p.num_blocks for w, p in zip(self._weights, self.pools))
 
-    def block_ids(self, request_id: str) -> list[list[int]]:
-        """Per group, the request's table as block ids (NULL_BLOCK where a window freed one)."""
-        tables = self.tables.get(request_id)
+    def block_ids(self, seq_id: str) -> list[list[int]]:
+        """Per group, the sequence's table as block ids (NULL_BLOCK where a window freed one)."""
+        tables = self.tables.get(seq_id)
         if tables is None:
             return [[] for _ in self.groups]
         return [[NULL_BLOCK if b is None else b.block_id for b in t] for t in tables]
 
-    def num_held_blocks(self, request_id: str) -> list[int]:
-        """Per group, the blocks the request's table really holds (freed entries not counted)."""
-        tables = self.tables.get(request_id)
+    def num_held_blocks(self, seq_id: str) -> list[int]:
+        """Per group, the blocks the sequence's table really holds (freed entries not counted)."""
+        tables = self.tables.get(seq_id)
         if tables is None:
             return [0] * len(self.groups)
-        return [len(t) - d for t, d in zip(tables, self.num_dropped[request_id])]
+        return [len(t) - d for t, d in zip(tables, self.num_dropped[seq_id])]
 
-    def _block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
-        """Hashes of the request's first `num_blocks` full blocks (extended lazily)."""
-        hashes = self.req_to_hashes.setdefault(req.request_id, [])
+    def _block_hashes(self, req: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of the sequence's first `num_blocks` full blocks (extended lazily)."""
+        hashes = self.req_to_hashes.setdefault(req.seq_id, [])
         tokens, bs = req.all_token_ids, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], req.cache_salt))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], req.cache_salt))
         return hashes
 
-    # ---- where a new request's KV can come from ------------------------------------------
-    def get_computed_blocks(self, req: Request) -> tuple[Tables, int]:
+    # ---- where a new sequence's KV can come from ------------------------------------------
+    def get_computed_blocks(self, req: Sequence) -> tuple[Tables, int]:
         """The longest run of leading full blocks every group can serve from the prefix cache,
         per group (None before a window group's first needed block), and its tokens.
 
-        Stops one token short of the request's tokens, so the last one is always recomputed
+        Stops one token short of the sequence's tokens, so the last one is always recomputed
         and produces logits. Takes no reference: pass the blocks to `allocate_slots`.
         """
         if not self.enable_caching:
@@ -112,28 +116,33 @@ class KVCacheManager:
         hashes = self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
         found = [[pool.get_cached_block(h) for h in hashes] for pool in self.pools]
         k = len(hashes)
-        while True:   # cut back until every group holds what a query at k * B needs (a fixed point)
+        while True:  # cut back until every group holds what a query at k * B needs (a fixed point)
             cut = min(self._longest_hit(f, g.window, k) for f, g in zip(found, self.groups))
             if cut == k:
                 break
             k = cut
         bs = self.block_size
-        hits = [[None] * first_needed_block(k * bs, g.window, bs)
-                + f[first_needed_block(k * bs, g.window, bs):k] for f, g in zip(found, self.groups)]
+        hits = [
+            [None] * first_needed_block(k * bs, g.window, bs)
+            + f[first_needed_block(k * bs, g.window, bs) : k]
+            for f, g in zip(found, self.groups)
+        ]
         return hits, k * bs
 
     def _longest_hit(self, found: list[Block | None], window: int | None, k: int) -> int:
         """The largest j <= k whose blocks first_needed_block(j * B)..j-1 are all found."""
         if window is None:
             return next((i for i in range(k) if found[i] is None), k)
-        runs, run = [0], 0           # runs[j]: found blocks in a row ending at block j - 1
+        runs, run = [0], 0  # runs[j]: found blocks in a row ending at block j - 1
         for b in found[:k]:
             run = run + 1 if b is not None else 0
             runs.append(run)
         bs = self.block_size
-        return next((j for j in range(k, 0, -1) if runs[j] >= j - first_needed_block(j * bs, window, bs)), 0)
+        return next(
+            (j for j in range(k, 0, -1) if runs[j] >= j - first_needed_block(j * bs, window, bs)), 0
+        )
 
-    def get_fork_blocks(self, parent: Request, child: Request) -> tuple[Tables, int] | None:
+    def get_fork_blocks(self, parent: Sequence, child: Sequence) -> tuple[Tables, int] | None:
         """The parent's blocks that the child's first len(prompt) - 1 tokens need, per group, or
         None when a window group of the parent has already freed one of them (the child then runs
         on its own). The parent must have computed at least that many tokens. The last of these
@@ -142,7 +151,7 @@ class KVCacheManager:
         num_tokens, bs = child.num_prompt_tokens - 1, self.block_size
         end = cdiv(num_tokens, bs)
         shared = []
-        for table, g in zip(self.tables[parent.request_id], self.groups):
+        for table, g in zip(self.tables[parent.seq_id], self.groups):
             first = first_needed_block(num_tokens, g.window, bs)
             if any(b is None for b in table[first:end]):
                 return None
@@ -150,19 +159,25 @@ class KVCacheManager:
         return shared, num_tokens
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, copy_blocks: list[tuple[int, int, int]],
-                       new_computed_blocks: Tables = (), num_new_computed_tokens: int = 0) -> bool:
-        """Make room in every group for `num_new_tokens` tokens after the request's computed ones.
+    def allocate_slots(
+        self,
+        req: Sequence,
+        num_new_tokens: int,
+        copy_blocks: list[tuple[int, int, int]],
+        new_computed_blocks: Tables = (),
+        num_new_computed_tokens: int = 0,
+    ) -> bool:
+        """Make room in every group for `num_new_tokens` tokens after the sequence's computed ones.
 
         `new_computed_blocks` (per group, with `num_new_computed_tokens` tokens in them) are
-        blocks of a prefix hit or a fork that the request starts referencing before its own
+        blocks of a prefix hit or a fork that the sequence starts referencing before its own
         tokens. Shared blocks the new tokens would be written into are replaced by private
         copies, each appended to `copy_blocks` as (group, src, dst). Returns False when some
         group's pool has too few free blocks; the only change then is that blocks no query can
         read any more (before a window group's first needed block) went back to their pool.
         """
         bs = self.block_size
-        rid = req.request_id
+        rid = req.seq_id
         num_computed = req.num_computed_tokens + num_new_computed_tokens
         old = self.tables.get(rid)
         if old is not None:
@@ -172,10 +187,15 @@ class KVCacheManager:
             blocks = old[g] if old is not None else []
             new = list(new_computed_blocks[g]) if new_computed_blocks else []
             table = blocks + new
-            shared = [i for i in range(num_computed // bs, len(table))
-                      if table[i] is not None and table[i].ref_cnt + (i >= len(blocks)) > 1]
+            shared = [
+                i
+                for i in range(num_computed // bs, len(table))
+                if table[i] is not None and table[i].ref_cnt + (i >= len(blocks)) > 1
+            ]
             num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, bs) - len(table))
-            num_revived = sum(1 for b in new if b is not None and b.ref_cnt == 0)   # leave the free queue
+            num_revived = sum(
+                1 for b in new if b is not None and b.ref_cnt == 0
+            )  # leave the free queue
             if num_new_blocks + len(shared) > pool.num_free_blocks - num_revived:
                 return False
             plans.append((new, shared, num_new_blocks))
@@ -186,7 +206,7 @@ class KVCacheManager:
         dropped = self.num_dropped[rid]
         for g, (pool, (new, shared, num_new_blocks)) in enumerate(zip(self.pools, plans)):
             blocks = old[g]
-            if not blocks:      # a fresh table: its leading None entries are already dropped
+            if not blocks:  # a fresh table: its leading None entries are already dropped
                 dropped[g] = next((i for i, b in enumerate(new) if b is not None), len(new))
             pool.touch(b for b in new if b is not None)
             blocks.extend(new)
@@ -206,26 +226,28 @@ class KVCacheManager:
             if group.window is None:
                 continue
             table = tables[g]
-            end = min(first_needed_block(first_query_pos, group.window, self.block_size), len(table))
+            end = min(
+                first_needed_block(first_query_pos, group.window, self.block_size), len(table)
+            )
             if end <= dropped[g]:
                 continue
-            pool.free_blocks(b for b in table[dropped[g]:end] if b is not None)
-            table[dropped[g]:end] = [None] * (end - dropped[g])
+            pool.free_blocks(b for b in table[dropped[g] : end] if b is not None)
+            table[dropped[g] : end] = [None] * (end - dropped[g])
             dropped[g] = end
 
-    def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
-        """Register in the prefix cache the request's blocks that are now full of computed tokens.
+    def cache_blocks(self, req: Sequence, num_computed_tokens: int) -> None:
+        """Register in the prefix cache the sequence's blocks that are now full of computed tokens.
 
         Call it once the tokens' KV is really in the cache (after the forward), never at
         schedule time: a block must not be found by hash before its content is written.
         """
         if not self.enable_caching:
             return
-        tables = self.tables.get(req.request_id)
+        tables = self.tables.get(req.seq_id)
         if not tables:
             return
         num_full = min(num_computed_tokens // self.block_size, max(len(t) for t in tables))
-        start = self.num_cached_blocks.get(req.request_id, 0)
+        start = self.num_cached_blocks.get(req.seq_id, 0)
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
@@ -233,14 +255,14 @@ class KVCacheManager:
             for i in range(start, min(num_full, len(table))):
                 if table[i] is not None:
                     pool.cache_block(table[i], hashes[i])
-        self.num_cached_blocks[req.request_id] = num_full
+        self.num_cached_blocks[req.seq_id] = num_full
 
-    def free(self, req: Request) -> None:
-        """Drop the request's references, tail block first (so tail blocks are evicted first)."""
-        tables = self.tables.pop(req.request_id, None)
+    def free(self, req: Sequence) -> None:
+        """Drop the sequence's references, tail block first (so tail blocks are evicted first)."""
+        tables = self.tables.pop(req.seq_id, None)
         if tables is not None:
             for table, pool in zip(tables, self.pools):
                 pool.free_blocks(b for b in reversed(table) if b is not None)
-            del self.num_dropped[req.request_id]
-        self.req_to_hashes.pop(req.request_id, None)
-        self.num_cached_blocks.pop(req.request_id, None)
+            del self.num_dropped[req.seq_id]
+        self.req_to_hashes.pop(req.seq_id, None)
+        self.num_cached_blocks.pop(req.seq_id, None)

@@ -1,13 +1,12 @@
-"""AsyncEngine: the EngineCore step loop on one background thread, async output streams for the server.
+"""AsyncEngine: the EngineCore step loop on one background thread, async output streams for the
+server.
 
 EngineCore is not thread-safe, so exactly one thread (the engine thread) ever touches it after
-construction. The asyncio side talks to it through a command list guarded by a condition
-variable: `generate()` queues an "add", cancelling or closing the generator queues an "abort".
-The engine thread applies queued commands between steps, runs `core.step()` while there is
-work (and sleeps on the condition when there is none), and hands each step's outputs back to
-the event loop in one `loop.call_soon_threadsafe`, where they land in per-request asyncio
-queues. So an HTTP client that goes away frees its KV blocks within one engine step, and a
-long prefill never blocks the event loop (torch releases the GIL inside its kernels).
+construction. `generate()` queues an "add", cancelling or closing the generator an "abort"; the
+engine thread applies queued commands between steps, runs `core.step()` while there is work,
+and hands each step's outputs to the event loop in one `loop.call_soon_threadsafe`, into
+per-request asyncio queues. So a client that goes away frees its KV blocks within one step,
+and a long prefill never blocks the event loop (torch releases the GIL inside its kernels).
 
 The engine loop is supervised: if anything raises out of a step (EngineCore already fails a
 request that breaks a step alone, so this is a bug, not bad input), the requests in flight fail
@@ -22,6 +21,7 @@ to the request between two steps (a 429 in milliseconds under a burst).
 
 Why a thread and not a separate process: see docs/server.md ("Engine thread or process").
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,9 +32,9 @@ import time
 from collections.abc import AsyncIterator
 
 from kvserve.engine.errors import QueueFullError
-from kvserve.runner.ranks import RankLost
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
+from kvserve.runner.ranks import RankLost
 from kvserve.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger("kvserve")
@@ -60,8 +60,8 @@ class QueueReservation:
 
 class AsyncEngine:
     def __init__(self, core, metrics: EngineMetrics | None = None):
-        self.core = core                               # touched only by the engine thread from now on
-        self.tokenizer = core.tokenizer                # read-only use from the event loop is safe
+        self.core = core  # touched only by the engine thread from now on
+        self.tokenizer = core.tokenizer  # read-only use from the event loop is safe
         self.model_name: str = core.model_name
         self.max_model_len: int = core.max_model_len
         self.metrics = metrics or EngineMetrics(core.model_name)
@@ -71,22 +71,23 @@ class AsyncEngine:
         self.accepting = True
         self.restarts = 0
         self._cv = threading.Condition()
-        self._commands: list[tuple] = []               # guarded by _cv
-        self._closing = False                          # guarded by _cv
-        self._queued_sequences = 0                     # guarded by _cv: sequences in "add" commands
-        self._reserved_sequences = 0                   # guarded by _cv: held by requests being prepared
-        self._core_waiting = 0                         # written by the engine thread after each step
+        self._commands: list[tuple] = []  # guarded by _cv
+        self._closing = False  # guarded by _cv
+        self._queued_sequences = 0  # guarded by _cv: sequences in "add" commands
+        self._reserved_sequences = 0  # guarded by _cv: held by requests being prepared
+        self._core_waiting = 0  # written by the engine thread after each step
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue] = {}   # event-loop thread only
-        self._live: set[str] = set()                   # engine thread only: ids the core holds
-        self._last_token_at: dict[str, float] = {}     # engine thread only: for inter-token latency
+        self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
+        self._live: set[str] = set()  # engine thread only: ids the core holds
+        self._last_token_at: dict[str, float] = {}  # engine thread only: for inter-token latency
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_config(cls, config) -> "AsyncEngine":
-        from kvserve.engine.core import EngineCore
+        from kvserve.engine.engine_core import EngineCore
+
         return cls(EngineCore(config))
 
     # ---- the asyncio side ----
@@ -95,9 +96,15 @@ class AsyncEngine:
         """Requests whose output stream is still open."""
         return len(self._streams)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, cache_salt: str | None = None,
-                       reservation: QueueReservation | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        reservation: QueueReservation | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until the one with finished=True.
 
         The first `__anext__` raises what admission raised (ValueError: can never fit;
@@ -116,13 +123,22 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         with self._cv:
-            if reservation is not None:            # its places become queued ones
+            if reservation is not None:  # its places become queued ones
                 taken = min(params.n, reservation.left)
                 reservation.left -= taken
                 self._reserved_sequences -= taken
             self._queued_sequences += params.n
-            self._commands.append(("add", request_id, list(prompt_token_ids), params, priority, cache_salt,
-                                   time.monotonic()))
+            self._commands.append(
+                (
+                    "add",
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    priority,
+                    cache_salt,
+                    time.monotonic(),
+                )
+            )
             self._cv.notify()
         done = False
         try:
@@ -144,14 +160,16 @@ class AsyncEngine:
         compiler's COMPILE_TIMEOUT_S. It runs on the compile pool's own threads: no thread of
         the loop's default pool (tokenizing) waits on it, and the steps never do."""
         from kvserve.structured.compiler import COMPILE_TIMEOUT_S, timeout_message
+
         if params.structured_outputs is None:
             return
         future = asyncio.wrap_future(self.core.grammar.check_future(params))
         try:
             await asyncio.wait_for(asyncio.shield(future), COMPILE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise ParamError("structured_outputs",
-                             timeout_message(params.structured_outputs.kind)) from None
+            raise ParamError(
+                "structured_outputs", timeout_message(params.structured_outputs.kind)
+            ) from None
 
     async def call(self, fn):
         """fn(core) on the engine thread, between two steps; its result (or exception) here."""
@@ -175,12 +193,15 @@ class AsyncEngine:
     def check_queue_locked(self, num_sequences: int, ahead: int = 0) -> None:
         """check_queue with _cv held."""
         if num_sequences > self.max_waiting:
-            raise ValueError(f"{num_sequences} sequences can never fit the waiting queue "
-                             f"(max_waiting={self.max_waiting}, --max-waiting)")
+            raise ValueError(
+                f"{num_sequences} sequences can never fit the waiting queue "
+                f"(max_waiting={self.max_waiting}, --max-waiting)"
+            )
         waiting = self._core_waiting + self._queued_sequences + self._reserved_sequences + ahead
         if waiting + num_sequences > self.max_waiting:
-            raise QueueFullError(f"{waiting} requests are waiting (max_waiting={self.max_waiting}): "
-                                 "retry later")
+            raise QueueFullError(
+                f"{waiting} requests are waiting (max_waiting={self.max_waiting}): retry later"
+            )
 
     @contextlib.contextmanager
     def reserve(self, num_sequences: int):
@@ -242,13 +263,17 @@ class AsyncEngine:
         while True:
             try:
                 self._step_loop()
-                return                                  # closing
+                return  # closing
             except BaseException as e:
                 log.exception("engine loop crashed")
                 now = time.monotonic()
                 crashes = [t for t in crashes if now - t < RESTART_WINDOW] + [now]
-                if (len(crashes) > MAX_RESTARTS or not isinstance(e, Exception) or isinstance(e, RankLost)
-                        or not self._recover(e)):    # a lost rank: no restart can bring it back
+                if (
+                    len(crashes) > MAX_RESTARTS
+                    or not isinstance(e, Exception)
+                    or isinstance(e, RankLost)
+                    or not self._recover(e)
+                ):  # a lost rank: no restart can bring it back
                     self._die(e)
                     return
                 self.restarts += 1
@@ -284,8 +309,15 @@ class AsyncEngine:
     def _recover(self, err: Exception) -> bool:
         """After a crash: fail every request in flight with the cause, and have the core drop
         them all and check its blocks. False when the core cannot get back to a clean state."""
-        failed = [(rid, RuntimeError(f"the engine failed while serving this request and restarted: {err!r}"))
-                  for rid in self._live]
+        failed = [
+            (
+                rid,
+                RuntimeError(
+                    f"the engine failed while serving this request and restarted: {err!r}"
+                ),
+            )
+            for rid in self._live
+        ]
         self._live.clear()
         self._last_token_at.clear()
         self._to_loop(failed)
@@ -301,7 +333,9 @@ class AsyncEngine:
         self._dead = err
         log.error("engine stopped for good: %r", err)
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine died: {err!r}"))
+            self._loop.call_soon_threadsafe(
+                self._fail_all, EngineDeadError(f"engine died: {err!r}")
+            )
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "call":
@@ -314,6 +348,7 @@ class AsyncEngine:
             def settle():
                 if not future.done():
                     future.set_exception(error) if error is not None else future.set_result(result)
+
             self._loop.call_soon_threadsafe(settle)
             return
         if command[0] == "abort":
@@ -324,8 +359,14 @@ class AsyncEngine:
         with self._cv:
             self._queued_sequences -= params.n
         try:
-            self.core.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                  cache_salt=cache_salt, arrival_time=arrival)
+            self.core.add_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=arrival,
+            )
             self._live.add(request_id)
         except Exception as e:  # ValueError, QueueFullError, ...: this request fails alone
             self._to_loop([(request_id, e)])
@@ -345,8 +386,11 @@ class AsyncEngine:
                 self._last_token_at.pop(rid, None)
                 if out.error:
                     self.metrics.failed_requests.inc()
-                reason = "abort" if out.error else next(
-                    (o.finish_reason for o in out.outputs if o.finish_reason), "stop")
+                reason = (
+                    "abort"
+                    if out.error
+                    else next((o.finish_reason for o in out.outputs if o.finish_reason), "stop")
+                )
                 self.metrics.record_finished(out.metrics, reason, len(out.prompt_token_ids))
         if outputs:
             self._to_loop([(out.request_id, out) for out in outputs])

@@ -12,6 +12,7 @@ Stop strings are matched on the decoded text. Text that could still be the start
 stop string is held back (never streamed) until the next token settles it; ``flush``
 releases it when the request ends for another reason.
 """
+
 from __future__ import annotations
 
 from kvserve.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ class IncrementalDetokenizer:
             return self._emit(buf[:cut]), True
 
         hold = self._stop_prefix_len(buf)
-        self._pending = buf[len(buf) - hold:] if hold else ""
+        self._pending = buf[len(buf) - hold :] if hold else ""
         return self._emit(buf[: len(buf) - hold]), False
 
     def flush(self) -> str:
@@ -85,7 +86,9 @@ class IncrementalDetokenizer:
     def _decode_new(self) -> str:
         """Text of the tokens after read_offset, or "" while it ends mid-character."""
         ids, skip = self._ids, self.skip_special_tokens
-        prefix_text = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        prefix_text = self.tokenizer.decode(
+            ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
+        )
         new_text = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""

@@ -9,6 +9,7 @@ worker would fight them for it (OpenMP teams slow down badly when a core is take
 the mask is filled on the engine thread once the logits are ready. The runner applies it just
 before sampling.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -26,6 +27,7 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputs
 class GrammarBitmask:
     """A step's grammar mask: rows[seq_id] is the seq's row (known at once); `wait()` returns the
     bitmask (int32 words, bit j of word j // 32 set: token j allowed) once it is filled."""
+
     rows: dict[str, int]
     wait: Callable[[], np.ndarray]
 
@@ -37,10 +39,12 @@ class GrammarManager:
         self.vocab_size = vocab_size
         self._compiler = None
         self._compiler_lock = threading.Lock()
-        self._matchers: dict = {}                 # seq_id -> GrammarMatcher
+        self._matchers: dict = {}  # seq_id -> GrammarMatcher
         self._filler = None
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
-        self.mask_seconds = 0.0                   # time spent filling masks (for kvserve bench)
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvserve-grammar"
+        )
+        self.mask_seconds = 0.0  # time spent filling masks (for kvserve bench)
         self.masks_filled = 0
 
     def warm_up(self) -> None:
@@ -56,6 +60,7 @@ class GrammarManager:
         with self._compiler_lock:
             if self._compiler is None:
                 from kvserve.structured import BatchMaskFiller, GrammarCompiler
+
                 self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
                 self._filler = BatchMaskFiller(num_threads=1)
             return self._compiler
@@ -72,8 +77,10 @@ class GrammarManager:
         so = params.structured_outputs
         if so is None or self._compiler is None:
             from kvserve.structured.compiler import compile_pool
+
             return compile_pool().submit(self.check, params)
         from kvserve.structured.compiler import checked
+
         compiled = self._compiler.compile_future(so)
         out: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -83,6 +90,7 @@ class GrammarManager:
                 out.set_result(None)
             except BaseException as e:
                 out.set_exception(e)
+
         compiled.add_done_callback(settle)
         return out
 
@@ -101,12 +109,13 @@ class GrammarManager:
     def start_bitmask(self, seq_ids: list[str]) -> GrammarBitmask | None:
         """Begin filling the bitmask rows of these sequences (those with a matcher): on the worker
         thread when overlapping, else when waited for. None when none is constrained."""
-        if not self._matchers:                  # the common case: nothing constrained at all
+        if not self._matchers:  # the common case: nothing constrained at all
             return None
         rows = {sid: i for i, sid in enumerate(s for s in seq_ids if s in self._matchers)}
         if not rows:
             return None
         from kvserve.structured import allocate_bitmask
+
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
         pairs = [(self._matchers[sid], row) for sid, row in rows.items()]
 

@@ -18,6 +18,7 @@ The handover only fills a cache: a block that is missing, evicted or refused is 
 engines must share the model, block size and KV format (checked; a mismatch is a ValueError).
 Models with one KV group (one attention window), no tensor or pipeline parallelism.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -49,10 +50,15 @@ def kv_format(core) -> KVFormat:
     """This engine's KV format (ValueError when it cannot take part in a handover)."""
     _check_engine(core)
     k = core.runner.kv_caches[0][0]
-    return KVFormat(block_size=core.config.cache.block_size, layers=len(core.runner.kv_caches),
-                    dtype=str(k.dtype).removeprefix("torch."), itemsize=k.element_size(),
-                    block_shape=tuple(k.shape[1:]), vocab_size=core.arch.vocab_size,
-                    max_model_len=core.max_model_len)
+    return KVFormat(
+        block_size=core.config.cache.block_size,
+        layers=len(core.runner.kv_caches),
+        dtype=str(k.dtype).removeprefix("torch."),
+        itemsize=k.element_size(),
+        block_shape=tuple(k.shape[1:]),
+        vocab_size=core.arch.vocab_size,
+        max_model_len=core.max_model_len,
+    )
 
 
 def new_namespace() -> PrivateSalt:
@@ -61,11 +67,12 @@ def new_namespace() -> PrivateSalt:
     return PrivateSalt(f"kv-handover-{secrets.token_hex(16)}")
 
 
-def _hashes(token_ids: list[int], block_size: int, num_blocks: int,
-            salt: str | None) -> list[bytes]:
+def _hashes(
+    token_ids: list[int], block_size: int, num_blocks: int, salt: str | None
+) -> list[bytes]:
     out, parent = [], None
     for i in range(num_blocks):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
         out.append(parent)
     return out
 
@@ -73,12 +80,13 @@ def _hashes(token_ids: list[int], block_size: int, num_blocks: int,
 @dataclass
 class Pinned:
     """Blocks an export holds a reference on, with what is needed to read and release them."""
+
     core: object
     pool: BlockPool
     blocks: list[Block]
-    prefix: bytes                  # the payload's magic, header length and header
+    prefix: bytes  # the payload's magic, header length and header
     caches: list
-    size: int                      # the payload's length in bytes
+    size: int  # the payload's length in bytes
 
     @property
     def num_parts(self) -> int:
@@ -120,8 +128,9 @@ def release(pinned: Pinned) -> None:
     pinned.blocks = []
 
 
-def adopt_blocks(core, token_ids: list[int], num_blocks: int, kv: bytearray,
-                 salt: str | None) -> int:
+def adopt_blocks(
+    core, token_ids: list[int], num_blocks: int, kv: bytearray, salt: str | None
+) -> int:
     """Engine thread: write a checked payload's blocks (kv_payload.PayloadReader's header and KV
     bytes) into this engine's pool as cached prefix blocks under `salt`; returns the tokens of
     the prefix the cache now holds for the payload's tokens."""
@@ -130,8 +139,8 @@ def adopt_blocks(core, token_ids: list[int], num_blocks: int, kv: bytearray,
     if len(kv) != fmt.kv_bytes(num_blocks) or len(token_ids) != num_blocks * fmt.block_size:
         raise ValueError("the KV payload does not match its header")
     pool = _pool(core)
-    new: list[tuple[int, Block, bytes]] = []      # (payload block index, block, its hash)
-    chain: list[Block] = []     # every block of the run, referenced until the end (no eviction)
+    new: list[tuple[int, Block, bytes]] = []  # (payload block index, block, its hash)
+    chain: list[Block] = []  # every block of the run, referenced until the end (no eviction)
     for i, h in enumerate(_hashes(token_ids, fmt.block_size, num_blocks, salt)):
         block = pool.get_cached_block(h)
         if block is not None:
@@ -144,13 +153,16 @@ def adopt_blocks(core, token_ids: list[int], num_blocks: int, kv: bytearray,
         chain.append(block)
     if new:
         k0 = caches[0][0]
-        data = torch.frombuffer(kv, dtype=torch.uint8).view(k0.dtype).view(
-            2 * fmt.layers, num_blocks, *fmt.block_shape)
+        data = (
+            torch.frombuffer(kv, dtype=torch.uint8)
+            .view(k0.dtype)
+            .view(2 * fmt.layers, num_blocks, *fmt.block_shape)
+        )
         src = torch.tensor([i for i, _, _ in new], dtype=torch.long)
         dst = torch.tensor([b.block_id for _, b, _ in new], dtype=torch.long, device=k0.device)
         for part in range(2 * fmt.layers):
             caches[part // 2][part % 2][dst] = data[part, src].to(k0.device)
         for _, block, h in new:
             pool.cache_block(block, h)
-    pool.free_blocks(reversed(chain))     # unreferenced: cached and evictable, tail first
+    pool.free_blocks(reversed(chain))  # unreferenced: cached and evictable, tail first
     return len(chain) * fmt.block_size

@@ -1,4 +1,5 @@
 """ModelArch: the hyper-parameters a model is built from, whichever file they came from."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +9,7 @@ from kvserve.config import KVShape
 
 @dataclass
 class ModelArch:
-    name: str                          # "llama" | "mistral" | "qwen2" | "gemma3" (kvserve.model.registry)
+    name: str  # "llama" | "mistral" | "qwen2" | "gemma3" (kvserve.model.registry)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -18,7 +19,7 @@ class ModelArch:
     vocab_size: int
     max_position_embeddings: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None   # HF style: {"rope_type": "llama3", "factor": ...}
+    rope_scaling: dict | None = None  # HF style: {"rope_type": "llama3", "factor": ...}
     # RoPE base of the sliding-window layers when it differs from rope_theta (Gemma 3: 10k local,
     # 1M global); rope_scaling applies to the global (full-attention) layers only.
     rope_local_theta: float | None = None
@@ -26,8 +27,8 @@ class ModelArch:
     query_pre_attn_scalar: float | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False       # q/k/v projections carry a bias (Qwen2)
-    o_proj_bias: bool = False          # the output projection too (Llama's attention_bias=True)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    o_proj_bias: bool = False  # the output projection too (Llama's attention_bias=True)
     bos_token_id: int | None = None
     eos_token_ids: set[int] = field(default_factory=set)
     sliding_window: int | None = None

@@ -1,9 +1,10 @@
 """Reading a GGUF file: metadata, tensor descriptors and raw tensor bytes (no torch).
 
 The header is parsed here directly (the format is a flat list of typed key/values and tensor
-descriptors) because gguf.GGUFReader builds a numpy memmap per string and takes ~2.5 s on a 49k
-vocabulary; this takes ~0.1 s. The type tables are kvserve.ops.gguf_types.
+descriptors) because gguf.GGUFReader builds a numpy memmap per string, which is slow for a
+vocabulary of tens of thousands of tokens. The type tables are kvserve.ops.gguf_types.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -15,14 +16,32 @@ from kvserve.ops.gguf_types import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFV
 
 _GGUF_MAGIC = b"GGUF"
 _U64 = struct.Struct("<Q")
-_SCALAR = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-           GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-           GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-           GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
-_NUMPY = {GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8, GGUFValueType.UINT16: np.uint16,
-          GGUFValueType.INT16: np.int16, GGUFValueType.UINT32: np.uint32, GGUFValueType.INT32: np.int32,
-          GGUFValueType.FLOAT32: np.float32, GGUFValueType.BOOL: np.bool_, GGUFValueType.UINT64: np.uint64,
-          GGUFValueType.INT64: np.int64, GGUFValueType.FLOAT64: np.float64}
+_SCALAR = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+_NUMPY = {
+    GGUFValueType.UINT8: np.uint8,
+    GGUFValueType.INT8: np.int8,
+    GGUFValueType.UINT16: np.uint16,
+    GGUFValueType.INT16: np.int16,
+    GGUFValueType.UINT32: np.uint32,
+    GGUFValueType.INT32: np.int32,
+    GGUFValueType.FLOAT32: np.float32,
+    GGUFValueType.BOOL: np.bool_,
+    GGUFValueType.UINT64: np.uint64,
+    GGUFValueType.INT64: np.int64,
+    GGUFValueType.FLOAT64: np.float64,
+}
 
 
 class GGUFTensor:
@@ -61,11 +80,12 @@ class GGUFFile:
         return self._strings(1)[0]
 
     def _strings(self, count: int) -> list[str]:
-        """`count` strings in a row (a vocabulary, its merges): one tight loop, no per-item dispatch."""
+        """`count` strings in a row (a vocabulary, its merges): one tight loop, no per-item
+        dispatch."""
         mm, pos, out = self._mm, self._pos, []
         for _ in range(count):
             (n,) = _U64.unpack_from(mm, pos)
-            out.append(mm[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
+            out.append(mm[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
             pos += 8 + n
         self._pos = pos
         return out
@@ -80,7 +100,7 @@ class GGUFFile:
                 return self._strings(count)
             if itype in _NUMPY:
                 dt = np.dtype(_NUMPY[itype]).newbyteorder("<")
-                raw = self._mm[self._pos:self._pos + count * dt.itemsize]
+                raw = self._mm[self._pos : self._pos + count * dt.itemsize]
                 self._pos += count * dt.itemsize
                 return np.frombuffer(raw, dtype=dt).tolist()
             return [self._value(itype) for _ in range(count)]
@@ -104,13 +124,17 @@ class GGUFFile:
             dims = [self._read("<Q") for _ in range(self._read("<I"))]
             code = self._read("<I")
             if code not in GGML_QUANT_SIZES:
-                raise ValueError(f"{self.path}: tensor {name} has GGML type {code}, which kvserve does not know "
-                                 f"(it reads {sorted(t.name for t in GGML_QUANT_SIZES)})")
+                raise ValueError(
+                    f"{self.path}: tensor {name} has GGML type {code}, which kvserve does not know "
+                    f"(it reads {sorted(t.name for t in GGML_QUANT_SIZES)})"
+                )
             qtype = GGMLQuantizationType(code)
             infos.append((name, qtype, tuple(reversed(dims)), self._read("<Q")))
         align = int(self.metadata.get("general.alignment", 32))
         data_start = (self._pos + align - 1) // align * align
-        self.tensors = {name: GGUFTensor(name, qt, shape, data_start + off) for name, qt, shape, off in infos}
+        self.tensors = {
+            name: GGUFTensor(name, qt, shape, data_start + off) for name, qt, shape, off in infos
+        }
 
     # -- tensors --
     def raw(self, t: GGUFTensor) -> np.ndarray:

@@ -1,7 +1,8 @@
 """GGUF weights and hyper-parameters -> ModelArch and (HF name, tensor) pairs.
 
 Block formats are dequantized to float32: Q4_0, Q4_1 and Q8_0 (the default model's) with torch
-ops here (bit-identical to gguf.quants, ~4x faster), everything else with gguf.quants.dequantize.
+ops here (bit-identical to gguf.quants, and faster), everything else with
+gguf.quants.dequantize.
 
 llama.cpp's converter permutes the rows of Q and K for the "llama" architecture (its rope pairs
 adjacent dimensions; HF's pairs i with i + head_dim/2). We undo that permutation on the raw
@@ -9,9 +10,11 @@ rows, so every loader hands the model the same HF layout. (Its "qwen2" and "gemm
 HF's row order.) For "gemma3" it stores every norm weight as 1 + w; we hand over HF's w.
 
 With `keep_blocks` (the qtypes the chosen weight format keeps packed: quant.KEEP_BLOCKS, e.g. the
-`gguf` format's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/IQ4_XS/Q3_K-Q6_K), matrices of those types are handed over still
-packed (kvserve.model.quant.BlockTensor): the weight format takes the file's blocks as they are.
+`gguf` format's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/IQ4_XS/Q3_K-Q6_K), matrices of those types are
+handed over still packed (kvserve.model.quant.BlockTensor): the weight format takes the file's
+blocks as they are.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,29 +35,31 @@ def dequantize_rows(raw: np.ndarray, qtype: Q) -> torch.Tensor:
         return b.view(torch.float32)
     if qtype in (Q.F16, Q.BF16):
         return b.view(torch.float16 if qtype == Q.F16 else torch.bfloat16).float()
-    if qtype in (Q.Q4_0, Q.Q4_1):       # per 32 weights: f16 scale d, [f16 min m], 16 bytes of nibbles
+    if qtype in (Q.Q4_0, Q.Q4_1):  # per 32 weights: f16 scale d, [f16 min m], 16 bytes of nibbles
         b = b.view(-1, 18 if qtype == Q.Q4_0 else 20)
         d = b[:, 0:2].contiguous().view(torch.float16).float()
         qs = b[:, -16:]
-        q = torch.stack((qs & 0xF, qs >> 4), dim=1).view(-1, 32).float()   # low nibbles first
+        q = torch.stack((qs & 0xF, qs >> 4), dim=1).view(-1, 32).float()  # low nibbles first
         if qtype == Q.Q4_0:
             return q.sub_(8).mul_(d).view(rows, -1)
         m = b[:, 2:4].contiguous().view(torch.float16).float()
         return q.mul_(d).add_(m).view(rows, -1)
-    if qtype == Q.Q8_0:                 # per 32 weights: f16 scale d, 32 int8
+    if qtype == Q.Q8_0:  # per 32 weights: f16 scale d, 32 int8
         b = b.view(-1, 34)
         d = b[:, 0:2].contiguous().view(torch.float16).float()
         return b[:, 2:].view(torch.int8).float().mul_(d).view(rows, -1)
-    from gguf.constants import GGMLQuantizationType   # the package only for the types decoded by it
+    from gguf.constants import GGMLQuantizationType  # the package only for the types decoded by it
     from gguf.quants import dequantize
+
     return torch.from_numpy(dequantize(raw, GGMLQuantizationType(int(qtype))))
 
 
 def load_tensor(g: GGUFFile, t: GGUFTensor, row_order: np.ndarray | None = None) -> torch.Tensor:
-    """Dequantized float32 tensor in PyTorch shape (rows reordered by `row_order` first, if given)."""
+    """Dequantized float32 tensor in PyTorch shape (rows reordered by `row_order` first, if
+    given)."""
     data = g.raw(t)
     if row_order is not None and len(t.shape) > 1:
-        data = data[row_order]                 # whole rows of blocks: works on packed data too
+        data = data[row_order]  # whole rows of blocks: works on packed data too
     out = dequantize_rows(data, t.qtype).reshape(t.shape)
     if row_order is not None and len(t.shape) == 1:
         out = out[torch.from_numpy(row_order)]  # a bias
@@ -62,6 +67,7 @@ def load_tensor(g: GGUFFile, t: GGUFTensor, row_order: np.ndarray | None = None)
 
 
 # ---------------------------------------------------------------- hyper-parameters and names
+
 
 def gguf_arch(g: GGUFFile) -> ModelArch:
     md = g.metadata
@@ -71,17 +77,21 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
     head_dim = md.get(f"{a}.attention.key_length", hidden // heads)
     rope_dims = md.get(f"{a}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
-        raise ValueError(f"{g.path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+        raise ValueError(
+            f"{g.path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported"
+        )
     vocab = md.get(f"{a}.vocab_size") or len(md["tokenizer.ggml.tokens"])
     scaling = None
-    if "rope_freqs.weight" in g.tensors:     # llama3-style scaling stored as per-frequency divisors
+    if "rope_freqs.weight" in g.tensors:  # llama3-style scaling stored as per-frequency divisors
         factors = load_tensor(g, g.tensors["rope_freqs.weight"]).flatten().tolist()
         scaling = {"rope_type": "freq_factors", "factors": factors}
     elif md.get(f"{a}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": md[f"{a}.rope.scaling.factor"]}
     elif md.get(f"{a}.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{g.path}: rope scaling {md[f'{a}.rope.scaling.type']!r} is not supported "
-                         "(supported: linear, llama3 rope_freqs)")
+        raise ValueError(
+            f"{g.path}: rope scaling {md[f'{a}.rope.scaling.type']!r} is not supported "
+            "(supported: linear, llama3 rope_freqs)"
+        )
     eos = md.get("tokenizer.ggml.eos_token_id")
     layers = md[f"{a}.block_count"]
     window = md.get(f"{a}.attention.sliding_window")
@@ -114,18 +124,34 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
     return arch
 
 
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj"}
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 # Per architecture, GGUF block tensor -> HF module. The norms differ: in "llama" ffn_norm is the
-# norm before the MLP, HF's post_attention_layernorm; Gemma 3 has four norms per layer and q/k norms.
+# norm before the MLP, HF's post_attention_layernorm; Gemma 3 has four norms per layer and q/k
+# norms.
 _BLOCK = {
     "llama": {**_LINEARS, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
-    "gemma3": {**_LINEARS, "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma3": {
+        **_LINEARS,
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
 }
 _BLOCK["qwen2"] = _BLOCK["mistral"] = _BLOCK["llama"]
 
@@ -158,7 +184,7 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
         if target is None:
             continue
         if arch.name == "gemma3" and "norm" in target:
-            yield target, load_tensor(g, t) - 1.0    # the file's 1 + w -> HF's w
+            yield target, load_tensor(g, t) - 1.0  # the file's 1 + w -> HF's w
             continue
         order = None
         if arch.name == "llama" and (".attn_q." in name or ".attn_k." in name):
@@ -169,5 +195,5 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
             yield target, BlockTensor(data[order] if order is not None else data, t.qtype, t.shape)
         else:
             w = load_tensor(g, t, order)
-            w.gguf_qtype = t.qtype       # the file's type: a weight format names it when kept dense
+            w.gguf_qtype = t.qtype  # the file's type: a weight format names it when kept dense
             yield target, w

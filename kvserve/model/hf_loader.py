@@ -1,4 +1,5 @@
 """Hugging Face model directories: config.json + *.safetensors (+ tokenizer.json)."""
+
 from __future__ import annotations
 
 import glob
@@ -50,14 +51,18 @@ def hf_arch(cfg: dict, path: str = "") -> ModelArch:
 
 def _llama_fields(arch: ModelArch, cfg: dict, path: str) -> None:
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
-        raise ValueError(f"{path}: only SwiGLU MLPs without bias are supported "
-                         f"(hidden_act {cfg.get('hidden_act')!r}, mlp_bias {cfg.get('mlp_bias')!r})")
+        raise ValueError(
+            f"{path}: only SwiGLU MLPs without bias are supported "
+            f"(hidden_act {cfg.get('hidden_act')!r}, mlp_bias {cfg.get('mlp_bias')!r})"
+        )
     theta, arch.rope_scaling = _rope(cfg)
     arch.rope_theta = float(cfg.get("rope_theta") or theta or 10000.0)
     if arch.name == "mistral":
         arch.sliding_window = cfg.get("sliding_window")
     elif arch.name == "qwen2" and cfg.get("use_sliding_window"):
-        raise ValueError(f"{path}: Qwen2 per-layer sliding window (use_sliding_window) is not supported")
+        raise ValueError(
+            f"{path}: Qwen2 per-layer sliding window (use_sliding_window) is not supported"
+        )
     arch.attention_bias = arch.name == "qwen2" or bool(cfg.get("attention_bias", False))
     arch.o_proj_bias = arch.name != "qwen2" and bool(cfg.get("attention_bias", False))
 
@@ -66,10 +71,14 @@ def _gemma3_fields(arch: ModelArch, cfg: dict, path: str) -> None:
     """Gemma3ForCausalLM's config.json (model_type gemma3_text)."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"{path}: Gemma 3 with hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        raise ValueError(
+            f"{path}: Gemma 3 with hidden_activation {act!r} is not supported (gelu_pytorch_tanh)"
+        )
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key) is not None:
-            raise ValueError(f"{path}: {key}={cfg[key]} is not supported (Gemma 3 checkpoints set it to null)")
+            raise ValueError(
+                f"{path}: {key}={cfg[key]} is not supported (Gemma 3 checkpoints set it to null)"
+            )
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(f"{path}: use_bidirectional_attention (EmbeddingGemma) is not supported")
     theta, arch.rope_scaling = _rope(cfg, "full_attention")
@@ -77,17 +86,28 @@ def _gemma3_fields(arch: ModelArch, cfg: dict, path: str) -> None:
     if local_scaling is not None and cfg.get("rope_scaling") is None:
         raise ValueError(f"{path}: rope scaling on the sliding-window layers is not supported")
     arch.rope_theta = float(cfg.get("rope_theta") or theta or 1_000_000.0)
-    arch.rope_local_theta = float(cfg.get("rope_local_base_freq") or local_theta or gemma3.LOCAL_ROPE_BASE)
+    arch.rope_local_theta = float(
+        cfg.get("rope_local_base_freq") or local_theta or gemma3.LOCAL_ROPE_BASE
+    )
     arch.query_pre_attn_scalar = cfg.get("query_pre_attn_scalar", arch.head_dim)
     arch.attention_bias = bool(cfg.get("attention_bias", False))
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is None:
-        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or gemma3.GLOBAL_EVERY
-        types = ["sliding_attention" if w else "full_attention" for w in gemma3.layer_windows(arch.num_layers, 1, every)]
+        every = (
+            cfg.get("sliding_window_pattern")
+            or cfg.get("_sliding_window_pattern")
+            or gemma3.GLOBAL_EVERY
+        )
+        types = [
+            "sliding_attention" if w else "full_attention"
+            for w in gemma3.layer_windows(arch.num_layers, 1, every)
+        ]
     if len(types) != arch.num_layers or set(types) - {"full_attention", "sliding_attention"}:
-        raise ValueError(f"{path}: layer_types must name full_attention or sliding_attention for each of "
-                         f"the {arch.num_layers} layers, got {types}")
+        raise ValueError(
+            f"{path}: layer_types must name full_attention or sliding_attention for each of "
+            f"the {arch.num_layers} layers, got {types}"
+        )
     arch.layer_windows = [window if t == "sliding_attention" else None for t in types]
 
 
@@ -100,6 +120,7 @@ def safetensors_files(path: str) -> list[str]:
 
 def has_tensor(path: str, name: str) -> bool:
     from safetensors import safe_open
+
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             if name in f.keys():
@@ -110,6 +131,7 @@ def has_tensor(path: str, name: str) -> bool:
 def iter_hf_weights(path: str):
     """Yield (name, tensor) for every tensor of every *.safetensors file in the directory."""
     from safetensors import safe_open
+
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():

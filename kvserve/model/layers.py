@@ -8,9 +8,11 @@ file format. How a weight is stored and multiplied lives in the layer's `quant_m
 a `quant.BlockTensor` (GGUF blocks not yet dequantized) instead of a tensor: a method that cannot
 use the blocks dequantizes them.
 """
+
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +29,16 @@ class UnquantizedMethod:
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         # torch.empty touches no memory: pages appear only when a loader writes them.
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False
+        )
 
     def load(self, layer: Linear, w: torch.Tensor, offset: int, whole: bool) -> None:
         w = dense(w)
-        if whole:   # take the tensor as it is (no copy when dtype already matches)
+        if whole:  # take the tensor as it is (no copy when dtype already matches)
             layer.weight = nn.Parameter(w.to(layer.weight.dtype).contiguous(), requires_grad=False)
-        else:       # one shard of a fused weight (q/k/v, gate/up): rows [offset, offset + n)
-            layer.weight.data[offset:offset + w.shape[0]].copy_(w)
+        else:  # one shard of a fused weight (q/k/v, gate/up): rows [offset, offset + n)
+            layer.weight.data[offset : offset + w.shape[0]].copy_(w)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -48,16 +51,27 @@ class Linear(nn.Module):
     """y = x W^T + b. `out_features` may be a list: the output is those shards side by side
     (fused q/k/v or gate/up), and each shard is loaded separately with its index."""
 
-    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False,
-                 dtype: torch.dtype = torch.float32, quant_method=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        quant_method=None,
+    ):
         super().__init__()
-        self.shard_sizes = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
+        self.shard_sizes = (
+            list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
+        )
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
         self.quant_method = quant_method or UnquantizedMethod()
         self.quant_method.create_weights(self, dtype)
-        self.bias = (nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False)
-                     if bias else None)
+        self.bias = (
+            nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
 
     def _span(self, shard: int, rows: int) -> tuple[int, bool]:
         if rows != self.shard_sizes[shard]:
@@ -66,7 +80,9 @@ class Linear(nn.Module):
 
     def load_weight(self, w: torch.Tensor, shard: int = 0) -> None:
         if w.shape[-1] != self.in_features:
-            raise ValueError(f"weight has {w.shape[-1]} input features, layer wants {self.in_features}")
+            raise ValueError(
+                f"weight has {w.shape[-1]} input features, layer wants {self.in_features}"
+            )
         offset, whole = self._span(shard, w.shape[0])
         self.quant_method.load(self, w, offset, whole)
 
@@ -74,7 +90,7 @@ class Linear(nn.Module):
         if self.bias is None:
             raise ValueError("checkpoint has a bias for a layer built without one")
         offset, _ = self._span(shard, b.shape[0])
-        self.bias.data[offset:offset + b.shape[0]].copy_(b)
+        self.bias.data[offset : offset + b.shape[0]].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
@@ -86,8 +102,10 @@ class Linear(nn.Module):
         return reader(self) if reader is not None else None
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.shard_sizes}, bias={self.bias is not None}, "
-                f"quant={type(self.quant_method).__name__}")
+        return (
+            f"in={self.in_features}, out={self.shard_sizes}, bias={self.bias is not None}, "
+            f"quant={type(self.quant_method).__name__}"
+        )
 
 
 class Embedding(nn.Module):
@@ -97,10 +115,12 @@ class Embedding(nn.Module):
 
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False
+        )
         self.dtype = dtype
-        self.rows = None        # ids [R] -> float32 [R, dim] in place of `weight` (read_rows_with)
-        self.register_buffer("packed", None, persistent=False)     # load_packed's blocks
+        self.rows = None  # ids [R] -> float32 [R, dim] in place of `weight` (read_rows_with)
+        self.register_buffer("packed", None, persistent=False)  # load_packed's blocks
         self.kind = 0
 
     def load_packed(self, w) -> bool:
@@ -109,9 +129,14 @@ class Embedding(nn.Module):
         is not blocks of a packed kind, the model is not float32, or no C kernels are built."""
         from kvserve.ops import cpu_kernels
         from kvserve.ops.gguf_blocks import pack_gguf_rows, packed_kind
+
         qtype = getattr(w, "qtype", None)
-        if (qtype is None or packed_kind(qtype) is None or self.dtype != torch.float32
-                or not cpu_kernels.available()):
+        if (
+            qtype is None
+            or packed_kind(qtype) is None
+            or self.dtype != torch.float32
+            or not cpu_kernels.available()
+        ):
             return False
         n, k = self.weight.shape
         if tuple(w.shape) != (n, k):
@@ -145,6 +170,7 @@ class TiedHeadMixin:
     its head (`tie_quantized_head`): it is loaded from the embedding's weight, and when the head
     can give single rows back (Linear.row_reader) the lookup reads them there, so the weight is
     held once, packed."""
+
     lm_head: "Linear | None"
     tied_head: bool = False
 
@@ -160,7 +186,7 @@ class TiedHeadMixin:
             if rows is not None:
                 self.embed_tokens.read_rows_with(rows)
                 return
-        elif self.lm_head is not None and self.embed_tokens.load_packed(w):    # an untied head
+        elif self.lm_head is not None and self.embed_tokens.load_packed(w):  # an untied head
             return
         self.embed_tokens.load_weight(w)
 
@@ -185,20 +211,26 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from kvserve.ops import triton_norm      # triton: imported only where it runs
+            from kvserve.ops import triton_norm  # triton: imported only where it runs
+
             return triton_norm.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)   # one fused op, same math
+            return F.rms_norm(
+                x, self.weight.shape, self.weight, self.eps
+            )  # one fused op, same math
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + delta, norm(residual + delta)): the residual add and the next norm, one
         kernel on the GPU."""
         if residual.is_cuda:
             from kvserve.ops import triton_norm
+
             return triton_norm.add_rms_norm(residual, delta, self.weight, self.eps)
         h = residual + delta
         return h, self(h)
@@ -237,9 +269,11 @@ class OffsetRMSNorm(RMSNorm):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding (float32), with optional scaling:
-    - {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
+    - {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+       original_max_position_embeddings}
     - {"rope_type": "linear", factor}
-    - {"rope_type": "freq_factors", "factors": [...]}  (GGUF rope_freqs.weight: divide each frequency)
+    - {"rope_type": "freq_factors", "factors": [...]}  (GGUF rope_freqs.weight: divides each
+      frequency)
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -250,7 +284,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     if kind == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        factor, low, high = (
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+        )
         old_len = scaling["original_max_position_embeddings"]
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
@@ -260,6 +298,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: llama3, linear)")
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """One step's rotation (RotaryEmbedding.tables), the same type on every device. Without
+    `positions`: cos and signed sin of the step's positions, [T, 1, head_dim] in the compute dtype.
+    With `positions` (the GPU): cos and sin are the float32 [max_positions, head_dim] tables and
+    the Triton kernel gathers the step's rows itself."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -273,35 +323,44 @@ class RotaryEmbedding(nn.Module):
     where they would be hundreds of MB): each step computes its positions' rows, the same values
     (float32 position x inv_freq, as the tables hold)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
-                 cached: bool = True):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None = None,
+        cached: bool = True,
+    ):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         cos, sin = self._rows(torch.arange(max_positions)) if cached else (None, None)
-        self.register_buffer("cos", cos, persistent=False)     # [max_positions, head_dim]
-        self.register_buffer("sin", sin, persistent=False)     # sign of rotate_half folded in
+        self.register_buffer("cos", cos, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", sin, persistent=False)  # sign of rotate_half folded in
 
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = torch.outer(positions.to(torch.float32), self.inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
-        """The step's rotation, shared by every layer: cos and signed sin of its positions,
-        [T, 1, head_dim] each in `dtype`; on the GPU (cached tables) the positions and the
-        float32 tables themselves, which the Triton kernel reads in place."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The step's rotation, shared by every layer (RopeTables): its positions' cos and signed
+        sin rows in `dtype`; on the GPU (cached tables) the float32 tables themselves and the
+        positions, which the Triton kernel reads in place."""
         if positions.is_cuda and self.cos is not None:
-            return self.cos, self.sin, positions
-        cos, sin = (self.cos[positions], self.sin[positions]) if self.cos is not None else self._rows(positions)
-        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+            return RopeTables(self.cos, self.sin, positions)
+        cos, sin = (
+            (self.cos[positions], self.sin[positions])
+            if self.cos is not None
+            else self._rows(positions)
+        )
+        return RopeTables(cos[:, None, :].to(dtype), sin[:, None, :].to(dtype))
 
     @staticmethod
-    def apply(x: torch.Tensor, tables: tuple) -> torch.Tensor:
+    def apply(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
         """x: [T, H, D] -> x rotated by its token's position (a new tensor)."""
-        if len(tables) == 3:
+        if tables.positions is not None:
             from kvserve.ops import triton_norm
-            cos, sin, positions = tables
-            return triton_norm.rope(x, positions, cos, sin)
-        cos, sin = tables
+
+            return triton_norm.rope(x, tables.positions, tables.cos, tables.sin)
         x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((x2, x1), dim=-1) * sin
+        return x * tables.cos + torch.cat((x2, x1), dim=-1) * tables.sin

@@ -7,6 +7,7 @@
 Attention writes this step's K/V into the paged pool, then attends each query over its request's
 whole context in the pool (kvserve.ops.attention).
 """
+
 from __future__ import annotations
 
 import re
@@ -16,25 +17,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArch
-from kvserve.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, TiedHeadMixin
+from kvserve.model.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    TiedHeadMixin,
+)
 from kvserve.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype, layer: int = 0):
+    def __init__(
+        self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype, layer: int = 0
+    ):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.sliding_window = arch.window_of(layer)
-        self.qkv_proj = Linear(arch.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                               bias=arch.attention_bias, dtype=dtype)
+        self.qkv_proj = Linear(
+            arch.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            bias=arch.attention_bias,
+            dtype=dtype,
+        )
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype)
         self.rotary = rotary
 
     def forward(self, rope, x, meta: AttentionMetadata, k_cache, v_cache):
-        """rope: the step's (cos, sin) tables from RotaryEmbedding.tables."""
+        """rope: the step's RopeTables (RotaryEmbedding.tables)."""
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = self.rotary.apply(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), rope)
@@ -51,7 +69,9 @@ def swiglu_mlp(arch: ModelArch, dtype: torch.dtype) -> GatedMLP:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype, layer: int = 0):
+    def __init__(
+        self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype, layer: int = 0
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = Attention(arch, rotary, dtype, layer)
@@ -60,37 +80,62 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope, h, meta, k_cache, v_cache):
         h, x = self.post_attention_layernorm.add_and_norm(
-            h, self.self_attn(rope, self.input_layernorm(h), meta, k_cache, v_cache))
+            h, self.self_attn(rope, self.input_layernorm(h), meta, k_cache, v_cache)
+        )
         return h + self.mlp(x)
 
 
 class LlamaForCausalLM(TiedHeadMixin, nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+    supports_parallel = True  # runner/tensor_parallel.py and pipeline_parallel.py shard it
+
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None
+    ):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
-        rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings,
-                                 arch.rope_theta, arch.rope_scaling)
+        rotary = RotaryEmbedding(
+            arch.head_dim,
+            max_positions or arch.max_position_embeddings,
+            arch.rope_theta,
+            arch.rope_scaling,
+        )
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, dtype, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, rotary, dtype, i) for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
-        self.tied_head = False    # lm_head is a packed copy of the embedding (loaded with it)
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+        )
+        self.tied_head = False  # lm_head is a packed copy of the embedding (loaded with it)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H] (final norm applied)."""
         h = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, h.dtype)     # once per step, shared by every layer
+        rope = self.rotary.tables(positions, h.dtype)  # once per step, shared by every layer
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h = layer(rope, h, meta.for_layer(i), k_cache, v_cache)
         return self.norm(h)
 
     # ---- weights (HF names) ----
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
     _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
     def weight_names(self) -> set[str]:
@@ -125,7 +170,9 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
                 self.lm_head.load_weight(w)
         elif name == "model.norm.weight":
             self.norm.load_weight(w)
-        elif (m := re.match(r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", name)):
+        elif m := re.match(
+            r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", name
+        ):
             getattr(self.layers[int(m.group(1))], m.group(2)).load_weight(w)
         elif "rotary_emb.inv_freq" in name:
             pass  # recomputed from rope_theta

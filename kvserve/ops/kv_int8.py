@@ -7,6 +7,7 @@ range (keys have per-token outliers); x ~= scale * q, at most scale / 2 off per 
 The C decode kernels read these rows in place (csrc/paged_attention.c, csrc/layer_stack.c);
 the PyTorch paths quantize on write and dequantize what they gather.
 """
+
 from __future__ import annotations
 
 import torch

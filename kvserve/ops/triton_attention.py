@@ -16,6 +16,7 @@ they can be captured in a CUDA graph (after a first call has compiled the kernel
   (Bp, Hq, cdiv(max_q_len, BLOCK_M)); only key tiles inside the causal / sliding-window band
   of the query tile are visited, and those visible to every query of the tile skip the masks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,14 +33,16 @@ def _interpreter_index_fix() -> None:
     Nothing changes on the compiled (GPU) path."""
     import numpy as np
     from triton import knobs
+
     if not knobs.runtime.interpret:
         return
     try:
         int(np.zeros(1, dtype=np.int32))
-        return                                        # this numpy still converts: no bug
+        return  # this numpy still converts: no bug
     except TypeError:
         pass
     from triton.runtime import interpreter
+
     patch = interpreter._patch_lang_tensor
     if getattr(patch, "_index_fixed", False):
         return
@@ -62,16 +65,35 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, qrow_ptr, lens_ptr, bt_ptr,
-    m_ptr, l_ptr, acc_ptr,
-    qk_scale, window,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qrow_ptr,
+    lens_ptr,
+    bt_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,8 +115,11 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -105,13 +130,27 @@ def _decode_split_kernel(
         n_mask = tok < end
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = tok % BLOCK_SIZE
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale   # log2 domain
+        k = tl.load(
+            k_ptr
+            + blk[:, None] * stride_kb
+            + off[:, None] * stride_kt
+            + kvh * stride_kh
+            + offs_d[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + blk[:, None] * stride_vb
+            + off[:, None] * stride_vt
+            + kvh * stride_vh
+            + offs_d[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # log2 domain
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))        # finite: every visited tile has a valid key
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every visited tile has a valid key
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -126,9 +165,18 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    m_ptr, l_ptr, acc_ptr, qrow_ptr, out_ptr, v_scale,
-    stride_ot, stride_oh,
-    HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    qrow_ptr,
+    out_ptr,
+    v_scale,
+    stride_ot,
+    stride_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -137,11 +185,11 @@ def _decode_merge_kernel(
     s_mask = offs_s < NUM_SPLITS
     part = (b * HQ + h) * NUM_SPLITS + offs_s
     m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(l_ptr + part, mask=s_mask, other=0.0)
+    l = tl.load(l_ptr + part, mask=s_mask, other=0.0)  # noqa: E741 (flash-attention notation)
     acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)     # empty context: output zeros
-    w = tl.math.exp2(m - m_max)                             # empty split: exp2(-inf) = 0
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: output zeros
+    w = tl.math.exp2(m - m_max)  # empty split: exp2(-inf) = 0
     total = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0)
     o = tl.where(total > 0, o / total, 0.0) * v_scale
@@ -149,11 +197,20 @@ def _decode_merge_kernel(
     tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           out: torch.Tensor, qrow: torch.Tensor, seq_lens: torch.Tensor,
-                           block_tables: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, num_splits: int = 8,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    qrow: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int = 8,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """Single-token decode attention over the paged pool; writes out[qrow[b]] for every b.
 
     q, out: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (float32, float16,
@@ -167,40 +224,100 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, Hkv, _ = k_cache.shape
     Bd = qrow.shape[0]
     assert Hq % Hkv == 0 and D & (D - 1) == 0 and block_size & (block_size - 1) == 0
-    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert (
+        q.stride(2) == 1
+        and out.stride(2) == 1
+        and k_cache.stride(3) == 1
+        and v_cache.stride(3) == 1
+    )
     if Bd == 0:
         return out
     group = Hq // Hkv
     group_pad = max(16, triton.next_power_of_2(group))
     block_n = 64 if D <= 128 else 32
     m = torch.empty((Bd, Hq, num_splits), dtype=torch.float32, device=q.device)
-    l = torch.empty((Bd, Hq, num_splits), dtype=torch.float32, device=q.device)
+    l = torch.empty((Bd, Hq, num_splits), dtype=torch.float32, device=q.device)  # noqa: E741
     acc = torch.empty((Bd, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(Bd, Hkv, num_splits)](
-        q, k_cache, v_cache, qrow, seq_lens, block_tables, m, l, acc,
-        float(scale) * float(k_scale) * _LOG2E, 0 if sliding_window is None else int(sliding_window),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        qrow,
+        seq_lens,
+        block_tables,
+        m,
+        l,
+        acc,
+        float(scale) * float(k_scale) * _LOG2E,
+        0 if sliding_window is None else int(sliding_window),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, HQ=Hq, D=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HQ=Hq,
+        D=D,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
     )
     _decode_merge_kernel[(Bd, Hq)](
-        m, l, acc, qrow, out, float(v_scale), out.stride(0), out.stride(1),
-        HQ=Hq, D=D, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        m,
+        l,
+        acc,
+        qrow,
+        out,
+        float(v_scale),
+        out.stride(0),
+        out.stride(1),
+        HQ=Hq,
+        D=D,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=1 if D <= 64 else 2,
     )
     return out
 
 
 @triton.jit
-def _prefill_tile(q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale,
-                  k_ptr, v_ptr, bt_row, kvh, stride_kb, stride_kt, stride_kh,
-                  stride_vb, stride_vt, stride_vh,
-                  D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+def _prefill_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    t,
+    lo,
+    hi,
+    pos,
+    window,
+    qk_scale,
+    k_ptr,
+    v_ptr,
+    bt_row,
+    kvh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """One BLOCK_N-key tile of the online softmax. MASKED=False: every key of the tile is in the
     context and visible to every query of the tile (no masks)."""
     offs_d = tl.arange(0, D)
@@ -211,22 +328,34 @@ def _prefill_tile(q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale,
     else:
         blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
     off = tok % BLOCK_SIZE
-    k_ptrs = k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-    v_ptrs = v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+    k_ptrs = (
+        k_ptr
+        + blk[:, None] * stride_kb
+        + off[:, None] * stride_kt
+        + kvh * stride_kh
+        + offs_d[None, :]
+    )
+    v_ptrs = (
+        v_ptr
+        + blk[:, None] * stride_vb
+        + off[:, None] * stride_vt
+        + kvh * stride_vh
+        + offs_d[None, :]
+    )
     if MASKED:
         k = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale   # log2 domain
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # log2 domain
     if MASKED:
         visible = (tok[None, :] <= pos[:, None]) & n_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (tok[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # row with nothing visible yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row with nothing visible yet
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = m_new
@@ -239,15 +368,35 @@ def _prefill_tile(q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale,
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, seq_idx_ptr, qsl_ptr, lens_ptr, bt_ptr,
-    qk_scale, v_scale, window,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    seq_idx_ptr,
+    qsl_ptr,
+    lens_ptr,
+    bt_ptr,
+    qk_scale,
+    v_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     seq = tl.load(seq_idx_ptr + tl.program_id(0))
     h = tl.program_id(1)
@@ -262,10 +411,13 @@ def _prefill_kernel(
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     m_mask = offs_m < q_len
-    pos = seq_len - q_len + offs_m                       # query positions
+    pos = seq_len - q_len + offs_m  # query positions
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None],
+        other=0.0,
+    )
 
     # The band of keys: [lo, hi), from the first query's window start (no key before it is
     # loaded: a window group frees those blocks) to the last valid query's position. Tiles
@@ -286,36 +438,121 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if HAS_WINDOW:
-        for t in range(base, u_lo, BLOCK_N):             # the window's leading edge
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale,
-                                          k_ptr, v_ptr, bt_row, kvh, stride_kb, stride_kt, stride_kh,
-                                          stride_vb, stride_vt, stride_vh, D, BLOCK_SIZE, BLOCK_N,
-                                          True, HAS_WINDOW, DOT_PREC)
-    for t in range(u_lo, u_hi, BLOCK_N):                 # interior
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale,
-                                      k_ptr, v_ptr, bt_row, kvh, stride_kb, stride_kt, stride_kh,
-                                      stride_vb, stride_vt, stride_vh, D, BLOCK_SIZE, BLOCK_N,
-                                      False, HAS_WINDOW, DOT_PREC)
-    for t in range(u_hi, hi, BLOCK_N):                   # the causal diagonal
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale,
-                                      k_ptr, v_ptr, bt_row, kvh, stride_kb, stride_kt, stride_kh,
-                                      stride_vb, stride_vt, stride_vh, D, BLOCK_SIZE, BLOCK_N,
-                                      True, HAS_WINDOW, DOT_PREC)
+        for t in range(base, u_lo, BLOCK_N):  # the window's leading edge
+            m_i, l_i, acc = _prefill_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                t,
+                lo,
+                hi,
+                pos,
+                window,
+                qk_scale,
+                k_ptr,
+                v_ptr,
+                bt_row,
+                kvh,
+                stride_kb,
+                stride_kt,
+                stride_kh,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                D,
+                BLOCK_SIZE,
+                BLOCK_N,
+                True,
+                HAS_WINDOW,
+                DOT_PREC,
+            )
+    for t in range(u_lo, u_hi, BLOCK_N):  # interior
+        m_i, l_i, acc = _prefill_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            t,
+            lo,
+            hi,
+            pos,
+            window,
+            qk_scale,
+            k_ptr,
+            v_ptr,
+            bt_row,
+            kvh,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            HAS_WINDOW,
+            DOT_PREC,
+        )
+    for t in range(u_hi, hi, BLOCK_N):  # the causal diagonal
+        m_i, l_i, acc = _prefill_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            t,
+            lo,
+            hi,
+            pos,
+            window,
+            qk_scale,
+            k_ptr,
+            v_ptr,
+            bt_row,
+            kvh,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            HAS_WINDOW,
+            DOT_PREC,
+        )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None],
+    )
 
 
 # Prefill tiles by head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 PREFILL_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)}
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            out: torch.Tensor, seq_idx: torch.Tensor, query_start_loc: torch.Tensor,
-                            seq_lens: torch.Tensor, block_tables: torch.Tensor, max_q_len: int,
-                            scale: float, sliding_window: int | None = None,
-                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    seq_idx: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
     """Causal attention of multi-token chunks over the paged pool; writes only the q rows of the
     sequences in seq_idx.
 
@@ -329,22 +566,48 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _, block_size, Hkv, _ = k_cache.shape
     Bp = seq_idx.shape[0]
     assert Hq % Hkv == 0 and D & (D - 1) == 0 and block_size & (block_size - 1) == 0
-    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert (
+        q.stride(2) == 1
+        and out.stride(2) == 1
+        and k_cache.stride(3) == 1
+        and v_cache.stride(3) == 1
+    )
     if Bp == 0 or max_q_len <= 0:
         return out
     assert D <= 256, "head dims up to 256"
     block_m, block_n, warps, stages = PREFILL_CONFIGS[max(64, D)]
     grid = (Bp, Hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, seq_idx, query_start_loc, seq_lens, block_tables,
-        float(scale) * float(k_scale) * _LOG2E, float(v_scale),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        seq_idx,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        float(scale) * float(k_scale) * _LOG2E,
+        float(v_scale),
         0 if sliding_window is None else int(sliding_window),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=Hq // Hkv, D=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        GROUP=Hq // Hkv,
+        D=D,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return out

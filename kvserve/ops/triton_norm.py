@@ -7,6 +7,7 @@ scales by the weight (one more rounding to x.dtype: the same as RMSNorm.forward 
 has x's dtype, and exact float32 math for float32 inputs). RoPE uses the "rotate half" tables of
 RotaryEmbedding (cos duplicated, sin signed: -sin, +sin) and computes in float32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,21 @@ def _row_warps(block: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, new_res_ptr, stride_x, stride_r, stride_y,
-                     stride_nr, H, eps,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    new_res_ptr,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_nr,
+    H,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -30,7 +43,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, new_res_ptr, stride_x, stride
     xf = x.to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        x = (r + xf).to(dtype)                         # one rounding of the sum
+        x = (r + xf).to(dtype)  # one rounding of the sum
         tl.store(new_res_ptr + row * stride_nr + offs, x, mask=mask)
         xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / H
@@ -51,13 +64,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if N == 0:
         return y
     block = triton.next_power_of_2(H)
-    _rms_norm_kernel[(N,)](x, x, weight, y, y, x.stride(0), 0, y.stride(0), 0, H, float(eps),
-                           BLOCK=block, HAS_RES=False, num_warps=_row_warps(block))
+    _rms_norm_kernel[(N,)](
+        x,
+        x,
+        weight,
+        y,
+        y,
+        x.stride(0),
+        0,
+        y.stride(0),
+        0,
+        H,
+        float(eps),
+        BLOCK=block,
+        HAS_RES=False,
+        num_warps=_row_warps(block),
+    )
     return y
 
 
-def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + delta, rms_norm(residual + delta)) in one pass over each row. The sum is taken
     in float32 and rounded once to residual.dtype; the norm is of that rounded sum."""
     _check_rows(residual)
@@ -71,16 +99,41 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     block = triton.next_power_of_2(H)
     # The kernel's x is delta, cast to the residual's dtype for the sum's rounding.
     delta = delta if delta.dtype == residual.dtype else delta.to(residual.dtype)
-    _rms_norm_kernel[(N,)](delta, residual, weight, y, new_res, delta.stride(0), residual.stride(0),
-                           y.stride(0), new_res.stride(0), H, float(eps),
-                           BLOCK=block, HAS_RES=True, num_warps=_row_warps(block))
+    _rms_norm_kernel[(N,)](
+        delta,
+        residual,
+        weight,
+        y,
+        new_res,
+        delta.stride(0),
+        residual.stride(0),
+        y.stride(0),
+        new_res.stride(0),
+        H,
+        float(eps),
+        BLOCK=block,
+        HAS_RES=True,
+        num_warps=_row_warps(block),
+    )
     return new_res, y
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, H,
-                 stride_xt, stride_xh, stride_cos, stride_sin,
-                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_cos,
+    stride_sin,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF_PAD)
@@ -104,8 +157,9 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, H,
     tl.store(yp + HALF, y2.to(dtype), mask=mask)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-         sin_cache: torch.Tensor) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> torch.Tensor:
     """x [T, H, D] (last dim contiguous, other strides free) rotated by its token's position:
     x * cos[pos] + cat(x[..., D/2:], x[..., :D/2]) * sin[pos] in float32, as a new contiguous
     [T, H, D] tensor of x.dtype. cos_cache, sin_cache: float32 [max_positions, D] as
@@ -120,9 +174,19 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
     half_pad = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(H), max(1, 4096 // half_pad))
     _rope_kernel[(T, triton.cdiv(H, block_h))](
-        x, positions, cos_cache, sin_cache, y, H,
-        x.stride(0), x.stride(1), cos_cache.stride(0), sin_cache.stride(0),
-        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h,
+        x,
+        positions,
+        cos_cache,
+        sin_cache,
+        y,
+        H,
+        x.stride(0),
+        x.stride(1),
+        cos_cache.stride(0),
+        sin_cache.stride(0),
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
         num_warps=_row_warps(block_h * half_pad),
     )
     return y

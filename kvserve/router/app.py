@@ -14,6 +14,7 @@ replica, and is out of rotation until its health check passes. With no healthy r
 answer is 503 at once. What a client got wrong (headers, body size, JSON) is its 4xx and never
 counts against a replica (kvserve/router/forwarding.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,17 +33,24 @@ from kvserve.router.policy import Replica, Router, routing_key
 from kvserve.server.errors import error_body, install_error_handlers
 
 log = logging.getLogger("kvserve.router")
-KV_TRANSFER_HEADER = "X-KV-Transfer-Key"     # the replicas' handover secret (engine/kv_payload.py)
+KV_TRANSFER_HEADER = "X-KV-Transfer-Key"  # the replicas' handover secret (engine/kv_payload.py)
 
 
-def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, type: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
-def build_router_app(router: Router, health_interval: float = 2.0, request_timeout: float = 600.0,
-                     api_key: str | None = None, prefill: Router | None = None,
-                     max_body_bytes: int = forwarding.DEFAULT_MAX_BODY_BYTES,
-                     kv_transfer_key: str | None = None) -> FastAPI:
+def build_router_app(
+    router: Router,
+    health_interval: float = 2.0,
+    request_timeout: float = 600.0,
+    api_key: str | None = None,
+    prefill: Router | None = None,
+    max_body_bytes: int = forwarding.DEFAULT_MAX_BODY_BYTES,
+    kv_transfer_key: str | None = None,
+) -> FastAPI:
     """`api_key`: when set, every route but /health needs 'Authorization: Bearer KEY' (checked
     here, then passed on: replicas may check their own). `prefill`: the prefill replicas of
     prefill/decode disaggregation (`router` then holds the decode replicas), and
@@ -60,7 +68,12 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
         except httpx.HTTPError as e:
             ok, error = False, f"/health failed: {type(e).__name__}: {e}"
         if ok != replica.healthy:
-            log.warning("replica %s is %s%s", replica.url, "healthy" if ok else "down", f" ({error})" if error else "")
+            log.warning(
+                "replica %s is %s%s",
+                replica.url,
+                "healthy" if ok else "down",
+                f" ({error})" if error else "",
+            )
         replica.healthy = ok
         if error:
             replica.last_error = error
@@ -73,8 +86,10 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal client
-        client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0),
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
         await asyncio.gather(*(check(r) for r in everyone))
         task = asyncio.create_task(health_loop())
         try:
@@ -85,27 +100,36 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
     app.state.router = router
-    install_error_handlers(app)         # every error, 404s and 500s too, is an OpenAI error body
+    install_error_handlers(app)  # every error, 404s and 500s too, is an OpenAI error body
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         if api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
-                              "invalid_request_error", code="invalid_api_key")
+                return _error(
+                    401,
+                    "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
         return await call_next(request)
 
     def replica_lost(replica: Replica, e: Exception) -> None:
         replica.healthy = False
         replica.failures += 1
         replica.last_error = f"{type(e).__name__}: {e}"
-        log.error("replica %s lost a request (%s); out of rotation until its health check passes",
-                  replica.url, replica.last_error)
+        log.error(
+            "replica %s lost a request (%s); out of rotation until its health check passes",
+            replica.url,
+            replica.last_error,
+        )
 
     def lost_message(replica: Replica) -> str:
-        return (f"replica {replica.url} failed while serving this request ({replica.last_error}); "
-                f"it is out of rotation until its health check passes: retry the request")
+        return (
+            f"replica {replica.url} failed while serving this request ({replica.last_error}); "
+            f"it is out of rotation until its health check passes: retry the request"
+        )
 
     async def route(request: Request, path: str) -> Response:
         """Bad input (headers, body size, JSON) is refused here with a 4xx (forwarding.py); past
@@ -114,12 +138,14 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
         try:
             raw = await forwarding.read_body(request, max_body_bytes)
         except ClientDisconnect:
-            return Response(status_code=499)        # nobody is left to answer
+            return Response(status_code=499)  # nobody is left to answer
         body = forwarding.parse_json_body(raw)
         key = routing_key(path, body)
         stream = body.get("stream") is True
-        handover = await prefill_elsewhere(path, body, key, headers) if prefill is not None else None
-        if prefill is not None and kv_transfer_key:      # clients' own copies are never forwarded
+        handover = (
+            await prefill_elsewhere(path, body, key, headers) if prefill is not None else None
+        )
+        if prefill is not None and kv_transfer_key:  # clients' own copies are never forwarded
             headers[KV_TRANSFER_HEADER] = kv_transfer_key
         tried: tuple[Replica, ...] = ()
         while True:
@@ -127,20 +153,28 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
             if replica is not None and handover is not None:
                 await hand_over(replica, handover, headers)
             if replica is None:
-                down = "; ".join(f"{r.url}: {r.last_error or 'not checked yet'}" for r in router.replicas)
-                return _error(503, f"no healthy replica can take the request ({down})", "service_unavailable",
-                              code="no_healthy_replica")
-            upstream = client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers)
+                down = "; ".join(
+                    f"{r.url}: {r.last_error or 'not checked yet'}" for r in router.replicas
+                )
+                return _error(
+                    503,
+                    f"no healthy replica can take the request ({down})",
+                    "service_unavailable",
+                    code="no_healthy_replica",
+                )
+            upstream = client.build_request(
+                "POST", f"{replica.url}{path}", content=raw, headers=headers
+            )
             replica.in_flight += 1
             try:
                 response = await client.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:   # nothing reached the replica:
-                replica.in_flight -= 1                                 # the next one may take it
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing reached the replica:
+                replica.in_flight -= 1  # the next one may take it
                 replica_lost(replica, e)
                 tried += (replica,)
                 continue
-            except httpx.LocalProtocolError as e:   # what the client sent cannot go out as HTTP:
-                replica.in_flight -= 1              # its fault, not the replica's
+            except httpx.LocalProtocolError as e:  # what the client sent cannot go out as HTTP:
+                replica.in_flight -= 1  # its fault, not the replica's
                 log.info("refused to forward a request to %s: %s", replica.url, e)
                 return forwarding.unforwardable(e).response()
             except httpx.HTTPError as e:
@@ -148,8 +182,11 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
                 replica_lost(replica, e)
                 return _error(502, lost_message(replica), "server_error", code="replica_failed")
             break
-        passed = {k: v for k, v in response.headers.items()
-                  if k.lower() in ("content-type", "retry-after", "x-request-id")}
+        passed = {
+            k: v
+            for k, v in response.headers.items()
+            if k.lower() in ("content-type", "retry-after", "x-request-id")
+        }
         passed["x-kvserve-replica"] = replica.url
         if not stream or response.status_code != 200:
             try:
@@ -168,8 +205,9 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
                     yield chunk
             except httpx.HTTPError as e:
                 replica_lost(replica, e)
-                yield f"data: {json.dumps(error_body(lost_message(replica), 'server_error', code='replica_failed'))}\n\n".encode()
-            finally:                 # also when the client went away: closing upstream aborts the request there
+                body = error_body(lost_message(replica), "server_error", code="replica_failed")
+                yield f"data: {json.dumps(body)}\n\n".encode()
+            finally:  # also when the client went away: closing upstream aborts the request there
                 replica.in_flight -= 1
                 await response.aclose()
 
@@ -183,11 +221,15 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
             ask = {"messages": body.get("messages")}
         elif isinstance(body.get("prompt"), str):
             ask = {"prompt": body["prompt"]}
-        elif isinstance(body.get("prompt"), list) and body["prompt"] and all(isinstance(t, int) for t in body["prompt"]):
+        elif (
+            isinstance(body.get("prompt"), list)
+            and body["prompt"]
+            and all(isinstance(t, int) for t in body["prompt"])
+        ):
             ask = None
         else:
             return None
-        if body.get("cache_salt") is not None:   # handed-over blocks are not in its namespace
+        if body.get("cache_salt") is not None:  # handed-over blocks are not in its namespace
             return None
         replica, _ = prefill.choose(key)
         if replica is None:
@@ -197,15 +239,25 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
             if ask is None:
                 ids = body["prompt"]
             else:
-                r = await client.post(f"{replica.url}/tokenize", json={"model": body.get("model"), **ask}, headers=headers)
+                r = await client.post(
+                    f"{replica.url}/tokenize",
+                    json={"model": body.get("model"), **ask},
+                    headers=headers,
+                )
                 if r.status_code != 200:
                     return None
                 ids = r.json()["tokens"]
-            r = await client.post(f"{replica.url}/v1/kv/prefill", json={"prompt_token_ids": ids},
-                                  headers={**headers, KV_TRANSFER_HEADER: kv_transfer_key or ""})
+            r = await client.post(
+                f"{replica.url}/v1/kv/prefill",
+                json={"prompt_token_ids": ids},
+                headers={**headers, KV_TRANSFER_HEADER: kv_transfer_key or ""},
+            )
             if r.status_code != 200:
-                log.warning("prefill on %s answered %d: the decode replica computes the prompt", replica.url,
-                            r.status_code)
+                log.warning(
+                    "prefill on %s answered %d: the decode replica computes the prompt",
+                    replica.url,
+                    r.status_code,
+                )
                 return None
             return r.content
         except httpx.HTTPError as e:
@@ -217,15 +269,25 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
     async def hand_over(replica: Replica, payload: bytes, headers: dict) -> None:
         """Disaggregation, step 2: the decode replica adopts the blocks into its prefix cache."""
         try:
-            r = await client.post(f"{replica.url}/v1/kv/import", content=payload,
-                                  headers={**headers, "content-type": "application/octet-stream",
-                                           KV_TRANSFER_HEADER: kv_transfer_key or ""})
+            r = await client.post(
+                f"{replica.url}/v1/kv/import",
+                content=payload,
+                headers={
+                    **headers,
+                    "content-type": "application/octet-stream",
+                    KV_TRANSFER_HEADER: kv_transfer_key or "",
+                },
+            )
             if r.status_code == 200:
                 router.handed_over_tokens += r.json().get("cached_tokens", 0)
             else:
-                log.warning("KV import on %s answered %d: %s", replica.url, r.status_code, r.text[:200])
+                log.warning(
+                    "KV import on %s answered %d: %s", replica.url, r.status_code, r.text[:200]
+                )
         except httpx.HTTPError as e:
-            log.warning("KV import on %s failed (%s): it computes the prompt itself", replica.url, e)
+            log.warning(
+                "KV import on %s failed (%s): it computes the prompt itself", replica.url, e
+            )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -244,14 +306,19 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
             except httpx.HTTPError as e:
                 replica_lost(replica, e)
                 continue
-            return Response(r.content, status_code=r.status_code, headers={"content-type": r.headers.get(
-                "content-type", "application/json")})
+            return Response(
+                r.content,
+                status_code=r.status_code,
+                headers={"content-type": r.headers.get("content-type", "application/json")},
+            )
         return _error(503, "no healthy replica", "service_unavailable", code="no_healthy_replica")
 
     @app.get("/health")
     async def health():
         n = len(router.healthy())
-        return JSONResponse({"healthy_replicas": n, "replicas": len(router.replicas)}, status_code=200 if n else 503)
+        return JSONResponse(
+            {"healthy_replicas": n, "replicas": len(router.replicas)}, status_code=200 if n else 503
+        )
 
     @app.get("/router/stats")
     async def stats():

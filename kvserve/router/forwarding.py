@@ -5,6 +5,7 @@ Everything here fails with a 4xx APIError (kvserve/server/errors.py) naming what
 request is the client's fault, never the replica's, so it must be refused here, before a replica
 sees it, and must not take a healthy replica out of rotation.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,20 @@ from starlette.requests import Request
 from kvserve.server.errors import BadRequest, TooLarge
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-MAX_JSON_DEPTH = 160         # above the replicas' own bound on a schema's nesting (128 levels,
-                             # sampling_params.MAX_SCHEMA_DEPTH) plus the request's few levels
-MAX_INT_DIGITS = 4300        # Python's own limit for int from str (sys.int_info); the replica
-                             # checks each field's range
+MAX_JSON_DEPTH = 160  # above the replicas' own bound on a schema's nesting (128 levels,
+# sampling_params.MAX_SCHEMA_DEPTH) plus the request's few levels
+MAX_INT_DIGITS = 4300  # Python's own limit for int from str (sys.int_info); the replica
+# checks each field's range
 
 # The headers a replica needs (True: the request cannot go without them as sent) or may use
 # (False: dropped when their value cannot be forwarded). Everything else (hop-by-hop headers,
 # cookies, proxies' additions) stays at the router.
-FORWARD_HEADERS = {"authorization": True, "content-type": True,
-                   "accept": False, "user-agent": False}
+FORWARD_HEADERS = {
+    "authorization": True,
+    "content-type": True,
+    "accept": False,
+    "user-agent": False,
+}
 # RFC 9110 field-value of visible ASCII: what the router's HTTP client (h11) sends as a str
 _FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e](?:[\x20\x09\x21-\x7e]*[\x21-\x7e])?)?")
 
@@ -43,25 +48,31 @@ def forward_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
         if _FIELD_VALUE.fullmatch(value):
             out[key] = value.decode("ascii")
         elif FORWARD_HEADERS[key]:
-            raise BadRequest(f"the {key} header holds characters that cannot be forwarded "
-                             "(control or non-ASCII bytes): send visible ASCII only",
-                             param=key, code="invalid_header")
+            raise BadRequest(
+                f"the {key} header holds characters that cannot be forwarded "
+                "(control or non-ASCII bytes): send visible ASCII only",
+                param=key,
+                code="invalid_header",
+            )
     return out
 
 
 def unforwardable(e: httpx.LocalProtocolError) -> BadRequest:
     """The 400 for a request the router's HTTP client refused to send as given: what the client
     sent is at fault, not the replica."""
-    return BadRequest(f"the request cannot be forwarded as sent ({e}): check its headers",
-                      code="invalid_request")
+    return BadRequest(
+        f"the request cannot be forwarded as sent ({e}): check its headers", code="invalid_request"
+    )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, counted as it arrives: a 413 (closing the connection) as soon as the
     declared length or the bytes received pass `limit`, so no more than `limit` is ever held."""
-    too_large = TooLarge(f"the request body is over the router's limit of {limit} bytes "
-                         "(kvserve router --router-max-body-bytes)",
-                         headers={"Connection": "close"})
+    too_large = TooLarge(
+        f"the request body is over the router's limit of {limit} bytes "
+        "(kvserve router --router-max-body-bytes)",
+        headers={"Connection": "close"},
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -92,13 +103,16 @@ def parse_json_body(raw: bytes) -> dict:
     try:
         try:
             body = json.loads(raw)
-        except ValueError:      # JSONDecodeError, UnicodeDecodeError, an integer too long
-            body = json.loads(raw, parse_int=_parse_int)    # the hook costs 4x on ints: 2nd try
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError, an integer too long
+            body = json.loads(raw, parse_int=_parse_int)  # the hook is slow on ints: 2nd try only
     except RecursionError:
         raise _too_deep(_deep_field(raw)) from None
     except ValueError as e:
-        raise BadRequest(f"We could not parse the JSON body of your request ({e}). "
-                         "The body must be a JSON object.", code="invalid_json") from None
+        raise BadRequest(
+            f"We could not parse the JSON body of your request ({e}). "
+            "The body must be a JSON object.",
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", code="invalid_json")
     stack = [(body, (), 1)]
@@ -107,13 +121,17 @@ def parse_json_body(raw: bytes) -> dict:
         if isinstance(value, _LongInt):
             param = ".".join(map(str, path))
             digits = len(value.lstrip("-"))
-            raise BadRequest(f"{param}: an integer of {digits} digits is over the limit of "
-                             f"{MAX_INT_DIGITS} digits", param=param, code="invalid_value")
+            raise BadRequest(
+                f"{param}: an integer of {digits} digits is over the limit of "
+                f"{MAX_INT_DIGITS} digits",
+                param=param,
+                code="invalid_value",
+            )
         if depth > MAX_JSON_DEPTH:
             raise _too_deep(str(path[0]))
         items = value.items() if isinstance(value, dict) else enumerate(value)
         values = value.values() if isinstance(value, dict) else value
-        if _NESTED.isdisjoint(map(type, values)):   # scalars only (a prompt's token ids)
+        if _NESTED.isdisjoint(map(type, values)):  # scalars only (a prompt's token ids)
             continue
         stack.extend((v, (*path, k), depth + 1) for k, v in items if type(v) in _NESTED)
     return body
@@ -121,8 +139,11 @@ def parse_json_body(raw: bytes) -> dict:
 
 def _too_deep(param: str | None) -> BadRequest:
     where = f"{param}: " if param else ""
-    return BadRequest(f"{where}the JSON nests more than {MAX_JSON_DEPTH} levels deep", param=param,
-                      code="invalid_value")
+    return BadRequest(
+        f"{where}the JSON nests more than {MAX_JSON_DEPTH} levels deep",
+        param=param,
+        code="invalid_value",
+    )
 
 
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"(\s*:)?|[\[\]{}]', re.DOTALL)
@@ -136,7 +157,7 @@ def _deep_field(raw: bytes) -> str | None:
         token = m.group()
         if token[:1] == b'"':
             if depth == 1 and m.group(1):
-                key = token[:token.rindex(b'"') + 1]
+                key = token[: token.rindex(b'"') + 1]
                 try:
                     field = json.loads(key)
                 except ValueError:

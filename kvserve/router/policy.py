@@ -13,9 +13,11 @@ leading blocks wins when that run is at least `min_match_blocks` long and the re
 (requests in flight) is at most the least loaded replica's, L, plus max(balance_slack,
 balance_ratio x L); otherwise the least loaded replica wins (ties go round robin). A prefix every
 request shares (a system prompt) must not pull all traffic to the first replica that saw it: the
-slack is small, so the second replica soon takes a request and holds that prefix too. The `least_loaded` and `random` policies exist to
-compare against. Pure Python: no I/O, no locks (the router calls it from one event loop).
+slack is small, so the second replica soon takes a request and holds that prefix too. The
+`least_loaded` and `random` policies exist to compare against. Pure Python: no I/O, no locks (the
+router calls it from one event loop).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +26,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-BLOCK_CHARS = 64            # about 16 tokens of English text: one KV block of the engine
+BLOCK_CHARS = 64  # about 16 tokens of English text: one KV block of the engine
 POLICIES = ("prefix", "least_loaded", "random")
 
 
@@ -33,7 +35,7 @@ def block_hashes(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = 25
     out: list[bytes] = []
     parent = b""
     for i in range(min(len(text) // block_chars, max_blocks)):
-        block = text[i * block_chars:(i + 1) * block_chars].encode("utf-8", "surrogatepass")
+        block = text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass")
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         out.append(parent)
     return out
@@ -44,16 +46,17 @@ class Replica:
     url: str
     healthy: bool = False
     in_flight: int = 0
-    routed: int = 0                 # requests sent here
-    prefix_routed: int = 0          # ... of which for a remembered prefix
-    failures: int = 0               # requests that failed on the replica's side (connection lost)
+    routed: int = 0  # requests sent here
+    prefix_routed: int = 0  # ... of which for a remembered prefix
+    failures: int = 0  # requests that failed on the replica's side (connection lost)
     last_error: str | None = None
     blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
     def matched_blocks(self, hashes: list[bytes]) -> int:
-        """How many of the leading `hashes` this replica remembers (a chained hash implies all before it)."""
+        """How many of the leading `hashes` this replica remembers (a chained hash implies all
+        before it)."""
         lo, hi = 0, len(hashes)
-        while lo < hi:                          # the run is a prefix: binary search its end
+        while lo < hi:  # the run is a prefix: binary search its end
             mid = (lo + hi + 1) // 2
             if hashes[mid - 1] in self.blocks:
                 lo = mid
@@ -70,15 +73,26 @@ class Replica:
 
 
 class Router:
-    def __init__(self, urls: list[str], policy: str = "prefix", min_match_blocks: int = 1,
-                 balance_slack: int = 1, balance_ratio: float = 0.25, max_blocks: int = 100_000,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        policy: str = "prefix",
+        min_match_blocks: int = 1,
+        balance_slack: int = 1,
+        balance_ratio: float = 0.25,
+        max_blocks: int = 100_000,
+        seed: int = 0,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {list(POLICIES)}")
         if not urls:
-            raise ValueError("the router needs at least one replica (--replica URL or --data-parallel-size N)")
+            raise ValueError(
+                "the router needs at least one replica (--replica URL or --data-parallel-size N)"
+            )
         if len(set(urls)) != len(urls):
-            raise ValueError(f"a replica is given twice: {sorted(u for u in set(urls) if urls.count(u) > 1)}")
+            raise ValueError(
+                f"a replica is given twice: {sorted(u for u in set(urls) if urls.count(u) > 1)}"
+            )
         self.replicas = [Replica(u) for u in urls]
         self.policy = policy
         self.min_match_blocks = min_match_blocks
@@ -87,7 +101,9 @@ class Router:
         self.max_blocks = max_blocks
         self._rng = random.Random(seed)
         self._next = 0
-        self.handed_over_tokens = 0     # prefill/decode disaggregation: KV tokens the decode replicas adopted
+        self.handed_over_tokens = (
+            0  # prefill/decode disaggregation: KV tokens the decode replicas adopted
+        )
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
@@ -100,7 +116,8 @@ class Router:
 
     def choose(self, key: str, exclude: tuple[Replica, ...] = ()) -> tuple[Replica | None, int]:
         """(the replica for a request whose prompt text is `key`, the prompt blocks it remembers);
-        (None, 0) when no healthy replica is left. Records the choice (routed, remembered blocks)."""
+        (None, 0) when no healthy replica is left. Records the choice (routed, remembered
+        blocks)."""
         candidates = [r for r in self.healthy() if r not in exclude]
         if not candidates:
             return None, 0
@@ -125,10 +142,21 @@ class Router:
         return choice, matched
 
     def stats(self) -> dict:
-        return {"policy": self.policy,
-                "replicas": [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "routed": r.routed,
-                              "prefix_routed": r.prefix_routed, "failures": r.failures, "last_error": r.last_error}
-                             for r in self.replicas]}
+        return {
+            "policy": self.policy,
+            "replicas": [
+                {
+                    "url": r.url,
+                    "healthy": r.healthy,
+                    "in_flight": r.in_flight,
+                    "routed": r.routed,
+                    "prefix_routed": r.prefix_routed,
+                    "failures": r.failures,
+                    "last_error": r.last_error,
+                }
+                for r in self.replicas
+            ],
+        }
 
 
 def routing_key(path: str, body: dict) -> str:
@@ -141,12 +169,21 @@ def routing_key(path: str, body: dict) -> str:
             if not isinstance(m, dict):
                 continue
             content = m.get("content")
-            if isinstance(content, list):       # content parts: their text, in order
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
-                                  and isinstance(p.get("text", ""), str))
+            if isinstance(content, list):  # content parts: their text, in order
+                content = "".join(
+                    p.get("text", "")
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                )
             parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}")
         return "".join(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else " ".join(map(str, prompt)) if isinstance(prompt, list) else ""
+    return (
+        prompt
+        if isinstance(prompt, str)
+        else " ".join(map(str, prompt))
+        if isinstance(prompt, list)
+        else ""
+    )

@@ -8,6 +8,7 @@ rows decode token 0 at position 0 into a scratch block that the pool holds past 
 blocks (their KV is never read by a real request), so every padded replay computes real rows
 exactly as an unpadded step would.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,17 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_batch: int, max_blocks: int, scratch_block: int, num_kv_heads: int, sm_count: int):
+    def __init__(
+        self,
+        model,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        max_batch: int,
+        max_blocks: int,
+        scratch_block: int,
+        num_kv_heads: int,
+        sm_count: int,
+    ):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = graph_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -46,15 +56,28 @@ class DecodeGraphs:
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.num_kv_heads, self.sm_count = num_kv_heads, sm_count
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.replays = 0            # decode steps run from a graph
+        self.replays = 0  # decode steps run from a graph
 
     def _meta(self, b: int) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping=self.slots[:b], query_start_loc=list(range(b + 1)), seq_lens=[1] * b,
-                                 block_tables=self.tables[:b], block_size=self.block_size)
-        meta.gpu = GpuPlan(query_start_loc=self.qsl[:b + 1], seq_lens=self.lens[:b], block_tables=self.tables[:b],
-                           decode_rows=self.rows[:b], decode_lens=self.lens[:b], decode_tables=self.tables[:b],
-                           prefill_seqs=self.rows[:0], num_decodes=b, max_q_len=0,
-                           num_splits=decode_splits(b, self.num_kv_heads, self.sm_count))
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:b],
+            query_start_loc=list(range(b + 1)),
+            seq_lens=[1] * b,
+            block_tables=self.tables[:b],
+            block_size=self.block_size,
+        )
+        meta.gpu = GpuPlan(
+            query_start_loc=self.qsl[: b + 1],
+            seq_lens=self.lens[:b],
+            block_tables=self.tables[:b],
+            decode_rows=self.rows[:b],
+            decode_lens=self.lens[:b],
+            decode_tables=self.tables[:b],
+            prefill_seqs=self.rows[:0],
+            num_decodes=b,
+            max_q_len=0,
+            num_splits=decode_splits(b, self.num_kv_heads, self.sm_count),
+        )
         return meta
 
     @torch.inference_mode()
@@ -80,7 +103,9 @@ class DecodeGraphs:
         return bool(self.graphs) and num_seqs <= self.max_batch and table_width <= self.max_blocks
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [B, H] of a step of B single-token decodes (host tensors from
         ModelRunner.prepare), by replaying the smallest captured size >= B."""
         n = input_ids.numel()
@@ -91,7 +116,7 @@ class DecodeGraphs:
         self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32), non_blocking=True)
         self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if b > n:       # padding rows: the scratch block, one token
+        if b > n:  # padding rows: the scratch block, one token
             self.ids[n:b].zero_()
             self.positions[n:b].zero_()
             self.slots[n:b].fill_(self.scratch_slot)

@@ -1,4 +1,5 @@
 """Where the engine runs: whether CUDA is there, and how much GPU memory the KV cache may take."""
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,8 @@ GPU_HEADROOM_BYTES = 1 << 30
 
 
 def cuda_available(requested: str) -> bool:
-    """torch.cuda.is_available(), asked only when the device is not cpu (asking initializes CUDA)."""
+    """torch.cuda.is_available(), asked only when the device is not cpu (asking initializes
+    CUDA)."""
     return requested != "cpu" and torch.cuda.is_available()
 
 
@@ -20,8 +22,11 @@ def activation_bytes(arch, sched: SchedulerConfig, dtype_bytes: int) -> int:
     gate/up/down of max_num_batched_tokens tokens (a few alive at once), and float32 logits of
     every running request with the sampler's copies of them."""
     tokens = sched.max_num_batched_tokens
-    per_token = (6 * arch.hidden_size + 3 * arch.intermediate_size
-                 + 2 * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim) * dtype_bytes
+    per_token = (
+        6 * arch.hidden_size
+        + 3 * arch.intermediate_size
+        + 2 * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    ) * dtype_bytes
     logits = sched.max_num_seqs * arch.vocab_size * 4 * 4
     return tokens * per_token + logits
 
@@ -32,7 +37,9 @@ def cuda_kv_budget(device: str, utilization: float, reserve: int) -> int:
     free, total = torch.cuda.mem_get_info(torch.device(device))
     budget = int(total * utilization) - (total - free) - reserve - GPU_HEADROOM_BYTES
     if budget <= 0:
-        raise ValueError(f"{device}: {utilization:.0%} of its {total / 2**30:.1f} GiB leaves no room for a KV cache "
-                         f"({(total - free) / 2**30:.1f} GiB are in use): raise --gpu-memory-utilization or lower "
-                         f"--max-num-batched-tokens/--max-num-seqs")
+        raise ValueError(
+            f"{device}: {utilization:.0%} of its {total / 2**30:.1f} GiB leaves no room for a "
+            f"KV cache ({(total - free) / 2**30:.1f} GiB are in use): raise "
+            f"--gpu-memory-utilization or lower --max-num-batched-tokens/--max-num-seqs"
+        )
     return budget

@@ -1,16 +1,19 @@
 """Whole steps of a Llama-family model as one C call (kvserve/ops/csrc/layer_stack.c).
 
 When every linear of the model holds GGUF-packed weights (quant.GgufMethod) and the C kernels
-are built, the runner sends every step here, prompt chunks and decodes alike: same weights and
-same math as LlamaForCausalLM.forward (tests compare the two), no Python between layers, and
-each token's numbers computed on their own in a fixed order, so a request's tokens at
-temperature 0 do not depend on the thread count, on how its prompt was chunked, on what else
-shares the step, nor on the ISA build. Other models (dense or int4/int8 weights, bf16) run the
-PyTorch forward.
+are built, the runner's step backend (runner/backends/layer_stack.py) sends every step here,
+prompt chunks and decodes alike: same weights and same math as LlamaForCausalLM.forward (tests
+compare the two), no Python between layers, and each token's numbers computed on their own in a
+fixed order, so a request's tokens at temperature 0 do not depend on the thread count, on how
+its prompt was chunked, on what else shares the step, nor on the ISA build. Other models (dense
+or int4/int8 weights, bf16) run the PyTorch forward; `refusal()` names what keeps one off and
+the setting that brings it back.
 """
+
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -23,26 +26,31 @@ from kvserve.ops.attention import AttentionMetadata
 class CLayerStack:
     def __init__(self, model: LlamaForCausalLM, parts: str = "two"):
         self.model = model
-        self.isa = cpu_kernels.selected_isa()       # the kernel build, fixed for the engine's life
-        self.parts = parts             # the activations' 8-bit parts (cpu_kernels.ACT_PARTS); other than
-                                       # "two" (gguf-a8, gguf-mixed): every token on the integer GEMV
-        self._kv_caches = None         # the pools the layer table points at
+        self.isa = cpu_kernels.selected_isa()  # the kernel build, fixed for the engine's life
+        self.parts = parts  # the activations' 8-bit parts (cpu_kernels.ACT_PARTS); other than
+        # "two" (gguf-a8, gguf-mixed): every token on the integer GEMV
+        self._kv_caches = None  # the pools the layer table points at
         self._layers = None
         self._struct = None
 
     @classmethod
     def build(cls, model) -> CLayerStack | None:
-        """A CLayerStack for `model`, or None when some part has no C path (declined() says which)."""
+        """A CLayerStack for `model`, or None when some part has no C path (declined() says
+        which)."""
         return cls.build_with_reason(model)[0]
 
     @classmethod
-    def build_with_reason(cls, model, kv_caches=None) -> tuple[CLayerStack | None, str | None]:
+    def build_with_reason(cls, model, kv_caches=None) -> tuple[CLayerStack | None, Refusal | None]:
         """(a CLayerStack, None) for `model` (and its KV pools when given), or (None, why not):
-        the tensor or condition that keeps it on the PyTorch forward, for the start-up log."""
-        why = cls.declined(model)
+        the tensor or condition that keeps it on the PyTorch forward and the setting that brings
+        it back, for the start-up log."""
+        why = cls.refusal(model)
         if why is None and kv_caches is not None and not cls.runs(kv_caches):
-            why = (f"the KV cache is {kv_caches[0][0].dtype}; the C attention reads float32, "
-                   "float16 or int8 rows (--kv-cache-dtype)")
+            why = Refusal(
+                f"the KV cache is {kv_caches[0][0].dtype}; the C attention reads float32, "
+                "float16 or int8 rows (--kv-cache-dtype)",
+                "--kv-cache-dtype float32, float16 or int8",
+            )
         return (None, why) if why else (cls(model, parts=_act_parts(model)), None)
 
     @staticmethod
@@ -50,39 +58,48 @@ class CLayerStack:
         """Why `model` cannot run as a C layer stack, naming the tensor or condition (None: it
         can): not a Llama-family float32 model, no C kernels, a linear without packed GGUF
         weights (and the reason it was kept dense), biases the stack does not take."""
+        why = CLayerStack.refusal(model)
+        return None if why is None else why.why
+
+    @staticmethod
+    def refusal(model) -> Refusal | None:
+        """declined(), with the setting that gets the stack back where one does."""
         if not isinstance(model, LlamaForCausalLM):
-            return f"{type(model).__name__} is not a Llama-family model"
+            return Refusal(f"{type(model).__name__} is not a Llama-family model")
         if model.dtype != torch.float32:
-            return f"the model computes in {model.dtype}, the C stack in float32"
+            return Refusal(
+                f"the model computes in {model.dtype}, the C stack in float32", "--dtype float32"
+            )
         if not cpu_kernels.available():
-            return "the C kernels are not built (no C compiler)"
+            return Refusal(
+                "the C kernels are not built (no C compiler)",
+                "a C compiler (cc) on the PATH, so that the kernels build at start",
+            )
         attn = model.layers[0].self_attn
         if attn.num_heads // attn.num_kv_heads > cpu_kernels.MAX_GROUP:
-            return (f"{attn.num_heads // attn.num_kv_heads} query heads per KV head, more than "
-                    f"{cpu_kernels.MAX_GROUP}")
+            return Refusal(
+                f"{attn.num_heads // attn.num_kv_heads} query heads per KV head, more than "
+                f"{cpu_kernels.MAX_GROUP}"
+            )
         embed = model.embed_tokens.weight
-        if embed is None and model.embed_tokens.packed is None and not (
-                model.tied_head and getattr(model.lm_head, "gguf_packed", None) is not None):
-            return "the embedding's rows are read from a head that is not one packed matrix"
+        if (
+            embed is None
+            and model.embed_tokens.packed is None
+            and not (model.tied_head and getattr(model.lm_head, "gguf_packed", None) is not None)
+        ):
+            return Refusal(
+                "the embedding's rows are read from a head that is not one packed matrix"
+            )
         if embed is not None and embed.dtype != torch.float32:
-            return f"the embedding is {embed.dtype}"
+            return Refusal(f"the embedding is {embed.dtype}")
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for name, lin in (("attn qkv", attn.qkv_proj), ("attn o", attn.o_proj),
-                              ("mlp gate_up", mlp.gate_up_proj), ("mlp down", mlp.down_proj)):
-                if not isinstance(lin.quant_method, GgufMethod):
-                    return f"layer {i} {name}: weights in {type(lin.quant_method).__name__}, not GGUF blocks"
-                if not lin.gguf_parts:
-                    why = lin.dense_reason or "not packed"
-                    for j, shard in enumerate(_SHARDS.get(name, ())):    # "part 2:" -> "part v:"
-                        why = why.replace(f"part {j}:", f"part {shard}:")
-                    return f"layer {i} {name}: kept dense ({why})"
-                if name in ("attn o", "mlp down") and len(lin.gguf_parts) != 1:
-                    return f"layer {i} {name}: {len(lin.gguf_parts)} packed parts, the stack takes one"
-            if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
-                return f"layer {i}: the MLP has biases"
+            why = _layer_refusal(i, layer)
+            if why is not None:
+                return why
         if len({lin.quant_method.parts for lin in _linears(model)}) != 1:
-            return "the linears quantize activations differently (one precision for the whole stack)"
+            return Refusal(
+                "the linears quantize activations differently (one precision for the whole stack)"
+            )
         return None
 
     @staticmethod
@@ -91,13 +108,15 @@ class CLayerStack:
         return kv_caches[0][0].dtype in cpu_kernels.KV_FORMATS
 
     def _bind(self, kv_caches) -> None:
-        """The C tables of weights and pools (pointers into tensors that live as long as the model)."""
+        """The C tables of weights and pools (pointers into tensors that live as long as the
+        model)."""
         m = self.model
         arch = m.arch
         layers = (cpu_kernels.StackLayer * len(m.layers))()
 
         def ptr(t):
             return None if t is None else t.data_ptr()
+
         def part(lin):
             w, kind, rows = lin.gguf_parts[0]
             return cpu_kernels.StackPart(w.data_ptr(), kind, rows)
@@ -107,21 +126,42 @@ class CLayerStack:
             for j, (w, kind, rows) in enumerate(lin.gguf_parts):
                 out[j] = cpu_kernels.StackPart(w.data_ptr(), kind, rows)
             return out
+
         for i, (layer, (k, v)) in enumerate(zip(m.layers, kv_caches, strict=True)):
             a, f = layer.self_attn, layer.mlp
             layers[i] = cpu_kernels.StackLayer(
-                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-                parts(a.qkv_proj), part(a.o_proj), parts(f.gate_up_proj), part(f.down_proj),
-                ptr(a.qkv_proj.bias), ptr(a.o_proj.bias), ptr(k), ptr(v))
+                ptr(layer.input_layernorm.weight),
+                ptr(layer.post_attention_layernorm.weight),
+                parts(a.qkv_proj),
+                part(a.o_proj),
+                parts(f.gate_up_proj),
+                part(f.down_proj),
+                ptr(a.qkv_proj.bias),
+                ptr(a.o_proj.bias),
+                ptr(k),
+                ptr(v),
+            )
         a = m.layers[0].self_attn
         self._struct = cpu_kernels.StackModel(
-            len(m.layers), arch.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, arch.intermediate_size,
-            kv_caches[0][0].shape[1], a.sliding_window or 0, cpu_kernels.kv_format(kv_caches[0][0].dtype),
-            m.layers[0].input_layernorm.eps, a.scale,
-            ptr(m.embed_tokens.weight),       # None: rows from packed blocks (its own or the head's)
+            len(m.layers),
+            arch.hidden_size,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            arch.intermediate_size,
+            kv_caches[0][0].shape[1],
+            a.sliding_window or 0,
+            cpu_kernels.kv_format(kv_caches[0][0].dtype),
+            m.layers[0].input_layernorm.eps,
+            a.scale,
+            ptr(m.embed_tokens.weight),  # None: rows from packed blocks (its own or the head's)
             *self._embed_packed(),
-            ptr(m.norm.weight), ptr(m.rotary.cos), ptr(m.rotary.sin),
-            ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)), cpu_kernels.ACT_PARTS[self.parts])
+            ptr(m.norm.weight),
+            ptr(m.rotary.cos),
+            ptr(m.rotary.sin),
+            ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)),
+            cpu_kernels.ACT_PARTS[self.parts],
+        )
         self._layers, self._kv_caches = layers, kv_caches
 
     def _embed_packed(self) -> tuple:
@@ -133,28 +173,81 @@ class CLayerStack:
             return e.packed.data_ptr(), e.kind
         return head.gguf_packed.data_ptr(), head.gguf_kind
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches, out_rows: torch.Tensor, prompt_lens: list[int]) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches,
+        out_rows: torch.Tensor,
+        prompt_lens: list[int],
+    ) -> torch.Tensor:
         """Run every layer on the flat batch; returns the final-normed hidden states of the rows
         `out_rows` (int64), [len(out_rows), hidden]. `prompt_lens`: each sequence's prompt
         length; its tokens at positions below it are prompt tokens (their linears run the float32
         GEMM, the others the integer GEMV; a generated token recomputed after preemption is not
-        one; see csrc/gguf_gemv.h). With parts other than "two" every token runs the integer GEMV."""
+        one; see csrc/gguf_gemv.h). With parts other than "two" every token runs the integer
+        GEMV."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         qsl = meta.query_start_loc
         q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)], dtype=torch.long)
         seq = torch.repeat_interleave(torch.arange(meta.num_seqs, dtype=torch.long), q_lens)
-        prompt = positions < torch.repeat_interleave(torch.tensor(prompt_lens, dtype=torch.long), q_lens)
+        prompt = positions < torch.repeat_interleave(
+            torch.tensor(prompt_lens, dtype=torch.long), q_lens
+        )
         out = torch.empty(out_rows.shape[0], self.model.arch.hidden_size)
-        cpu_kernels.layer_stack(self._struct, input_ids.contiguous(), positions.contiguous(),
-                                meta.slot_mapping.contiguous(), seq, prompt,
-                                meta.block_tables.contiguous(),
-                                out_rows.contiguous(), out, isa=self.isa)
+        cpu_kernels.layer_stack(
+            self._struct,
+            input_ids.contiguous(),
+            positions.contiguous(),
+            meta.slot_mapping.contiguous(),
+            seq,
+            prompt,
+            meta.block_tables.contiguous(),
+            out_rows.contiguous(),
+            out,
+            isa=self.isa,
+        )
         return out
 
 
-_SHARDS = {"attn qkv": ("q", "k", "v"), "mlp gate_up": ("gate", "up")}     # fused shards, in order
+class Refusal(NamedTuple):
+    """Why the C layer stack does not run a model, and the setting that brings it back (None:
+    none does; the model's family or shape)."""
+
+    why: str
+    fix: str | None = None
+
+
+GGUF_FIX = "a GGUF file with --quantization gguf-mixed (its default), gguf-a8 or gguf"
+
+
+def _layer_refusal(i: int, layer) -> Refusal | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    for name, lin in (
+        ("attn qkv", attn.qkv_proj),
+        ("attn o", attn.o_proj),
+        ("mlp gate_up", mlp.gate_up_proj),
+        ("mlp down", mlp.down_proj),
+    ):
+        if not isinstance(lin.quant_method, GgufMethod):
+            method = type(lin.quant_method).__name__
+            return Refusal(f"layer {i} {name}: weights in {method}, not GGUF blocks", GGUF_FIX)
+        if not lin.gguf_parts:
+            why = lin.dense_reason or "not packed"
+            for j, shard in enumerate(_SHARDS.get(name, ())):  # "part 2:" -> "part v:"
+                why = why.replace(f"part {j}:", f"part {shard}:")
+            return Refusal(f"layer {i} {name}: kept dense ({why})")
+        if name in ("attn o", "mlp down") and len(lin.gguf_parts) != 1:
+            parts = len(lin.gguf_parts)
+            return Refusal(f"layer {i} {name}: {parts} packed parts, the stack takes one")
+    if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None:
+        return Refusal(f"layer {i}: the MLP has biases")
+    return None
+
+
+_SHARDS = {"attn qkv": ("q", "k", "v"), "mlp gate_up": ("gate", "up")}  # fused shards, in order
 
 
 def _linears(model):

@@ -17,6 +17,7 @@ The layers are those of the loaded model (any weight format the PyTorch forward 
 packed, int8, float), run by the same modules in the same order as without stages, so the
 numbers are those of a single process's PyTorch forward. The Llama family, one KV group.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,7 @@ from kvserve.runner.ranks import Ranks, receive, start_ranks, steps
 from kvserve.runner.tensor_parallel import even_split
 
 log = logging.getLogger("kvserve")
-__all__ = ["PipelineGroup", "split_stages", "stage_layers", "start"]
+__all__ = ["PipelineGroup", "stage_layers", "start"]
 
 MIN_MICRO_TOKENS = 8
 
@@ -39,7 +40,9 @@ MIN_MICRO_TOKENS = 8
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     """The layers of `stage`: contiguous, as even as they go."""
     if stages > num_layers:
-        raise ValueError(f"--pipeline-parallel-size {stages} is more than the model's {num_layers} layers")
+        raise ValueError(
+            f"--pipeline-parallel-size {stages} is more than the model's {num_layers} layers"
+        )
     return even_split(num_layers, stages, stage)
 
 
@@ -47,11 +50,15 @@ def keep_stage(loaded, stage: int, stages: int):
     """`loaded` with only `stage`'s layers (the others' weights are freed), as a LoadedModel whose
     arch counts them."""
     import dataclasses
+
     model = loaded.model
     layers = stage_layers(loaded.arch.num_layers, stages, stage)
-    model.layers = nn.ModuleList(list(model.layers)[layers.start:layers.stop])
-    arch = dataclasses.replace(loaded.arch, num_layers=len(layers),
-                               layer_windows=list(loaded.arch.layer_windows[layers.start:layers.stop]))
+    model.layers = nn.ModuleList(list(model.layers)[layers.start : layers.stop])
+    arch = dataclasses.replace(
+        loaded.arch,
+        num_layers=len(layers),
+        layer_windows=list(loaded.arch.layer_windows[layers.start : layers.stop]),
+    )
     model.arch = arch
     return dataclasses.replace(loaded, arch=arch)
 
@@ -66,7 +73,11 @@ def micro_batches(out: SchedulerOutput, stages: int) -> list[list[int]]:
     for i, c in enumerate(out.chunks):
         run.append(i)
         tokens += len(c.token_ids)
-        if tokens >= target * (len(runs) + 1) and len(runs) < parts - 1 and n - i - 1 >= parts - len(runs) - 1:
+        if (
+            tokens >= target * (len(runs) + 1)
+            and len(runs) < parts - 1
+            and n - i - 1 >= parts - len(runs) - 1
+        ):
             runs.append(run)
             run = []
     if run:
@@ -75,7 +86,8 @@ def micro_batches(out: SchedulerOutput, stages: int) -> list[list[int]]:
 
 
 def run_layers(model, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor:
-    """The stage's layers on hidden states h (LlamaForCausalLM.forward without embedding and norm)."""
+    """The stage's layers on hidden states h (LlamaForCausalLM.forward without embedding and
+    norm)."""
     rope = model.rotary.tables(positions, h.dtype)
     for i, (layer, (k, v)) in enumerate(zip(model.layers, kv_caches, strict=True)):
         h = layer(rope, h, meta.for_layer(i), k, v)
@@ -83,39 +95,33 @@ def run_layers(model, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches)
 
 
 class PipelineGroup(Ranks):
-    """Rank 0's side: stage 0's part of a step, and the logits coming back from the last stage."""
+    """Rank 0's side: stage 0's part of a step, and the logits coming back from the last stage
+    (the step's backend, runner/backends/pipeline_parallel.py, cuts it into micro-batches)."""
 
-    def step_logits(self, runner, out: SchedulerOutput) -> torch.Tensor:
-        """The logits of the step's rows in the runner's order (every chunk's sample rows, then
-        every chunk's prompt-logprob rows), computed micro-batch by micro-batch down the stages."""
-        parts, counts = [], []
-        for run in micro_batches(out, self.world):
-            sub = SchedulerOutput([out.chunks[i] for i in run], [], [], 0)
-            ids, positions, meta, sample_idx = runner.prepare(sub)
-            spans = runner._prompt_logprob_spans(sub, meta.query_start_loc)
-            rows = sample_idx + [r for _, first, n, _ in spans for r in range(first, first + n)]
-            parts.append((ids, positions, meta, torch.tensor(rows, dtype=torch.long)))
-            counts.append(len(sample_idx))
-        logits = self.run_step(runner, parts, out.copy_blocks)
-        return torch.cat([lg[:n] for lg, n in zip(logits, counts)] + [lg[n:] for lg, n in zip(logits, counts)])
-
-    def run_step(self, runner, parts: list[tuple], copy_blocks) -> list[torch.Tensor]:
+    def run_step(
+        self, model, kv_caches, vocab_size: int, parts: list[tuple], copy_blocks
+    ) -> list[torch.Tensor]:
         """parts: per micro-batch (input_ids, positions, meta, rows); returns their logits."""
-        self.broadcast(("step", copy_blocks, [(pos, meta, rows, ids.shape[0]) for ids, pos, meta, rows in parts]))
-        model = runner.model
+        self.broadcast(
+            (
+                "step",
+                copy_blocks,
+                [(pos, meta, rows, ids.shape[0]) for ids, pos, meta, rows in parts],
+            )
+        )
         pending = []
         try:
             with torch.inference_mode():
                 for ids, positions, meta, _ in parts:
-                    h = run_layers(model, model.embed_tokens(ids), positions, meta, runner.kv_caches)
+                    h = run_layers(model, model.embed_tokens(ids), positions, meta, kv_caches)
                     pending.append((h, dist.isend(h.contiguous(), dst=1)))
             logits = []
             for _, _, _, rows in parts:
-                out = torch.empty(len(rows), runner.vocab_size)
-                if len(rows):                  # no row, nothing sent back
+                out = torch.empty(len(rows), vocab_size)
+                if len(rows):  # no row, nothing sent back
                     dist.recv(out, src=self.world - 1)
                 logits.append(out)
-            for h, req in pending:
+            for _, req in pending:
                 req.wait()
         except RuntimeError as e:
             raise self.lost("a send or receive between stages", e) from e
@@ -123,20 +129,30 @@ class PipelineGroup(Ranks):
 
 
 def start(config) -> PipelineGroup:
-    """Start the other stages (each loads the model and keeps its layers) and join them as rank 0."""
+    """Start the other stages (each loads the model and keeps its layers) and join them as rank
+    0."""
     return start_ranks(PipelineGroup, config)
 
 
 def worker_main(rank: int, stages: int, config) -> None:
-    """Stage `rank`: receive each micro-batch's hidden states, run its layers, send them on (the last
-    stage: the logits back to rank 0), until told to stop."""
+    """Stage `rank`: receive each micro-batch's hidden states, run its layers, send them on (the
+    last stage: the logits back to rank 0), until told to stop."""
     from kvserve.model.loader import load_model
     from kvserve.runner.model_runner import ModelRunner
+
     loaded = load_model(config.model)
     loaded = keep_stage(loaded, rank, stages)
-    runner = ModelRunner(loaded, config, receive(), own_layers=True)     # the KV blocks rank 0 sized
+    context = config.model.context_len(loaded.arch.max_position_embeddings)
+    # the KV blocks rank 0 sized; this loop runs the stage's layers itself (worker=True)
+    runner = ModelRunner(loaded, config, receive(), max_model_len=context, worker=True)
     model, hidden_size, last = runner.model, loaded.arch.hidden_size, rank == stages - 1
-    log.info("pipeline stage %d/%d ready (pid %d, %d layers)", rank, stages, os.getpid(), len(model.layers))
+    log.info(
+        "pipeline stage %d/%d ready (pid %d, %d layers)",
+        rank,
+        stages,
+        os.getpid(),
+        len(model.layers),
+    )
     for parts in steps(runner):
         sends = []
         with torch.inference_mode():

@@ -31,6 +31,7 @@ dies closes its sockets, so the next collective fails at once; one that stalls m
 after STEP_TIMEOUT_S. RankLost stops the engine: no step can run without every rank. A worker whose
 rank 0 is gone stops too.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -49,11 +50,11 @@ import torch.distributed as dist
 
 log = logging.getLogger("kvserve")
 
-STEP_TIMEOUT_S = float(os.environ.get("KVSERVE_STEP_TIMEOUT_S", "30"))   # a collective inside a step
-CONNECT_TIMEOUT = datetime.timedelta(minutes=10)     # ranks wait this long for each other at start
-IDLE_TIMEOUT = datetime.timedelta(days=365)          # a worker waits this long for rank 0's next step
+STEP_TIMEOUT_S = float(os.environ.get("KVSERVE_STEP_TIMEOUT_S", "30"))  # a collective inside a step
+CONNECT_TIMEOUT = datetime.timedelta(minutes=10)  # ranks wait this long for each other at start
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for rank 0's next step
 
-_control = None       # this process's control group (join)
+_control = None  # this process's control group (join)
 
 
 class RankLost(RuntimeError):
@@ -81,8 +82,9 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError as e:
-        raise ValueError(f"--master-addr {host}: cannot resolve it ({e}): give node 0's "
-                         f"address") from None
+        raise ValueError(
+            f"--master-addr {host}: cannot resolve it ({e}): give node 0's address"
+        ) from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,14 +93,19 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"--master-port {port}: {addr[0]}:{port} is in use; choose another "
-                             f"port (or stop what is using it)") from None
+            raise ValueError(
+                f"--master-port {port}: {addr[0]}:{port} is in use; choose another "
+                f"port (or stop what is using it)"
+            ) from None
         if e.errno == errno.EADDRNOTAVAIL:
-            raise ValueError(f"--master-addr {host} ({addr[0]}) is not an address of this machine: "
-                             f"node 0 listens on it for the other ranks; give one of node 0's own "
-                             f"addresses") from None
-        raise ValueError(f"cannot listen on {addr[0]}:{port} for the ranks: "
-                         f"{e.strerror or e}") from None
+            raise ValueError(
+                f"--master-addr {host} ({addr[0]}) is not an address of this machine: "
+                f"node 0 listens on it for the other ranks; give one of node 0's own "
+                f"addresses"
+            ) from None
+        raise ValueError(
+            f"cannot listen on {addr[0]}:{port} for the ranks: {e.strerror or e}"
+        ) from None
     return sock
 
 
@@ -109,16 +116,25 @@ def _store(d, port: int, master: bool):
         return dist.TCPStore(host, port, d.world, is_master=False, timeout=CONNECT_TIMEOUT)
     sock = _listen(host, port)
     if d.local_ranks < d.world and ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
-        log.warning("--master-addr %s is a loopback address: ranks on other machines cannot "
-                    "reach it (give node 0's network address)", host)
+        log.warning(
+            "--master-addr %s is a loopback address: ranks on other machines cannot "
+            "reach it (give node 0's network address)",
+            host,
+        )
     try:
-        store = dist.TCPStore(host, sock.getsockname()[1], d.world, is_master=True,
-                              timeout=CONNECT_TIMEOUT, wait_for_workers=False,
-                              master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            d.world,
+            is_master=True,
+            timeout=CONNECT_TIMEOUT,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise
-    sock.detach()          # the store owns the socket now and closes it when it goes
+    sock.detach()  # the store owns the socket now and closes it when it goes
     return store
 
 
@@ -139,12 +155,15 @@ def gloo_interface(host: str) -> str:
     sockets go: left alone, gloo binds the address the machine's hostname resolves to, which on
     many hosts is its public one."""
     import psutil
+
     ip = _local_address_towards(host)
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == ip for a in addrs):
             return name
-    raise ValueError(f"no network interface of this machine holds {ip}, its address towards "
-                     f"{host}: set GLOO_SOCKET_IFNAME to the interface the ranks should use")
+    raise ValueError(
+        f"no network interface of this machine holds {ip}, its address towards "
+        f"{host}: set GLOO_SOCKET_IFNAME to the interface the ranks should use"
+    )
 
 
 @contextlib.contextmanager
@@ -185,8 +204,10 @@ def _arrive(store, rank: int, world: int, workers: list[subprocess.Popen] = ()) 
         if (gone := _exited(workers, rank + 1)) is not None:
             raise RankLost(f"{gone} while starting; see its log above")
         if time.monotonic() > deadline:
-            raise RankLost(f"not every rank reached {store.host}:{store.port} within {CONNECT_TIMEOUT}: "
-                           f"start every node's command (--nnodes, --node-rank)")
+            raise RankLost(
+                f"not every rank reached {store.host}:{store.port} within {CONNECT_TIMEOUT}: "
+                f"start every node's command (--nnodes, --node-rank)"
+            )
         time.sleep(0.02)
 
 
@@ -207,9 +228,21 @@ def join(d, rank: int, store=None, workers: list[subprocess.Popen] = ()) -> None
 
 def spawn(d, port: int, threads: int) -> list[subprocess.Popen]:
     """Start this machine's other ranks (d.rank+1 .. d.rank+d.spawn) as worker processes."""
-    workers = [subprocess.Popen([sys.executable, "-m", "kvserve.runner.worker", str(rank), str(d.world),
-                                 meeting_host(d), str(port), str(threads)])
-               for rank in range(d.rank + 1, d.rank + 1 + d.spawn)]
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvserve.runner.worker",
+                str(rank),
+                str(d.world),
+                meeting_host(d),
+                str(port),
+                str(threads),
+            ]
+        )
+        for rank in range(d.rank + 1, d.rank + 1 + d.spawn)
+    ]
     atexit.register(lambda: [w.kill() for w in workers if w.poll() is None])
     return workers
 
@@ -219,7 +252,7 @@ class Ranks:
 
     def __init__(self, world: int, workers: list[subprocess.Popen]) -> None:
         self.world = world
-        self.workers = workers        # the ranks this process started: 1..len(workers)
+        self.workers = workers  # the ranks this process started: 1..len(workers)
 
     def check_workers(self) -> None:
         if (gone := _exited(self.workers, 1)) is not None:
@@ -237,8 +270,10 @@ class Ranks:
             self.check_workers()
         except RankLost as named:
             return named
-        return RankLost(f"{what} failed ({err}): a rank is gone or stalled (a rank on another machine: see its "
-                        f"log); no step can run, restart the engine")
+        return RankLost(
+            f"{what} failed ({err}): a rank is gone or stalled (a rank on another machine: see its "
+            f"log); no step can run, restart the engine"
+        )
 
     def broadcast(self, payload) -> None:
         """Send `payload` (any picklable object) to every rank."""
@@ -258,7 +293,8 @@ class Ranks:
             dist.destroy_process_group()
 
     def shutdown(self) -> None:
-        """Tell the workers to stop, wait for the ones started here, leave the group (at exit too)."""
+        """Tell the workers to stop, wait for the ones started here, leave the group (at exit
+        too)."""
         if not dist.is_initialized():
             return
         try:
@@ -284,6 +320,7 @@ def _forget_groups() -> None:
         dist.destroy_process_group()
     else:
         from torch.distributed import distributed_c10d
+
         distributed_c10d._world.group_count = 0
 
 
@@ -293,20 +330,27 @@ def start_ranks(cls, config):
     d = config.distributed
     store, workers = None, []
     if not d.torchrun:
-        store = _store(d, d.master_port or 0, master=True)     # port 0: a free one, told to the workers
+        store = _store(
+            d, d.master_port or 0, master=True
+        )  # port 0: a free one, told to the workers
         workers = spawn(d, store.port, config.num_threads)
     try:
         join(d, 0, store, workers)
         ranks = cls(d.world, workers)
         ranks.broadcast(config)
-        atexit.register(ranks.shutdown)       # a script that never closes its engine stops the ranks too
+        atexit.register(ranks.shutdown)  # a script that never closes its engine stops the ranks too
     except Exception:
         for w in workers:
             w.kill()
         _forget_groups()
         raise
-    log.info("ranks: %d, this machine runs %d of them (meeting at %s:%s)", d.world, d.local_ranks,
-             meeting_host(d), store.port if store is not None else d.master_port)
+    log.info(
+        "ranks: %d, this machine runs %d of them (meeting at %s:%s)",
+        d.world,
+        d.local_ranks,
+        meeting_host(d),
+        store.port if store is not None else d.master_port,
+    )
     return ranks
 
 
@@ -339,6 +383,6 @@ def steps(runner):
         except Stopped:
             return
         if copy_blocks:
-            runner._copy_blocks(copy_blocks)
+            runner.copy_blocks(copy_blocks)
         if work is not None:
             yield work

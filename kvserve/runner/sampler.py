@@ -24,6 +24,7 @@ finite logprob.
 ``process_logits`` runs the stages up to the draw and returns the distributions; the sampler
 draws from them, and so does the speculative verifier (kvserve/spec/rejection.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """The argmax over the last dimension, [N] int64 (a 0-d tensor for a 1-d x), by torch's rule:
     the first maximum, a NaN counting as the largest. Every greedy choice and exponential race
     takes it. A CPU float32 tensor goes through numpy, whose argmax gives the same index about 8
-    times faster than torch's CPU argmax over a vocabulary-sized row (docs/benchmarks-notes.md)."""
+    times faster than torch's CPU argmax over a vocabulary-sized row (docs/benchmarks.md)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(np.asarray(np.argmax(x.detach().numpy(), axis=-1), dtype=np.int64))
     return x.argmax(dim=-1)
@@ -63,8 +64,8 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded per request by the runner when params.seed is set
     eos_token_ids: set[int]
-    constrained: bool = False          # a grammar masks this row: it decides when EOS may come
-    beam_candidates: int = 0           # a beam: how many top tokens to return with their logprobs
+    constrained: bool = False  # a grammar masks this row: it decides when EOS may come
+    beam_candidates: int = 0  # a beam: how many top tokens to return with their logprobs
 
     @property
     def num_logprobs(self) -> int | None:
@@ -99,10 +100,10 @@ class ProcessedLogits:
     reads the same object, so both sample from exactly the same distributions.
     """
 
-    logits: torch.Tensor                  # [N, V]
-    greedy: list[bool]                    # per row: temperature < 1e-5
-    sampled_rows: list[int]               # the rows that are not greedy
-    probs: torch.Tensor | None            # [len(sampled_rows), V]
+    logits: torch.Tensor  # [N, V]
+    greedy: list[bool]  # per row: temperature < 1e-5
+    sampled_rows: list[int]  # the rows that are not greedy
+    probs: torch.Tensor | None  # [len(sampled_rows), V]
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLogits:
@@ -124,7 +125,9 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLo
     temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
     if any(t != 1.0 for t in temps):
         logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))
-    sub = logits[torch.tensor(sampled_rows, device=logits.device)]  # a copy: logprobs read `logits` unfiltered
+    sub = logits[
+        torch.tensor(sampled_rows, device=logits.device)
+    ]  # a copy: logprobs read `logits` unfiltered
     s_params = [params[i] for i in sampled_rows]
     _apply_min_p(sub, s_params)
     _apply_top_k_top_p(sub, s_params)
@@ -138,7 +141,11 @@ class Sampler:
         proc = process_logits(logits, rows)
         tokens = _greedy_and_sample(proc, rows)
         want_logprobs = any(r.num_logprobs is not None for r in rows)
-        logprobs = _logprobs(proc.logits, [r.num_logprobs for r in rows], tokens) if want_logprobs else [None] * len(rows)
+        logprobs = (
+            _logprobs(proc.logits, [r.num_logprobs for r in rows], tokens)
+            if want_logprobs
+            else [None] * len(rows)
+        )
         return SamplerOutput(tokens.tolist(), logprobs)
 
 
@@ -194,13 +201,24 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if rep:
         idx = torch.tensor(rep, device=dev)
-        seen = _token_counts([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab, dev) > 0
-        pen = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev).unsqueeze(1)
+        seen = (
+            _token_counts(
+                [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab, dev
+            )
+            > 0
+        )
+        pen = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev).unsqueeze(
+            1
+        )
         sub = logits[idx]
         penalized = torch.where(sub > 0, sub / pen, sub * pen)
         logits[idx] = torch.where(seen, penalized, sub)
 
-    pf = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+    pf = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
+    ]
     if pf:
         idx = torch.tensor(pf, device=dev)
         counts = _token_counts([rows[i].output_token_ids for i in pf], vocab, dev)
@@ -255,8 +273,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> No
 # ---------------------------------------------------------------- sampling
 
 
-def exponential_noise(generators: list[torch.Generator | None], vocab: int,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
+def exponential_noise(
+    generators: list[torch.Generator | None], vocab: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[len(generators), vocab] Exp(1) noise, one row per entry; a row with a generator draws only
     from it (one row per sampled token: the speculative verifier draws the same way)."""
     q = torch.empty(len(generators), vocab, device=device)
@@ -264,7 +283,9 @@ def exponential_noise(generators: list[torch.Generator | None], vocab: int,
     if len(shared) == len(generators):
         return q.exponential_()
     if shared:
-        q[torch.tensor(shared, device=device)] = torch.empty(len(shared), vocab, device=device).exponential_()
+        q[torch.tensor(shared, device=device)] = torch.empty(
+            len(shared), vocab, device=device
+        ).exponential_()
     for i, g in enumerate(generators):
         if g is not None:
             q[i].exponential_(generator=g)
@@ -291,10 +312,11 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
     """Structured output: set to -inf, in logits[rows[k]], every token whose bit is clear in row k
     of `bitmask` (int32 words; bit j of word j // 32 set: token j allowed). In place."""
     import numpy as np
+
     bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
-    blocked = torch.from_numpy(bits[:, :logits.shape[1]] == 0).to(logits.device)
+    blocked = torch.from_numpy(bits[:, : logits.shape[1]] == 0).to(logits.device)
     if rows == list(range(logits.shape[0])):
-        logits.masked_fill_(blocked, float("-inf"))         # every row constrained: no gather/scatter
+        logits.masked_fill_(blocked, float("-inf"))  # every row constrained: no gather/scatter
         return
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     logits[idx] = logits[idx].masked_fill(blocked, float("-inf"))
@@ -308,18 +330,24 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> li
     chosen = lp.gather(1, target)
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
     top_lp, top_ids = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], lp[:, :0].long())
-    return [TokenLogprobs(t, c, r, list(zip(ids, vals)))
-            for t, c, r, ids, vals in zip(targets, chosen.squeeze(1).tolist(), ranks, top_ids.tolist(),
-                                          top_lp.tolist())]
+    return [
+        TokenLogprobs(t, c, r, list(zip(ids, vals)))
+        for t, c, r, ids, vals in zip(
+            targets, chosen.squeeze(1).tolist(), ranks, top_ids.tolist(), top_lp.tolist()
+        )
+    ]
 
 
-def _logprobs(logits: torch.Tensor, num_top: list[int | None], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
-    """Chosen-token logprob, its rank and the top-N (num_top[i]) for every row that asked for logprobs."""
+def _logprobs(
+    logits: torch.Tensor, num_top: list[int | None], tokens: torch.Tensor
+) -> list[TokenLogprobs | None]:
+    """Chosen-token logprob, its rank and the top-N (num_top[i]) for every row that asked for
+    logprobs."""
     out: list[TokenLogprobs | None] = [None] * len(num_top)
     use = [i for i, n in enumerate(num_top) if n is not None]
     n_top = min(max(num_top[i] for i in use), logits.shape[-1])
     chosen = tokens[torch.tensor(use, device=tokens.device)].tolist()
     for i, entry in zip(use, token_logprobs(take_rows(logits, use), chosen, n_top)):
-        entry.top = entry.top[:num_top[i]]
+        entry.top = entry.top[: num_top[i]]
         out[i] = entry
     return out

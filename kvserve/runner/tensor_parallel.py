@@ -10,12 +10,14 @@ Sharding (Megatron's, on a loaded Llama-family model with float weights):
     KV cache    each rank's pool holds its own KV heads, for the same block tables.
 
 The engine process is rank 0: its scheduler decides, its ModelRunner prepares each step's flat
-batch and broadcasts it (`TensorParallelGroup.run_step`); every rank runs the same forward on its
-shard, and rank 0 samples from the gathered logits. Workers (`worker_main`) only execute.
+batch and its step backend (runner/backends/tensor_parallel.py) broadcasts it; every rank runs the
+same forward on its shard, and rank 0 samples from the gathered logits. Workers (`worker_main`)
+only execute.
 
 The processes, where they run and their failures (a dead rank raises RankLost at the next step, a
 stalled collective after 30 s) are runner/ranks.py's; runner/worker.py starts a worker rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.runner.ranks import Ranks, RankLost, receive, start_ranks, steps
+from kvserve.runner.ranks import RankLost, Ranks, receive, start_ranks, steps
 
 log = logging.getLogger("kvserve")
 __all__ = ["RankLost", "TensorParallelGroup", "shard_model", "start"]
@@ -36,8 +38,10 @@ __all__ = ["RankLost", "TensorParallelGroup", "shard_model", "start"]
 def kv_head_split(num_kv_heads: int, world: int) -> list[range]:
     """Contiguous KV heads per rank, as even as they go (3 over 2: [0, 1], [2])."""
     if world > num_kv_heads:
-        raise ValueError(f"--tensor-parallel-size {world} is more than the model's {num_kv_heads} KV heads: "
-                         f"use at most {num_kv_heads}")
+        raise ValueError(
+            f"--tensor-parallel-size {world} is more than the model's {num_kv_heads} KV heads: "
+            f"use at most {num_kv_heads}"
+        )
     base, extra = divmod(num_kv_heads, world)
     out, start = [], 0
     for r in range(world):
@@ -66,7 +70,9 @@ class AllReduced(nn.Module):
         return y
 
 
-def _set_weight(linear, weight: torch.Tensor, shard_sizes: list[int], bias: torch.Tensor | None) -> None:
+def _set_weight(
+    linear, weight: torch.Tensor, shard_sizes: list[int], bias: torch.Tensor | None
+) -> None:
     linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     linear.shard_sizes = shard_sizes
     linear.out_features, linear.in_features = weight.shape
@@ -78,9 +84,20 @@ def shard_model(loaded, rank: int, world: int):
     in place; returns the LoadedModel with the shard's arch (its heads, its MLP width)."""
     model, arch = loaded.model, loaded.arch
     for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if not hasattr(lin, "weight") or lin.weight is None or not lin.weight.is_floating_point():
-                raise ValueError("tensor parallelism runs float weights: load the model with --quantization none")
+        for lin in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            if (
+                not hasattr(lin, "weight")
+                or lin.weight is None
+                or not lin.weight.is_floating_point()
+            ):
+                raise ValueError(
+                    "tensor parallelism runs float weights: load the model with --quantization none"
+                )
     kv = kv_head_split(arch.num_kv_heads, world)[rank]
     per_kv = arch.num_heads // arch.num_kv_heads
     hd = arch.head_dim
@@ -91,30 +108,48 @@ def shard_model(loaded, rank: int, world: int):
         attn, mlp = layer.self_attn, layer.mlp
         q_size, kv_size = attn.q_size, attn.kv_size
         w = attn.qkv_proj.weight
-        rows = ([*q_rows] + [q_size + i for i in kv_rows] + [q_size + kv_size + i for i in kv_rows])
+        rows = [*q_rows] + [q_size + i for i in kv_rows] + [q_size + kv_size + i for i in kv_rows]
         idx = torch.tensor(rows, dtype=torch.long)
         b = attn.qkv_proj.bias
-        _set_weight(attn.qkv_proj, w[idx], [len(q_rows), len(kv_rows), len(kv_rows)],
-                    None if b is None else b[idx])
+        _set_weight(
+            attn.qkv_proj,
+            w[idx],
+            [len(q_rows), len(kv_rows), len(kv_rows)],
+            None if b is None else b[idx],
+        )
         attn.num_heads, attn.num_kv_heads = len(q_rows) // hd, len(kv_rows) // hd
         attn.q_size, attn.kv_size = len(q_rows), len(kv_rows)
         o = attn.o_proj
-        _set_weight(o, o.weight[:, q_rows.start:q_rows.stop], [arch.hidden_size],
-                    o.bias if (o.bias is not None and rank == 0) else None)
+        _set_weight(
+            o,
+            o.weight[:, q_rows.start : q_rows.stop],
+            [arch.hidden_size],
+            o.bias if (o.bias is not None and rank == 0) else None,
+        )
         attn.o_proj = AllReduced(o)
         gu = mlp.gate_up_proj
-        I = arch.intermediate_size
-        idx = torch.tensor([*inter] + [I + i for i in inter], dtype=torch.long)
-        _set_weight(gu, gu.weight[idx], [len(inter), len(inter)], None if gu.bias is None else gu.bias[idx])
+        inter_size = arch.intermediate_size
+        idx = torch.tensor([*inter] + [inter_size + i for i in inter], dtype=torch.long)
+        _set_weight(
+            gu, gu.weight[idx], [len(inter), len(inter)], None if gu.bias is None else gu.bias[idx]
+        )
         d = mlp.down_proj
-        _set_weight(d, d.weight[:, inter.start:inter.stop], [arch.hidden_size],
-                    d.bias if (d.bias is not None and rank == 0) else None)
+        _set_weight(
+            d,
+            d.weight[:, inter.start : inter.stop],
+            [arch.hidden_size],
+            d.bias if (d.bias is not None and rank == 0) else None,
+        )
         mlp.down_proj = AllReduced(d)
     vocab = even_split(arch.vocab_size, world, rank)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.tp_head = head[vocab.start:vocab.stop].contiguous()
-    shard_arch = dataclasses.replace(arch, num_heads=len(q_rows) // hd, num_kv_heads=len(kv_rows) // hd,
-                                     intermediate_size=len(inter))
+    model.tp_head = head[vocab.start : vocab.stop].contiguous()
+    shard_arch = dataclasses.replace(
+        arch,
+        num_heads=len(q_rows) // hd,
+        num_kv_heads=len(kv_rows) // hd,
+        intermediate_size=len(inter),
+    )
     model.arch = shard_arch
     return dataclasses.replace(loaded, arch=shard_arch)
 
@@ -126,8 +161,10 @@ def shard_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def gather_vocab(local: torch.Tensor, vocab_size: int, world: int) -> torch.Tensor:
     """Every rank's vocabulary slice of the logits (shard_logits), side by side: [rows, vocab]."""
-    parts = [torch.empty(local.shape[0], len(even_split(vocab_size, world, r)), dtype=local.dtype)
-             for r in range(world)]
+    parts = [
+        torch.empty(local.shape[0], len(even_split(vocab_size, world, r)), dtype=local.dtype)
+        for r in range(world)
+    ]
     dist.all_gather(parts, local.contiguous())
     return torch.cat(parts, dim=1)
 
@@ -151,8 +188,11 @@ def worker_main(rank: int, world: int, config) -> None:
     """A worker rank: load, shard, then run every step rank 0 broadcasts until told to stop."""
     from kvserve.model.loader import load_model
     from kvserve.runner.model_runner import ModelRunner
+
     loaded = shard_model(load_model(config.model), rank, world)
-    runner = ModelRunner(loaded, config, receive())          # the KV groups rank 0 sized
+    context = config.model.context_len(loaded.arch.max_position_embeddings)
+    # the KV groups rank 0 sized; this loop runs the shard's steps itself (worker=True)
+    runner = ModelRunner(loaded, config, receive(), max_model_len=context, worker=True)
     vocab = loaded.arch.vocab_size
     log.info("tensor-parallel rank %d/%d ready (pid %d)", rank, world, os.getpid())
     for input_ids, positions, meta, rows in steps(runner):

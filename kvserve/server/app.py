@@ -5,6 +5,7 @@ GET /version, GET /metrics, POST /tokenize, POST /detokenize, the live dashboard
 /dashboard/data: kvserve/server/dashboard.py), and with --kv-transfer-role POST /v1/kv/prefill
 and/or /v1/kv/import (prefill/decode disaggregation: kvserve/server/kv_routes.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,20 @@ from kvserve.server.dashboard import install_dashboard
 from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_error_handlers
 from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, early_rejection
 from kvserve.server.kv_routes import KVHandover, raw_body_paths
-from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest, chat_messages)
-from kvserve.server.serving import (ServerState, admission_error, check_request, off_loop,
-                                    with_cancellation)
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+)
+from kvserve.server.serving import (
+    ServerState,
+    admission_error,
+    check_request,
+    off_loop,
+    with_cancellation,
+)
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completions import create_completion
 
@@ -32,26 +43,45 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
     cannot serve."""
     api_key = getattr(args, "api_key", None) or None
     max_body = parse_size(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
-    state = ServerState(engine=engine,
-                        served_model_names=[getattr(args, "served_model_name", None) or engine.model_name],
-                        api_key=api_key, max_body_bytes=max_body)
+    state = ServerState(
+        engine=engine,
+        served_model_names=[getattr(args, "served_model_name", None) or engine.model_name],
+        api_key=api_key,
+        max_body_bytes=max_body,
+    )
     role = getattr(args, "kv_transfer_role", None)
-    handover = None if role is None else KVHandover(
-        engine, role, getattr(args, "kv_transfer_key", None),
-        shared_prefix=getattr(args, "kv_transfer_shared_prefix", False),
-        max_bytes=getattr(args, "max_kv_transfer_bytes", None),
-        body_timeout=getattr(args, "body_timeout", None))
-    app = FastAPI(title="kvserve", version=__version__,
-                  description="OpenAI-compatible API of the kvserve LLM serving engine")
+    handover = (
+        None
+        if role is None
+        else KVHandover(
+            engine,
+            role,
+            getattr(args, "kv_transfer_key", None),
+            shared_prefix=getattr(args, "kv_transfer_shared_prefix", False),
+            max_bytes=getattr(args, "max_kv_transfer_bytes", None),
+            body_timeout=getattr(args, "body_timeout", None),
+        )
+    )
+    app = FastAPI(
+        title="kvserve",
+        version=__version__,
+        description="OpenAI-compatible API of the kvserve LLM serving engine",
+    )
     app.state.kv = state
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body,
-                       metrics_public=getattr(args, "metrics_public", False),
-                       body_timeout=getattr(args, "body_timeout", None),
-                       overloaded=lambda: admission_error(state),
-                       raw_body_paths=raw_body_paths(role))
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_body_bytes=max_body,
+        metrics_public=getattr(args, "metrics_public", False),
+        body_timeout=getattr(args, "body_timeout", None),
+        overloaded=lambda: admission_error(state),
+        raw_body_paths=raw_body_paths(role),
+    )
     # the same answer, given by the HTTP protocol before any ASGI work (connections.py)
-    app.state.early_rejection = early_rejection(api_key, lambda pending: admission_error(state, pending))
+    app.state.early_rejection = early_rejection(
+        api_key, lambda pending: admission_error(state, pending)
+    )
 
     @app.post("/v1/completions")
     @with_cancellation
@@ -68,8 +98,14 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         return await create_chat_completion(request, state)
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "kvserve",
-                "root": name, "max_model_len": engine.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "kvserve",
+            "root": name,
+            "max_model_len": engine.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -78,7 +114,9 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id not in state.served_model_names:
-            raise NotFound(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+            raise NotFound(
+                f"The model `{model_id}` does not exist.", param="model", code="model_not_found"
+            )
         return model_card(model_id)
 
     @app.get("/health")
@@ -100,8 +138,12 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         body, content_type = engine.metrics.render()
         return Response(body, media_type=content_type)
 
-    install_dashboard(app, engine.metrics, state.served_model_names[0],
-                      speculative=engine.core.config.speculative is not None)
+    install_dashboard(
+        app,
+        engine.metrics,
+        state.served_model_names[0],
+        speculative=engine.core.config.speculative is not None,
+    )
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
@@ -109,11 +151,17 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         request.check()
         tok = engine.tokenizer
         if request.messages is not None:
-            ids = await off_loop(render_chat, tok, chat_messages(request.messages), request.add_generation_prompt)
+            ids = await off_loop(
+                render_chat, tok, chat_messages(request.messages), request.add_generation_prompt
+            )
         else:
-            ids = await off_loop(tok.encode, request.prompt, add_special_tokens=request.add_special_tokens)
+            ids = await off_loop(
+                tok.encode, request.prompt, add_special_tokens=request.add_special_tokens
+            )
         # json.dumps in a worker: FastAPI's own encoder walks a 400k-id list in Python on the loop
-        body = await off_loop(json.dumps, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+        body = await off_loop(
+            json.dumps, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        )
         return Response(body, media_type="application/json")
 
     if handover is not None:
@@ -126,6 +174,10 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": await off_loop(engine.tokenizer.decode, request.tokens, skip_special_tokens=False)}
+        return {
+            "prompt": await off_loop(
+                engine.tokenizer.decode, request.tokens, skip_special_tokens=False
+            )
+        }
 
     return app

@@ -14,6 +14,7 @@
   once (refused, not left hanging), and the error is logged once per interval with a count,
   instead of asyncio's traceback per failed accept. Every other error goes to asyncio's handler.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:                                  # httptools not installed
+except ImportError:  # httptools not installed
     HttpToolsProtocol = None
 
 from kvserve.server.errors import Unavailable, raw_response
@@ -126,14 +127,22 @@ def default_max_connections(open_files_limit: int) -> int:
     """A connection cap that leaves FD_RESERVE descriptors (or half of a tiny limit) free."""
     if open_files_limit == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS_CEILING
-    return max(1, min(MAX_CONNECTIONS_CEILING, max(open_files_limit - FD_RESERVE, open_files_limit // 2)))
+    return max(
+        1, min(MAX_CONNECTIONS_CEILING, max(open_files_limit - FD_RESERVE, open_files_limit // 2))
+    )
 
 
 def refusal_response(max_connections: int) -> bytes:
     """The raw HTTP/1.1 503 written to a connection over the cap before closing it."""
-    return raw_response(Unavailable(f"the server has {max_connections} open connections, its limit "
-                                    "(--max-connections); retry later", retry_after=1, code="too_many_connections"),
-                        close=True)
+    return raw_response(
+        Unavailable(
+            f"the server has {max_connections} open connections, its limit "
+            "(--max-connections); retry later",
+            retry_after=1,
+            code="too_many_connections",
+        ),
+        close=True,
+    )
 
 
 class ConnectionLimitsMixin:
@@ -180,8 +189,11 @@ class ConnectionLimitsMixin:
         seconds) while discarding what it sends: closing on unread request bytes would reset the
         connection, and the client would lose the 503."""
         self.refused = True
-        self.warnings.warning("refused", f"refusing connections over --max-connections "
-                                         f"{self.limits.max_connections} (503, then closed)")
+        self.warnings.warning(
+            "refused",
+            f"refusing connections over --max-connections "
+            f"{self.limits.max_connections} (503, then closed)",
+        )
         transport.write(refusal_response(self.limits.max_connections))
         if transport.can_write_eof():
             transport.write_eof()
@@ -195,7 +207,9 @@ class ConnectionLimitsMixin:
         if self.transport.is_closing() or self.request_in_progress():
             self.cancel_header_timer()
         elif self.header_timer is None:
-            self.header_timer = self.loop.call_later(self.limits.header_timeout, self.header_timed_out)
+            self.header_timer = self.loop.call_later(
+                self.limits.header_timeout, self.header_timed_out
+            )
 
     def cancel_header_timer(self) -> None:
         if self.header_timer is not None:
@@ -205,8 +219,10 @@ class ConnectionLimitsMixin:
     def header_timed_out(self) -> None:
         self.header_timer = None
         if not self.transport.is_closing() and not self.request_in_progress():
-            log.debug("closing a connection whose request headers did not arrive within %.1fs",
-                      self.limits.header_timeout)
+            log.debug(
+                "closing a connection whose request headers did not arrive within %.1fs",
+                self.limits.header_timeout,
+            )
             self.transport.close()
 
 
@@ -232,7 +248,7 @@ class EarlyRejectMixin:
             if not self.is_generation():
                 return super().on_headers_complete()
             self.admission = Admission(self.limits.pending)
-            token = CURRENT_ADMISSION.set(self.admission)     # the ASGI task copies this context
+            token = CURRENT_ADMISSION.set(self.admission)  # the ASGI task copies this context
             try:
                 return super().on_headers_complete()
             finally:
@@ -241,12 +257,19 @@ class EarlyRejectMixin:
         self.transport.write(response)
 
     def is_generation(self) -> bool:
-        return self.parser.get_method() == b"POST" and self.url.split(b"?", 1)[0] in GENERATION_PATHS
+        return (
+            self.parser.get_method() == b"POST" and self.url.split(b"?", 1)[0] in GENERATION_PATHS
+        )
 
     def early_response(self) -> bytes | None:
         reject = self.limits.early_reject
-        if (reject is None or not self.is_generation() or self.expect_100_continue or self.pipeline
-                or (self.cycle is not None and not self.cycle.response_complete)):
+        if (
+            reject is None
+            or not self.is_generation()
+            or self.expect_100_continue
+            or self.pipeline
+            or (self.cycle is not None and not self.cycle.response_complete)
+        ):
             return None
         return reject(self.headers, self.limits.pending.count)
 
@@ -286,7 +309,9 @@ def protocol_class(limits: ConnectionLimits, use_httptools: bool = True) -> type
         bases = (ConnectionLimitsMixin, EarlyRejectMixin, HttpToolsProtocol)
     else:
         bases = (ConnectionLimitsMixin, H11Protocol)
-    return type(f"Limited{bases[-1].__name__}", bases, {"limits": limits, "warnings": RateLimitedLog()})
+    return type(
+        f"Limited{bases[-1].__name__}", bases, {"limits": limits, "warnings": RateLimitedLog()}
+    )
 
 
 class AcceptErrorHandler:
@@ -306,9 +331,12 @@ class AcceptErrorHandler:
             return
         if exc.errno in OUT_OF_FDS:
             self.refuse_waiting_connection(context["socket"])
-        self.warnings.warning("accept", f"accept() failed: {exc.strerror} (errno {exc.errno}); "
-                                        f"refusing new connections until descriptors free up "
-                                        f"({self.refused} refused so far)")
+        self.warnings.warning(
+            "accept",
+            f"accept() failed: {exc.strerror} (errno {exc.errno}); "
+            f"refusing new connections until descriptors free up "
+            f"({self.refused} refused so far)",
+        )
 
     def refuse_waiting_connection(self, listening) -> None:
         """Close the reserve descriptor, accept one waiting connection on it, close that, and

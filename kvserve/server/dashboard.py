@@ -10,6 +10,7 @@ histogram_quantile reads it). The last `history_s` seconds of points are kept in
 endpoint hands them over as columns. Requests pay nothing for any of it: the engine records its
 metrics as it always does, and a snapshot is a few dozen reads once a second.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,36 +31,53 @@ PAGE_PATH = "/dashboard"
 SCRIPT_PATH = "/dashboard/dashboard.js"
 DATA_PATH = "/dashboard/data"
 
-INTERVAL_S = 1.0      # one snapshot a second
-WINDOW_S = 15.0       # rates and percentiles over the trailing 15 s
-HISTORY_S = 300.0     # five minutes of points on the page
+INTERVAL_S = 1.0  # one snapshot a second
+WINDOW_S = 15.0  # rates and percentiles over the trailing 15 s
+HISTORY_S = 300.0  # five minutes of points on the page
 
 # the latency histograms shown, by the series-name prefix they get
-LATENCY_HISTOGRAMS = {"ttft": "ttft", "tpot": "tpot"}   # EngineMetrics attribute -> series prefix
+LATENCY_HISTOGRAMS = {"ttft": "ttft", "tpot": "tpot"}  # EngineMetrics attribute -> series prefix
 QUANTILES = {"p50": 0.5, "p99": 0.99}
 # counters read into a snapshot: EngineMetrics attribute (a labelled child) -> snapshot key
-COUNTERS = {"generation_tokens": "generation_tokens", "prompt_tokens": "prompt_tokens",
-            "num_preemptions": "preemptions", "prefix_cache_queries": "prefix_queries",
-            "prefix_cache_hits": "prefix_hits", "spec_decode_num_drafts": "spec_drafts",
-            "spec_decode_num_draft_tokens": "spec_draft_tokens",
-            "spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
-GAUGES = {"running": "running", "waiting": "waiting", "kv_usage": "kv_usage",
-          "kv_blocks_total": "kv_blocks_total"}
+COUNTERS = {
+    "generation_tokens": "generation_tokens",
+    "prompt_tokens": "prompt_tokens",
+    "num_preemptions": "preemptions",
+    "prefix_cache_queries": "prefix_queries",
+    "prefix_cache_hits": "prefix_hits",
+    "spec_decode_num_drafts": "spec_drafts",
+    "spec_decode_num_draft_tokens": "spec_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_accepted_tokens",
+}
+GAUGES = {
+    "running": "running",
+    "waiting": "waiting",
+    "kv_usage": "kv_usage",
+    "kv_blocks_total": "kv_blocks_total",
+}
 
 
-def histogram_quantile(q: float, upper_bounds: list[float], cumulative: list[float]) -> float | None:
+def histogram_quantile(
+    q: float, upper_bounds: list[float], cumulative: list[float]
+) -> float | None:
     """The q-quantile (0 <= q <= 1) of observations counted in a cumulative histogram, as
     Prometheus' histogram_quantile estimates it: find the bucket holding rank q * total and
     interpolate linearly inside it (the first bucket starts at 0). A rank in the +Inf bucket
     gives the highest finite bound. None when nothing was observed.
 
-    `upper_bounds` ascend and end with +Inf; `cumulative[i]` counts observations <= upper_bounds[i]."""
+    `upper_bounds` ascend and end with +Inf; `cumulative[i]` counts observations
+    <= upper_bounds[i]."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be between 0 and 1, got {q}")
     if len(upper_bounds) != len(cumulative):
-        raise ValueError(f"{len(upper_bounds)} bucket bounds but {len(cumulative)} counts: give one count per bound")
+        raise ValueError(
+            f"{len(upper_bounds)} bucket bounds but {len(cumulative)} counts: "
+            "give one count per bound"
+        )
     if len(upper_bounds) < 2 or upper_bounds[-1] != math.inf:
-        raise ValueError("the buckets must end with a +Inf bucket and have at least one finite bound before it")
+        raise ValueError(
+            "the buckets must end with a +Inf bucket and have at least one finite bound before it"
+        )
     total = cumulative[-1]
     if total <= 0:
         return None
@@ -78,6 +96,7 @@ def histogram_quantile(q: float, upper_bounds: list[float], cumulative: list[flo
 @dataclass(frozen=True)
 class Histogram:
     """One histogram's state: upper bounds (ending with +Inf) and cumulative counts."""
+
     upper_bounds: tuple[float, ...]
     cumulative: tuple[float, ...]
 
@@ -94,7 +113,9 @@ class Histogram:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The metrics the dashboard shows, at one moment (`t`: time.monotonic(), `wall`: time.time())."""
+    """The metrics the dashboard shows, at one moment (`t`: time.monotonic(), `wall`:
+    time.time())."""
+
     t: float
     wall: float
     gauges: dict[str, float]
@@ -122,14 +143,22 @@ def read_value(child) -> float:
     raise ValueError(f"metric {child!r} has no sample")
 
 
-def take_snapshot(metrics: EngineMetrics, t: float | None = None, wall: float | None = None) -> Snapshot:
+def take_snapshot(
+    metrics: EngineMetrics, t: float | None = None, wall: float | None = None
+) -> Snapshot:
     finished = sum(read_value(c) for c in metrics.success.values())
-    return Snapshot(t=time.monotonic() if t is None else t, wall=time.time() if wall is None else wall,
-                    gauges={key: read_value(getattr(metrics, attr)) for attr, key in GAUGES.items()},
-                    counters={**{key: read_value(getattr(metrics, attr)) for attr, key in COUNTERS.items()},
-                              "finished_requests": finished},
-                    histograms={key: read_histogram(getattr(metrics, attr))
-                                for attr, key in LATENCY_HISTOGRAMS.items()})
+    return Snapshot(
+        t=time.monotonic() if t is None else t,
+        wall=time.time() if wall is None else wall,
+        gauges={key: read_value(getattr(metrics, attr)) for attr, key in GAUGES.items()},
+        counters={
+            **{key: read_value(getattr(metrics, attr)) for attr, key in COUNTERS.items()},
+            "finished_requests": finished,
+        },
+        histograms={
+            key: read_histogram(getattr(metrics, attr)) for attr, key in LATENCY_HISTOGRAMS.items()
+        },
+    )
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -141,11 +170,17 @@ def derive_point(new: Snapshot, old: Snapshot | None) -> dict[str, float | None]
     happened between `old` and `new` (None where `old` is missing, nothing happened, or a counter
     went down)."""
     g = new.gauges
-    point: dict[str, float | None] = {"time": new.wall, "running": g["running"], "waiting": g["waiting"],
-                                      "kv_usage_pct": 100.0 * g["kv_usage"]}
+    point: dict[str, float | None] = {
+        "time": new.wall,
+        "running": g["running"],
+        "waiting": g["waiting"],
+        "kv_usage_pct": 100.0 * g["kv_usage"],
+    }
     dt = None if old is None else new.t - old.t
     if dt is not None and dt <= 0:
-        raise ValueError(f"snapshots out of order: the newer one is {-dt:.3f}s before the older one")
+        raise ValueError(
+            f"snapshots out of order: the newer one is {-dt:.3f}s before the older one"
+        )
 
     def delta(key: str) -> float | None:
         if old is None:
@@ -173,21 +208,46 @@ def derive_point(new: Snapshot, old: Snapshot | None) -> dict[str, float | None]
     return point
 
 
-SERIES = ("time", "running", "waiting", "kv_usage_pct", "output_tokens_per_s", "prompt_tokens_per_s",
-          "finished_requests_per_s", "preemptions_per_min", "prefix_hit_rate_pct", "spec_acceptance_pct",
-          "spec_accepted_per_draft", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+SERIES = (
+    "time",
+    "running",
+    "waiting",
+    "kv_usage_pct",
+    "output_tokens_per_s",
+    "prompt_tokens_per_s",
+    "finished_requests_per_s",
+    "preemptions_per_min",
+    "prefix_hit_rate_pct",
+    "spec_acceptance_pct",
+    "spec_accepted_per_draft",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+)
 
 
 class DashboardHistory:
     """The trailing window of snapshots and the ring of points derived from them."""
 
-    def __init__(self, interval_s: float = INTERVAL_S, window_s: float = WINDOW_S, history_s: float = HISTORY_S):
-        for name, value in (("interval_s", interval_s), ("window_s", window_s), ("history_s", history_s)):
+    def __init__(
+        self,
+        interval_s: float = INTERVAL_S,
+        window_s: float = WINDOW_S,
+        history_s: float = HISTORY_S,
+    ):
+        for name, value in (
+            ("interval_s", interval_s),
+            ("window_s", window_s),
+            ("history_s", history_s),
+        ):
             if not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if window_s < interval_s:
-            raise ValueError(f"window_s ({window_s}) must be at least interval_s ({interval_s}): "
-                             "a window needs two snapshots")
+            raise ValueError(
+                f"window_s ({window_s}) must be at least interval_s ({interval_s}): "
+                "a window needs two snapshots"
+            )
         self.interval_s, self.window_s, self.history_s = interval_s, window_s, history_s
         self._window: deque[Snapshot] = deque()
         self.points: deque[dict] = deque(maxlen=max(1, math.ceil(history_s / interval_s)))
@@ -226,29 +286,47 @@ class DashboardRecorder:
             self.record()
             next_at += self.history.interval_s
             now = loop.time()
-            if next_at < now:   # the loop was held up: skip the missed ticks, do not burst
+            if next_at < now:  # the loop was held up: skip the missed ticks, do not burst
                 next_at = now + self.history.interval_s
             await asyncio.sleep(next_at - now)
 
     def data(self, model_name: str, speculative: bool) -> dict:
         h = self.history
         latest = h.latest
-        totals = {} if latest is None else {
-            "finished_requests": latest.counters["finished_requests"],
-            "generation_tokens": latest.counters["generation_tokens"],
-            "prompt_tokens": latest.counters["prompt_tokens"], "preemptions": latest.counters["preemptions"],
-            "kv_blocks_total": latest.gauges["kv_blocks_total"]}
-        return {"model": model_name, "speculative": speculative, "interval_s": h.interval_s,
-                "window_s": h.window_s, "history_s": h.history_s,
-                "uptime_s": time.monotonic() - self.started, "totals": totals, "series": h.columns()}
+        totals = (
+            {}
+            if latest is None
+            else {
+                "finished_requests": latest.counters["finished_requests"],
+                "generation_tokens": latest.counters["generation_tokens"],
+                "prompt_tokens": latest.counters["prompt_tokens"],
+                "preemptions": latest.counters["preemptions"],
+                "kv_blocks_total": latest.gauges["kv_blocks_total"],
+            }
+        )
+        return {
+            "model": model_name,
+            "speculative": speculative,
+            "interval_s": h.interval_s,
+            "window_s": h.window_s,
+            "history_s": h.history_s,
+            "uptime_s": time.monotonic() - self.started,
+            "totals": totals,
+            "series": h.columns(),
+        }
 
 
 def static_file(name: str) -> bytes:
     return (files("kvserve.server") / "static" / name).read_bytes()
 
 
-def install_dashboard(app: FastAPI, metrics: EngineMetrics, model_name: str, speculative: bool,
-                      history: DashboardHistory | None = None) -> DashboardRecorder:
+def install_dashboard(
+    app: FastAPI,
+    metrics: EngineMetrics,
+    model_name: str,
+    speculative: bool,
+    history: DashboardHistory | None = None,
+) -> DashboardRecorder:
     """Add the dashboard's routes to `app`, and its recorder to the app's lifespan (it runs while
     the server does)."""
     recorder = DashboardRecorder(metrics, history)
@@ -266,8 +344,11 @@ def install_dashboard(app: FastAPI, metrics: EngineMetrics, model_name: str, spe
     @app.get(DATA_PATH)
     async def dashboard_data():
         """The dashboard's time series (the last few minutes of the engine's metrics)."""
-        # json.dumps directly: FastAPI's encoder walks the few thousand numbers ~10x slower, on the loop
-        return Response(json.dumps(recorder.data(model_name, speculative)), media_type="application/json")
+        # json.dumps directly: FastAPI's encoder is much slower over the few thousand numbers, on
+        # the event loop
+        return Response(
+            json.dumps(recorder.data(model_name, speculative)), media_type="application/json"
+        )
 
     inner = app.router.lifespan_context
 

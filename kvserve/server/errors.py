@@ -4,6 +4,7 @@
 Bad input is a 4xx, never a 500: request validation (pydantic) and malformed JSON are 400 with
 `param` naming the field, as OpenAI answers them.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,18 @@ log = logging.getLogger("kvserve")
 
 class APIError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
+
     status = 400
     type = "invalid_request_error"
     code: str | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -86,32 +93,54 @@ class InternalError(APIError):
     code = "internal_error"
 
 
-_REASONS = {408: "Request Timeout", 413: "Payload Too Large", 429: "Too Many Requests",
-            503: "Service Unavailable"}
+_REASONS = {
+    408: "Request Timeout",
+    413: "Payload Too Large",
+    429: "Too Many Requests",
+    503: "Service Unavailable",
+}
 
 
 def raw_response(err: APIError, close: bool = False) -> bytes:
     """The whole HTTP/1.1 response for `err`, as bytes, for answering below ASGI (the HTTP
     protocol writes it to the transport itself)."""
     body = json.dumps(err.body()).encode()
-    head = [f"HTTP/1.1 {err.status} {_REASONS.get(err.status, 'Error')}", "content-type: application/json",
-            f"content-length: {len(body)}"]
+    head = [
+        f"HTTP/1.1 {err.status} {_REASONS.get(err.status, 'Error')}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+    ]
     head += [f"{k.lower()}: {v}" for k, v in (err.headers or {}).items()]
     if close:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
+_TYPE_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "dict",
+    "list",
+    "none",
+    "function-after",
+    "function-before",
+}
 
 
 def validation_error(exc: RequestValidationError) -> BadRequest:
-    """The first pydantic error as a 400 with the field path in `param` (e.g. messages.0.content)."""
+    """The first pydantic error as a 400 with the field path in `param` (e.g.
+    messages.0.content)."""
     errors = exc.errors()
     if not errors:
         return BadRequest("invalid request")
@@ -120,21 +149,26 @@ def validation_error(exc: RequestValidationError) -> BadRequest:
     err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
-        return BadRequest(f"We could not parse the JSON body of your request ({detail}). "
-                          "The body must be a JSON object.", code="invalid_json")
+        return BadRequest(
+            f"We could not parse the JSON body of your request ({detail}). "
+            "The body must be a JSON object.",
+            code="invalid_json",
+        )
     parts: list[str] = []
-    for item in err.get("loc", ())[1:]:           # loc[0] is "body"
+    for item in err.get("loc", ())[1:]:  # loc[0] is "body"
         if isinstance(item, int):
             parts.append(str(item))
         elif item in _TYPE_TAGS or "[" in item or "(" in item:
-            continue                              # a union member's type tag, not a field
+            continue  # a union member's type tag, not a field
         else:
             parts.append(item)
     param = ".".join(parts) or None
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if err.get("type") == "missing":
         msg = "field required"
-    if err.get("type") == "model_attributes_type" or (not parts and err.get("type", "").endswith("_type")):
+    if err.get("type") == "model_attributes_type" or (
+        not parts and err.get("type", "").endswith("_type")
+    ):
         msg = "the request body must be a JSON object"
     return BadRequest(f"{param}: {msg}" if param else msg, param=param)
 
@@ -163,7 +197,9 @@ def install_error_handlers(app: FastAPI) -> None:
         err.status = exc.status_code
         if exc.status_code >= 500:
             err.type = "server_error"
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     app.add_middleware(InternalErrorMiddleware)
     _document_400(app)
@@ -191,19 +227,40 @@ class InternalErrorMiddleware:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if started:                       # mid-response: nothing sane to add; the body ends here
+            if started:  # mid-response: nothing sane to add; the body ends here
                 return
-            body = json.dumps(InternalError(f"internal error: {type(exc).__name__}").body()).encode()
-            await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            body = json.dumps(
+                InternalError(f"internal error: {type(exc).__name__}").body()
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
 
 
-_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
 
 
 def _document_400(app: FastAPI) -> None:
@@ -219,9 +276,14 @@ def _document_400(app: FastAPI) -> None:
             for operation in path.values():
                 responses = operation.get("responses", {})
                 if responses.pop("422", None) is not None:
-                    responses["400"] = {"description": "Invalid request: the error names the field in `param`",
-                                        "content": {"application/json": {
-                                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+                    responses["400"] = {
+                        "description": "Invalid request: the error names the field in `param`",
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/ErrorResponse"}
+                            }
+                        },
+                    }
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)

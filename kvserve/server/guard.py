@@ -1,11 +1,11 @@
 """The ASGI guard in front of every route: the API key, the request body size limit, the
 body read timeout, and the overload fast path (429 before any parsing when the queue is full)."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
-
 from collections.abc import Callable
 
 from kvserve.server.errors import APIError, RequestTimeout, TooLarge, Unauthorized, raw_response
@@ -39,9 +39,16 @@ class GuardMiddleware:
     its body is read, before JSON parsing, validation and tokenization, so a burst of them costs
     the server little and each client hears back in milliseconds."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics_public: bool = False,
-                 body_timeout: float | None = None, overloaded: Callable[[], APIError | None] | None = None,
-                 raw_body_paths: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics_public: bool = False,
+        body_timeout: float | None = None,
+        overloaded: Callable[[], APIError | None] | None = None,
+        raw_body_paths: frozenset[str] = frozenset(),
+    ):
         """raw_body_paths: routes that read their own body, with a limit, a timeout and a
         concurrency cap of their own, before which nothing is buffered here (the KV import of
         disaggregation, kvserve/server/kv_routes.py)."""
@@ -60,16 +67,26 @@ class GuardMiddleware:
         if self.api_key and scope["path"] not in self.open_paths:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not secrets.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                return await _send_error(send, Unauthorized(
-                    "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'"))
+                return await _send_error(
+                    send,
+                    Unauthorized(
+                        "Incorrect or missing API key: "
+                        "send the header 'Authorization: Bearer <key>'"
+                    ),
+                )
         if scope["method"] not in ("POST", "PUT", "PATCH") or scope["path"] in self.raw_body_paths:
             return await self.app(scope, receive, send)
         try:
             body = await asyncio.wait_for(self.read_body(headers, receive), self.body_timeout)
         except asyncio.TimeoutError:
-            return await _send_error(send, RequestTimeout(
-                f"the request body did not arrive within {self.body_timeout:g} seconds (--body-timeout)"),
-                close=True)
+            return await _send_error(
+                send,
+                RequestTimeout(
+                    f"the request body did not arrive within {self.body_timeout:g} seconds "
+                    "(--body-timeout)"
+                ),
+                close=True,
+            )
         except BodyRejected as rejected:
             return await _send_error(send, rejected.error, close=rejected.close)
         if body is None:  # the client went away
@@ -85,8 +102,9 @@ class GuardMiddleware:
         BodyRejected past the size limit (reading on up to DRAIN_LIMIT to keep the connection)."""
         limit = self.max_body_bytes
         drain = max(DRAIN_LIMIT, limit)
-        too_large = TooLarge(f"request body is larger than the limit of {limit} bytes "
-                             "(--max-body-bytes)")
+        too_large = TooLarge(
+            f"request body is larger than the limit of {limit} bytes (--max-body-bytes)"
+        )
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > drain:
             raise BodyRejected(too_large, close=True)

@@ -18,6 +18,7 @@ export pins its blocks on the engine thread and streams them a layer at a time f
 thread (kvserve/engine/kv_transfer.py), EXPORT_SLOTS at a time; the pins are dropped when the
 response ends, whether it completed, the client went away or stopped reading.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,23 +35,38 @@ from starlette.requests import ClientDisconnect
 from kvserve.config import parse_size
 from kvserve.engine import kv_transfer
 from kvserve.engine.async_engine import EngineDeadError
-from kvserve.engine.kv_payload import (KEY_HEADER, PayloadReader, PayloadTooLarge,
-                                       check_transfer_args)
+from kvserve.engine.kv_payload import (
+    KEY_HEADER,
+    PayloadReader,
+    PayloadTooLarge,
+    check_transfer_args,
+)
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import (APIError, BadRequest, RequestTimeout, TooLarge, TooManyRequests,
-                                   Unauthorized)
+from kvserve.server.errors import (
+    APIError,
+    BadRequest,
+    RequestTimeout,
+    TooLarge,
+    TooManyRequests,
+    Unauthorized,
+)
 from kvserve.server.guard import DEFAULT_BODY_TIMEOUT, DRAIN_LIMIT
 from kvserve.server.protocol import KVPrefillRequest
-from kvserve.server.serving import (check_context, check_output, merge, open_streams,
-                                    with_cancellation)
+from kvserve.server.serving import (
+    check_context,
+    check_output,
+    merge,
+    open_streams,
+    with_cancellation,
+)
 
 log = logging.getLogger("kvserve")
 
 PREFILL_PATH = "/v1/kv/prefill"
 IMPORT_PATH = "/v1/kv/import"
-IMPORT_SLOTS = 1          # imports read and adopted at once
-EXPORT_SLOTS = 2          # exports pinned and streamed at once
-SLOT_WAIT_S = 5.0         # how long a call waits for a slot before its 429
+IMPORT_SLOTS = 1  # imports read and adopted at once
+EXPORT_SLOTS = 2  # exports pinned and streamed at once
+SLOT_WAIT_S = 5.0  # how long a call waits for a slot before its 429
 
 
 def raw_body_paths(role: str | None) -> frozenset[str]:
@@ -69,8 +85,11 @@ def _parse(model, raw: bytes):
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise BadRequest(f"We could not parse the JSON body of your request ({e}). The body must "
-                         "be a JSON object.", code="invalid_json") from None
+        raise BadRequest(
+            f"We could not parse the JSON body of your request ({e}). The body must "
+            "be a JSON object.",
+            code="invalid_json",
+        ) from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -81,8 +100,15 @@ def _parse(model, raw: bytes):
 class KVHandover:
     """The handover of one server: its role, key, namespace, limits and slots."""
 
-    def __init__(self, engine, role: str, key: str, shared_prefix: bool = False,
-                 max_bytes: str | int | None = None, body_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        role: str,
+        key: str,
+        shared_prefix: bool = False,
+        max_bytes: str | int | None = None,
+        body_timeout: float | None = None,
+    ) -> None:
         """ValueError when `role` is unknown, the key is missing or this engine cannot hand
         over KV (prefix caching off, several attention windows, several ranks)."""
         check_transfer_args(role, key)
@@ -107,9 +133,11 @@ class KVHandover:
     def check_key(self, request: Request) -> None:
         given = request.headers.get(KEY_HEADER, "").encode("latin-1")
         if not hmac.compare_digest(given, self.key):
-            raise Unauthorized(f"Incorrect or missing KV transfer key: send the header "
-                               f"'{KEY_HEADER}: <key>' with the server's --kv-transfer-key",
-                               code="invalid_kv_transfer_key")
+            raise Unauthorized(
+                f"Incorrect or missing KV transfer key: send the header "
+                f"'{KEY_HEADER}: <key>' with the server's --kv-transfer-key",
+                code="invalid_kv_transfer_key",
+            )
 
     def claim_namespace(self, body, request: Request) -> None:
         """A generation request that presents the transfer key (a wrong one is a 401) and has no
@@ -124,8 +152,10 @@ class KVHandover:
         try:
             await asyncio.wait_for(slots.acquire(), SLOT_WAIT_S)
         except asyncio.TimeoutError:
-            raise TooManyRequests(f"{what} run {count} at a time and none finished within "
-                                  f"{SLOT_WAIT_S:g} s: retry later") from None
+            raise TooManyRequests(
+                f"{what} run {count} at a time and none finished within "
+                f"{SLOT_WAIT_S:g} s: retry later"
+            ) from None
 
     # ---- export ----
     async def prefill(self, raw_request: Request) -> Response:
@@ -136,9 +166,15 @@ class KVHandover:
         engine = self.engine
         check_context(len(ids), 1, engine.max_model_len, "prompt_token_ids")
         # the engine checks the ids (empty, outside the vocabulary) and admission as for any request
-        streams = await open_streams(engine, [ids], SamplingParams(max_tokens=1, temperature=0),
-                                     f"kvprefill-{uuid.uuid4().hex}", 0, self.salt,
-                                     names={"prompt": "prompt_token_ids"})
+        streams = await open_streams(
+            engine,
+            [ids],
+            SamplingParams(max_tokens=1, temperature=0),
+            f"kvprefill-{uuid.uuid4().hex}",
+            0,
+            self.salt,
+            names={"prompt": "prompt_token_ids"},
+        )
         async for _, out in merge(streams):
             check_output(out)
         await self._slot(self.exports, "KV exports", EXPORT_SLOTS)
@@ -153,7 +189,8 @@ class KVHandover:
         """Pin on the engine thread; if this caller is cancelled meanwhile, the pins the engine
         thread still takes are dropped as soon as they exist."""
         task = asyncio.ensure_future(
-            self.engine.call(lambda core: kv_transfer.pin_blocks(core, ids, self.salt)))
+            self.engine.call(lambda core: kv_transfer.pin_blocks(core, ids, self.salt))
+        )
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -168,25 +205,33 @@ class KVHandover:
         """Drop an export's pins on the engine thread (sent at once, even if this is cancelled)."""
         try:
             await self.engine.call(lambda core: kv_transfer.release(pinned))
-        except EngineDeadError as e:       # the engine is gone: so are its blocks
+        except EngineDeadError as e:  # the engine is gone: so are its blocks
             log.warning("could not release a KV export's blocks: %r", e)
 
     # ---- import ----
     async def import_kv(self, raw_request: Request) -> dict:
         """Adopt a prefill instance's KV blocks into this engine's prefix cache."""
-        self.check_key(raw_request)          # before a byte of the body is read
+        self.check_key(raw_request)  # before a byte of the body is read
         declared = raw_request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.limit:
-            raise _closing(TooLarge(f"the KV payload of {declared} bytes is over the limit of "
-                                    f"{self.limit} bytes (--max-kv-transfer-bytes)", "body"))
+            raise _closing(
+                TooLarge(
+                    f"the KV payload of {declared} bytes is over the limit of "
+                    f"{self.limit} bytes (--max-kv-transfer-bytes)",
+                    "body",
+                )
+            )
         try:
             await self._slot(self.imports, "KV imports", IMPORT_SLOTS)
         except APIError as e:
             raise _closing(e) from None
         try:
             header, kv = await asyncio.wait_for(self._read(raw_request), self.body_timeout)
-            tokens = await self.engine.call(lambda core: kv_transfer.adopt_blocks(
-                core, header.token_ids, header.num_blocks, kv, self.salt))
+            tokens = await self.engine.call(
+                lambda core: kv_transfer.adopt_blocks(
+                    core, header.token_ids, header.num_blocks, kv, self.salt
+                )
+            )
         except asyncio.TimeoutError:
             late = f"the KV payload did not arrive within {self.body_timeout:g} s (--body-timeout)"
             raise _closing(RequestTimeout(late)) from None
@@ -220,18 +265,21 @@ class KVHandover:
                 return reader.finish()
             except ValueError as e:
                 error = e
-        del reader        # its buffer goes now, not when a cycle through the traceback is collected
+        del reader  # its buffer goes now, not when a cycle through the traceback is collected
         raise error.with_traceback(None)
 
     def install(self, app: FastAPI) -> None:
         if self.exports_kv:
+
             @app.post(PREFILL_PATH)
             @with_cancellation
             async def kv_prefill(raw_request: Request):
                 """Disaggregated prefill: compute the prompt, then hand over its KV blocks
                 (kvserve/engine/kv_transfer.py), as application/octet-stream."""
                 return await self.prefill(raw_request)
+
         if self.imports_kv:
+
             @app.post(IMPORT_PATH)
             async def kv_import(raw_request: Request):
                 """Disaggregated decode: adopt a prefill instance's KV blocks."""
@@ -249,8 +297,10 @@ class ExportResponse(Response):
         self.pinned = pinned
         self.status_code = 200
         self.background = None
-        self.raw_headers = [(b"content-type", self.media_type.encode()),
-                            (b"content-length", str(pinned.size).encode())]
+        self.raw_headers = [
+            (b"content-type", self.media_type.encode()),
+            (b"content-length", str(pinned.size).encode()),
+        ]
 
     async def __call__(self, scope, receive, send) -> None:
         gone = asyncio.Event()
@@ -263,14 +313,19 @@ class ExportResponse(Response):
             for part in range(pinned.num_parts if pinned.blocks else 0):
                 if gone.is_set():
                     return
-                await asyncio.wait_for(send({"type": "http.response.body", "body": chunks.pop(),
-                                             "more_body": True}), timeout)
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": chunks.pop(), "more_body": True}),
+                    timeout,
+                )
                 chunks.append(await asyncio.to_thread(kv_transfer.read_part, pinned, part))
-            await asyncio.wait_for(send({"type": "http.response.body", "body": chunks.pop(),
-                                         "more_body": False}), timeout)
+            await asyncio.wait_for(
+                send({"type": "http.response.body", "body": chunks.pop(), "more_body": False}),
+                timeout,
+            )
         except asyncio.TimeoutError:
-            log.warning("a KV export's client took no data for %gs (--body-timeout): cut off",
-                        timeout)
+            log.warning(
+                "a KV export's client took no data for %gs (--body-timeout): cut off", timeout
+            )
         except kv_transfer.ExportAborted as e:
             log.warning("KV export cut off: %s", e)
         finally:

@@ -1,11 +1,14 @@
-"""Request models of the OpenAI protocol (pydantic v2, strict types) and their mapping to SamplingParams.
+"""Request models of the OpenAI protocol (pydantic v2, strict types) and their mapping to
+SamplingParams.
 
 Strict: a number where a string belongs (or "0.5" where a number belongs) is a 400, not a silent
 coercion. Every string must be valid Unicode (JSON's "\ud800" escapes are refused). Unknown
 fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working, except
-the ones in UNSUPPORTED_FIELDS, which would change what the answer means. Value ranges are checked once, by SamplingParams; `to_sampling_params` turns its
-ValueError into a 400 that names the request field.
+the ones in UNSUPPORTED_FIELDS, which would change what the answer means. Value ranges are
+checked once, by SamplingParams; `to_sampling_params` turns its ValueError into a 400 that names
+the request field.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -14,19 +17,27 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from kvserve.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from kvserve.server.errors import BadRequest
-from kvserve.structured.tools import messages_for_template, tool_choice_constraint
+from kvserve.server.tools import messages_for_template, tool_choice_constraint
 
-MAX_PROMPTS = 256             # prompts in one /v1/completions request
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_CACHE_SALT_CHARS = 1024
 
 # Fields of OpenAI or vLLM requests that change what the answer means and that kvserve does not
 # implement (yet): a 400 naming the field, never a silently different answer.
-UNSUPPORTED_FIELDS = ("logit_bias", "functions", "function_call",
-                      "prompt_logprobs")   # a field of /v1/completions; chat has none
+UNSUPPORTED_FIELDS = (
+    "logit_bias",
+    "functions",
+    "function_call",
+    "prompt_logprobs",
+)  # a field of /v1/completions; chat has none
 # vLLM's older names for the kinds of `structured_outputs`
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
-GUIDED_OPTIONS = {"guided_whitespace_pattern": "whitespace_pattern"}   # apply to the one above
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+GUIDED_OPTIONS = {"guided_whitespace_pattern": "whitespace_pattern"}  # apply to the one above
 
 
 def _valid_unicode(v: str) -> str:
@@ -34,8 +45,9 @@ def _valid_unicode(v: str) -> str:
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"must be valid Unicode text: lone surrogate {v[e.start]!r} "
-                         f"at character {e.start}") from None
+        raise ValueError(
+            f"must be valid Unicode text: lone surrogate {v[e.start]!r} at character {e.start}"
+        ) from None
     return v
 
 
@@ -43,7 +55,8 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 def _valid_nested_unicode(v: Any, path: str = "") -> Any:
-    """_valid_unicode for every key and string inside a JSON object (tools, schemas), naming where."""
+    """_valid_unicode for every key and string inside a JSON object (tools, schemas), naming
+    where."""
     if isinstance(v, str):
         try:
             _valid_unicode(v)
@@ -59,7 +72,9 @@ def _valid_nested_unicode(v: Any, path: str = "") -> Any:
     return v
 
 
-JSONObject = Annotated[dict, AfterValidator(_valid_nested_unicode)]   # a dict whose strings are all Text
+JSONObject = Annotated[
+    dict, AfterValidator(_valid_nested_unicode)
+]  # a dict whose strings are all Text
 
 
 class _Model(BaseModel):
@@ -75,6 +90,7 @@ class JsonSchemaFormat(_Model):
 
 class ResponseFormat(_Model):
     """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -84,7 +100,9 @@ class ResponseFormat(_Model):
         if self.type == "json_object":
             return StructuredOutputs(json_object=True)
         if self.json_schema is None or self.json_schema.schema_ is None:
-            raise BadRequest("response_format of type json_schema needs json_schema.schema", "response_format")
+            raise BadRequest(
+                "response_format of type json_schema needs json_schema.schema", "response_format"
+            )
         return StructuredOutputs(json=self.json_schema.schema_)
 
 
@@ -96,6 +114,7 @@ class StreamOptions(_Model):
 class _SamplingRequest(_Model):
     """Fields that completions and chat share. Unknown fields are kept (not used) so that
     `check` can refuse the ones in UNSUPPORTED_FIELDS."""
+
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: Text | None = None
@@ -120,7 +139,9 @@ class _SamplingRequest(_Model):
     cache_salt: Text | None = None
     user: Text | None = None
     response_format: ResponseFormat | None = None
-    structured_outputs: JSONObject | None = None   # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: JSONObject | None = (
+        None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    )
     # Beam search (vLLM's extension): the n best of best_of (completions) or n beams.
     use_beam_search: bool = False
     length_penalty: float | None = None
@@ -135,8 +156,11 @@ class _SamplingRequest(_Model):
             if extra.get(name) not in (None, {}, []):
                 raise BadRequest(f"{name} is not supported by this server", name)
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
-            raise BadRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-                             "characters", "cache_salt")
+            raise BadRequest(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                "characters",
+                "cache_salt",
+            )
         self.constraint()
 
     def constraint(self) -> tuple[StructuredOutputs | None, str]:
@@ -148,16 +172,22 @@ class _SamplingRequest(_Model):
             given.append(("structured_outputs", self.structured_outputs))
         if self.response_format is not None and self.response_format.type != "text":
             given.append(("response_format", self.response_format))
-        stray = [o for o in GUIDED_OPTIONS if extra.get(o) is not None
-                 and not any(name in GUIDED_FIELDS for name, _ in given)]
+        stray = [
+            o
+            for o in GUIDED_OPTIONS
+            if extra.get(o) is not None and not any(name in GUIDED_FIELDS for name, _ in given)
+        ]
         if stray:
-            raise BadRequest(f"{stray[0]} applies to a guided_json constraint in the same request",
-                             stray[0])
+            raise BadRequest(
+                f"{stray[0]} applies to a guided_json constraint in the same request", stray[0]
+            )
         if not given:
             return None, "structured_outputs"
         built = [(self._one_constraint(name, value, extra), name) for name, value in given]
-        if len({so.key() for so, _ in built}) > 1:      # the same one in two fields is fine (vLLM)
-            raise BadRequest(f"give one output constraint, not {', '.join(n for n, _ in given)}", given[1][0])
+        if len({so.key() for so, _ in built}) > 1:  # the same one in two fields is fine (vLLM)
+            raise BadRequest(
+                f"give one output constraint, not {', '.join(n for n, _ in given)}", given[1][0]
+            )
         return built[0]
 
     @staticmethod
@@ -169,28 +199,53 @@ class _SamplingRequest(_Model):
                 known = set(StructuredOutputs.__dataclass_fields__)
                 unknown = sorted(set(value) - known)
                 if unknown:
-                    raise BadRequest(f"structured_outputs: unknown key {unknown[0]!r} (known: "
-                                     f"{', '.join(sorted(known))})", name)
+                    raise BadRequest(
+                        f"structured_outputs: unknown key {unknown[0]!r} (known: "
+                        f"{', '.join(sorted(known))})",
+                        name,
+                    )
                 return StructuredOutputs(**value)
-            options = {field: extra[option] for option, field in GUIDED_OPTIONS.items()
-                       if extra.get(option) is not None}
+            options = {
+                field: extra[option]
+                for option, field in GUIDED_OPTIONS.items()
+                if extra.get(option) is not None
+            }
             return StructuredOutputs(**{GUIDED_FIELDS[name]: value}, **options)
         except ParamError as e:
             raise BadRequest(str(e), name) from None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str],
-                prompt_logprobs: int | None = None) -> SamplingParams:
-        given = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                 "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
-                 "stop_token_ids": self.stop_token_ids, "presence_penalty": self.presence_penalty,
-                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                 "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-                 "skip_special_tokens": self.skip_special_tokens,
-                 "include_stop_str_in_output": self.include_stop_str_in_output,
-                 "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-                 "structured_outputs": self.constraint()[0], "use_beam_search": self.use_beam_search,
-                 "length_penalty": self.length_penalty, "early_stopping": self.early_stopping,
-                 "best_of": getattr(self, "best_of", None)}
+    def _params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        names: dict[str, str],
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        given = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "structured_outputs": self.constraint()[0],
+            "use_beam_search": self.use_beam_search,
+            "length_penalty": self.length_penalty,
+            "early_stopping": self.early_stopping,
+            "best_of": getattr(self, "best_of", None),
+        }
         kwargs = {k: v for k, v in given.items() if v is not None or k == "max_tokens"}
         try:
             return SamplingParams(**kwargs)
@@ -201,17 +256,24 @@ class _SamplingRequest(_Model):
 
 # ---- /v1/completions ----
 
+
 def _check_prompt(v: Any) -> Any:
     if isinstance(v, list) and len(v) > MAX_PROMPTS and not all(type(x) is int for x in v):
         raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(v)}")
-    ok = (isinstance(v, str)
-          or (isinstance(v, list) and v and (
-              all(isinstance(x, str) for x in v)
-              or all(type(x) is int for x in v)
-              or all(isinstance(x, list) and x and all(type(t) is int for t in x) for x in v))))
+    ok = isinstance(v, str) or (
+        isinstance(v, list)
+        and v
+        and (
+            all(isinstance(x, str) for x in v)
+            or all(type(x) is int for x in v)
+            or all(isinstance(x, list) and x and all(type(t) is int for t in x) for x in v)
+        )
+    )
     if not ok:
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
-                         "or a list of lists of token ids, none of them empty")
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids "
+            "or a list of lists of token ids, none of them empty"
+        )
     return v
 
 
@@ -222,7 +284,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = None
-    prompt_logprobs: int | None = None     # vLLM's extension: top-N logprobs of every prompt token
+    prompt_logprobs: int | None = None  # vLLM's extension: top-N logprobs of every prompt token
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -234,8 +296,10 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             raise BadRequest("suffix is not supported", "suffix")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
-            raise BadRequest("max_tokens must be >= 1 (0 is for scoring a prompt: with echo or "
-                             "prompt_logprobs)", "max_tokens")
+            raise BadRequest(
+                "max_tokens must be >= 1 (0 is for scoring a prompt: with echo or prompt_logprobs)",
+                "max_tokens",
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (each a string or token ids)."""
@@ -254,10 +318,13 @@ class CompletionRequest(_SamplingRequest):
         return 0 if self.echo and self.max_tokens == 0 else None
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs, {}, prompt_logprobs=self.prompt_logprobs_wanted())
+        return self._params(
+            self.max_tokens, self.logprobs, {}, prompt_logprobs=self.prompt_logprobs_wanted()
+        )
 
 
 # ---- /v1/chat/completions ----
+
 
 class TextPart(_Model):
     type: Literal["text"]
@@ -278,11 +345,12 @@ def _check_content(v: Any) -> Any:
 
 class ToolCallFunction(_Model):
     name: Annotated[Text, Field(min_length=1)]
-    arguments: Text                           # JSON text, as the model wrote it
+    arguments: Text  # JSON text, as the model wrote it
 
 
 class ToolCall(_Model):
     """One of an assistant's earlier calls, as OpenAI takes it back in `messages`."""
+
     id: Text
     type: Literal["function"] = "function"
     function: ToolCallFunction
@@ -292,8 +360,8 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
-    tool_call_id: Text | None = None          # a tool message: the call it answers
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -312,30 +380,43 @@ def check_tool_turns(messages: list[ChatMessage]) -> None:
     """Each `tool` message answers a call of the assistant message before it (only other tool
     messages between them) and names that call's id, as OpenAI requires: a 400 naming the
     message otherwise."""
-    calls: set[str] | None = None        # the ids the latest assistant tool_calls made
+    calls: set[str] | None = None  # the ids the latest assistant tool_calls made
     for i, m in enumerate(messages):
         if m.role != "tool":
             calls = {c.id for c in m.tool_calls} if m.role == "assistant" and m.tool_calls else None
             continue
         if calls is None:
-            raise BadRequest(f"messages.{i}: a message with role 'tool' must answer a preceding "
-                             f"assistant message with 'tool_calls'", f"messages.{i}.role")
+            raise BadRequest(
+                f"messages.{i}: a message with role 'tool' must answer a preceding "
+                f"assistant message with 'tool_calls'",
+                f"messages.{i}.role",
+            )
         if m.tool_call_id is None:
-            raise BadRequest(f"messages.{i}.tool_call_id: a message with role 'tool' must name the "
-                             f"call it answers in 'tool_call_id'", f"messages.{i}.tool_call_id")
+            raise BadRequest(
+                f"messages.{i}.tool_call_id: a message with role 'tool' must name the "
+                f"call it answers in 'tool_call_id'",
+                f"messages.{i}.tool_call_id",
+            )
         if m.tool_call_id not in calls:
-            raise BadRequest(f"messages.{i}.tool_call_id: {m.tool_call_id!r} is not the id of a "
-                             f"call in the preceding assistant message's 'tool_calls'",
-                             f"messages.{i}.tool_call_id")
+            raise BadRequest(
+                f"messages.{i}.tool_call_id: {m.tool_call_id!r} is not the id of a "
+                f"call in the preceding assistant message's 'tool_calls'",
+                f"messages.{i}.tool_call_id",
+            )
 
 
 def chat_messages(messages: list[ChatMessage], tools: list[dict] | None = None) -> list[dict]:
     """Messages as the chat template takes them (string content; developer -> system). With
     tools, or tool calls and results in the history, in the model's tool-call format
-    (kvserve.structured.tools: the default model's template has no tools section)."""
-    out = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-            **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {})}
-           for m in messages]
+    (kvserve.server.tools: the default model's template has no tools section)."""
+    out = [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.text(),
+            **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+        }
+        for m in messages
+    ]
     if tools or any(m.role == "tool" or m.tool_calls for m in messages):
         out = messages_for_template(out, tools)
     return out
@@ -373,20 +454,31 @@ class ChatCompletionRequest(_SamplingRequest):
         if tool_so is None:
             return so, name
         if so is not None:
-            raise BadRequest(f"tool_choice {self.tool_choice!r} cannot be combined with {name}", "tool_choice")
+            raise BadRequest(
+                f"tool_choice {self.tool_choice!r} cannot be combined with {name}", "tool_choice"
+            )
         return tool_so, "tool_choice"
 
     def chat_messages(self) -> list[dict]:
         return chat_messages(self.messages, self.tools if self.uses_tools else None)
 
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        max_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        max_name = (
+            "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs, {"max_tokens": max_name, "logprobs": "top_logprobs"})
+        return self._params(
+            max_tokens, logprobs, {"max_tokens": max_name, "logprobs": "top_logprobs"}
+        )
 
 
 # ---- /tokenize, /detokenize ----
+
 
 class TokenizeRequest(_Model):
     model: Text | None = None
@@ -410,6 +502,7 @@ class DetokenizeRequest(_Model):
 
 
 # ---- /v1/kv/prefill (disaggregated prefill) ----
+
 
 class KVPrefillRequest(_Model):
     prompt_token_ids: list[int]

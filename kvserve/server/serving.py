@@ -1,5 +1,6 @@
 """What the completions and chat endpoints share: admission checks, opening engine streams,
 merging the streams of a multi-prompt request, per-choice accumulation, usage, logprobs, SSE."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,14 @@ from kvserve.engine.errors import CONSTRAINT_FAILED, QueueFullError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.connections import CURRENT_ADMISSION
-from kvserve.server.errors import (APIError, BadRequest, InternalError, NotFound, TooManyRequests,
-                                   Unavailable)
+from kvserve.server.errors import (
+    APIError,
+    BadRequest,
+    InternalError,
+    NotFound,
+    TooManyRequests,
+    Unavailable,
+)
 
 log = logging.getLogger("kvserve")
 
@@ -43,24 +50,37 @@ class ServerState:
 
 # ---- admission ----
 
+
 def check_request(state: ServerState, model: str | None) -> None:
     if not state.engine.accepting:
         raise Unavailable("the server is shutting down and admits no new request")
     if model is not None and model not in state.served_model_names:
-        raise NotFound(f"The model `{model}` does not exist. Served: {', '.join(state.served_model_names)}",
-                       param="model", code="model_not_found")
+        raise NotFound(
+            f"The model `{model}` does not exist. Served: {', '.join(state.served_model_names)}",
+            param="model",
+            code="model_not_found",
+        )
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
+def check_context(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+) -> None:
     """OpenAI's wording, with the numbers, for requests that can never fit the context."""
     total = num_prompt_tokens + (max_tokens or 0)
     if num_prompt_tokens >= max_model_len or total > max_model_len:
         what = "messages" if param == "messages" else "prompt"
-        detail = (f"{total} tokens ({num_prompt_tokens} in the {what}, {max_tokens} in the completion)"
-                  if max_tokens else f"{num_prompt_tokens} tokens in the {what}, leaving no room for a completion")
-        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                         f"{detail}. Please reduce the length of the {what} or completion.",
-                         param=param, code="context_length_exceeded")
+        detail = (
+            f"{total} tokens ({num_prompt_tokens} in the {what}, {max_tokens} in the completion)"
+            if max_tokens
+            else f"{num_prompt_tokens} tokens in the {what}, leaving no room for a completion"
+        )
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {detail}. "
+            f"Please reduce the length of the {what} or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def admission_error(state: ServerState, pending: int = 0) -> APIError | None:
@@ -91,7 +111,7 @@ def reserve_capacity(state: ServerState, num_sequences: int, param: str):
         raise BadRequest(f"{e}: send fewer prompts or a smaller n", param) from None
     except QueueFullError as e:
         raise api_error(e) from None
-    finally:      # counted by the engine now, or refused: no longer pending at the protocol
+    finally:  # counted by the engine now, or refused: no longer pending at the protocol
         if admission is not None:
             admission.release()
     try:
@@ -133,8 +153,11 @@ def check_output(out: RequestOutput, constraint_field: str = "structured_outputs
     """A request that failed inside the engine (it fails alone) or was aborted under it. Its own
     output constraint failing while generating is the client's 400, naming `constraint_field`."""
     if out.error and out.error.startswith(CONSTRAINT_FAILED):
-        raise BadRequest(f"the output constraint failed while generating: "
-                         f"{out.error.removeprefix(CONSTRAINT_FAILED)}", constraint_field)
+        raise BadRequest(
+            f"the output constraint failed while generating: "
+            f"{out.error.removeprefix(CONSTRAINT_FAILED)}",
+            constraint_field,
+        )
     if out.error:
         raise InternalError(f"request failed in the engine: {out.error}")
     if any(o.finish_reason == "abort" for o in out.outputs):
@@ -144,14 +167,29 @@ def check_output(out: RequestOutput, constraint_field: str = "structured_outputs
 Stream = tuple[RequestOutput, AsyncIterator[RequestOutput]]
 
 
-async def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
-                       request_id: str, priority: int, cache_salt: str | None,
-                       names: dict[str, str] | None = None, reservation=None) -> list[Stream]:
+async def open_streams(
+    engine: AsyncEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+    cache_salt: str | None,
+    names: dict[str, str] | None = None,
+    reservation=None,
+) -> list[Stream]:
     """Submit every prompt and wait for each one's first output, so that admission errors
     (400 can-never-fit, 429 queue full, 503 shutting down) come back as the HTTP status."""
-    gens = [engine.generate(ids, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                            priority=priority, cache_salt=cache_salt, reservation=reservation)
-            for i, ids in enumerate(prompts)]
+    gens = [
+        engine.generate(
+            ids,
+            params,
+            request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            priority=priority,
+            cache_salt=cache_salt,
+            reservation=reservation,
+        )
+        for i, ids in enumerate(prompts)
+    ]
     try:
         firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
     except BaseException:
@@ -214,6 +252,7 @@ async def merge(streams: list[Stream]) -> AsyncIterator[tuple[int, RequestOutput
 
 # ---- accumulating one choice ----
 
+
 @dataclass
 class Choice:
     index: int
@@ -222,8 +261,8 @@ class Choice:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    started: bool = False       # streaming: the first chunk of this choice went out
-    text_offset: int = 0        # completions logprobs: offset of the next token in the text
+    started: bool = False  # streaming: the first chunk of this choice went out
+    text_offset: int = 0  # completions logprobs: offset of the next token in the text
 
     def add(self, o: CompletionOutput) -> None:
         self.text += o.delta_text
@@ -236,12 +275,16 @@ class Choice:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 # ---- logprobs in the two OpenAI formats ----
+
 
 def _lp(value: float) -> float:
     """JSON has neither -inf nor NaN."""
@@ -250,7 +293,12 @@ def _lp(value: float) -> float:
 
 def completion_logprobs(lps: list[Logprob], num_top: int, text_offset: int) -> tuple[dict, int]:
     """Legacy completions format; returns it and the text offset after these tokens."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for lp in lps:
         out["tokens"].append(lp.token)
         out["token_logprobs"].append(_lp(lp.logprob))
@@ -262,13 +310,21 @@ def completion_logprobs(lps: list[Logprob], num_top: int, text_offset: int) -> t
     return out, text_offset
 
 
-def echo_logprobs(prompt_lps: list[Logprob | None], first_token: str, num_top: int) -> tuple[dict, int]:
+def echo_logprobs(
+    prompt_lps: list[Logprob | None], first_token: str, num_top: int
+) -> tuple[dict, int]:
     """The prompt's part of the legacy logprobs when echo is on: the first token has no logprob
     (null, as OpenAI answers), then each prompt token with its top-N. Returns it and the text
     offset after the prompt."""
-    out: dict[str, list] = {"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None],
-                            "text_offset": [0]}
-    rest, offset = completion_logprobs([lp for lp in prompt_lps[1:] if lp is not None], num_top, len(first_token))
+    out: dict[str, list] = {
+        "tokens": [first_token],
+        "token_logprobs": [None],
+        "top_logprobs": [None],
+        "text_offset": [0],
+    }
+    rest, offset = completion_logprobs(
+        [lp for lp in prompt_lps[1:] if lp is not None], num_top, len(first_token)
+    )
     for key in out:
         out[key].extend(rest[key])
     return out, offset
@@ -286,25 +342,44 @@ def prompt_logprobs_json(prompt_lps: list[Logprob | None]) -> list[dict | None]:
         if lp is None:
             out.append(None)
             continue
-        entry = {str(tid): {"logprob": _lp(v), "rank": rank, "decoded_token": text}
-                 for rank, (tid, text, v) in enumerate(lp.top, 1)}
-        entry[str(lp.token_id)] = {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.token}
+        entry = {
+            str(tid): {"logprob": _lp(v), "rank": rank, "decoded_token": text}
+            for rank, (tid, text, v) in enumerate(lp.top, 1)
+        }
+        entry[str(lp.token_id)] = {
+            "logprob": _lp(lp.logprob),
+            "rank": lp.rank,
+            "decoded_token": lp.token,
+        }
         out.append(entry)
     return out
 
 
 def chat_logprobs(lps: list[Logprob], num_top: int) -> dict:
-    return {"content": [{"token": lp.token, "logprob": _lp(lp.logprob), "bytes": list(lp.token.encode()),
-                         "top_logprobs": [{"token": text, "logprob": _lp(v), "bytes": list(text.encode())}
-                                          for _, text, v in lp.top[:num_top]]}
-                        for lp in lps]}
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": _lp(lp.logprob),
+                "bytes": list(lp.token.encode()),
+                "top_logprobs": [
+                    {"token": text, "logprob": _lp(v), "bytes": list(text.encode())}
+                    for _, text, v in lp.top[:num_top]
+                ],
+            }
+            for lp in lps
+        ]
+    }
 
 
 # ---- server-sent events ----
 
+
 def sse(obj: dict) -> str:
     """One server-sent event; strict JSON (a NaN raises here rather than reach a client)."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
+    return (
+        f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
+    )
 
 
 async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -324,6 +399,7 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 # ---- work off the event loop ----
 
+
 async def off_loop(fn, *args, **kwargs):
     """Run CPU work (tokenizing, chat templates) in a worker thread, so a 2 MB prompt does not
     stall /health and everyone else's streams."""
@@ -331,6 +407,7 @@ async def off_loop(fn, *args, **kwargs):
 
 
 # ---- client disconnects ----
+
 
 def with_cancellation(handler):
     """Run the endpoint while watching the connection: a client that goes away cancels the
@@ -350,7 +427,7 @@ def with_cancellation(handler):
                 task.cancel()
         if task in done:
             return task.result()
-        await asyncio.wait({task})          # let the handler's cleanup (aborts) run
+        await asyncio.wait({task})  # let the handler's cleanup (aborts) run
         if not task.cancelled() and task.exception() is not None:
             log.debug("handler of a disconnected client failed: %r", task.exception())
         return Response(status_code=499)  # nobody is listening

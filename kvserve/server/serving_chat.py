@@ -1,4 +1,5 @@
 """POST /v1/chat/completions: messages through the model's chat template, assistant messages out."""
+
 from __future__ import annotations
 
 import time
@@ -9,18 +10,34 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.server.errors import BadRequest
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.structured.tools import ToolCallStreamParser, parse_tool_calls
-from kvserve.server.serving import (SSE_HEADERS, Choice, ServerState, chat_logprobs, check_context,
-                                    check_output, check_request, compile_constraint, merge, off_loop,
-                                    open_streams, reserve_capacity, sse_stream, usage)
+from kvserve.server.serving import (
+    SSE_HEADERS,
+    Choice,
+    ServerState,
+    chat_logprobs,
+    check_context,
+    check_output,
+    check_request,
+    compile_constraint,
+    merge,
+    off_loop,
+    open_streams,
+    reserve_capacity,
+    sse_stream,
+    usage,
+)
+from kvserve.server.tools import ToolCallStreamParser, parse_tool_calls
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Chat template + tokenize, as the offline LLM.chat does (the template carries the special tokens)."""
+    """Chat template + tokenize, as the offline LLM.chat does (the template carries the special
+    tokens)."""
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja raise_exception: e.g. roles out of the order the template wants
-        raise BadRequest(f"cannot apply the chat template to these messages: {e}", "messages") from None
+        raise BadRequest(
+            f"cannot apply the chat template to these messages: {e}", "messages"
+        ) from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -36,8 +53,16 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
         check_context(len(prompt_ids), params.max_tokens, engine.max_model_len, "messages")
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await open_streams(engine, [prompt_ids], params, request_id, req.priority, req.cache_salt,
-                                     names={"prompt": "messages"}, reservation=held)
+        streams = await open_streams(
+            engine,
+            [prompt_ids],
+            params,
+            request_id,
+            req.priority,
+            req.cache_salt,
+            names={"prompt": "messages"},
+            reservation=held,
+        )
     choices = [Choice(i) for i in range(params.n)]
     cached = [0]
     num_top = req.top_logprobs or 0
@@ -53,8 +78,11 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
         if req.uses_tools and c.finish_reason != "length":
             content, calls = parse_tool_calls(c.text)
             if calls:
-                message = {"role": "assistant", "content": content,
-                           "tool_calls": [call.to_openai() for call in calls]}
+                message = {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [call.to_openai() for call in calls],
+                }
                 return {"message": message, "finish_reason": "tool_calls"}
         return {"message": message, "finish_reason": c.finish_reason}
 
@@ -64,18 +92,36 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
             cached[0] = out.num_cached_tokens
             for o in out.outputs:
                 choices[o.index].add(o)
-        body = [{"index": c.index, **answer(c),
-                 "logprobs": chat_logprobs(c.logprobs, num_top) if req.logprobs else None,
-                 "stop_reason": c.stop_reason} for c in choices]
-        return JSONResponse({**head, "object": "chat.completion", "choices": body, "usage": total_usage()})
+        body = [
+            {
+                "index": c.index,
+                **answer(c),
+                "logprobs": chat_logprobs(c.logprobs, num_top) if req.logprobs else None,
+                "stop_reason": c.stop_reason,
+            }
+            for c in choices
+        ]
+        return JSONResponse(
+            {**head, "object": "chat.completion", "choices": body, "usage": total_usage()}
+        )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunk_head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
-        return {**chunk_head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": finish_reason}], **extra}
+        return {
+            **chunk_head,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            **extra,
+        }
 
     parsers = [ToolCallStreamParser() for _ in choices] if req.uses_tools else None
 
@@ -88,8 +134,13 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
         return parser.feed(text) + (parser.finish() if finished else [])
 
     def finish_reason(index: int, reason: str | None) -> str | None:
-        if reason and parsers is not None and parsers[index].tool_calls and not parsers[index].broken_calls \
-                and reason != "length":
+        if (
+            reason
+            and parsers is not None
+            and parsers[index].tool_calls
+            and not parsers[index].broken_calls
+            and reason != "length"
+        ):
             return "tool_calls"
         return reason
 
@@ -107,8 +158,12 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
                 parts = deltas(o.index, o.delta_text, bool(o.finish_reason))
                 for part in parts[:-1]:
                     yield chunk(o.index, part)
-                yield chunk(o.index, parts[-1] if parts else {}, lp, finish_reason(o.index, o.finish_reason))
+                yield chunk(
+                    o.index, parts[-1] if parts else {}, lp, finish_reason(o.index, o.finish_reason)
+                )
         if include_usage:
             yield {**chunk_head, "choices": [], "usage": total_usage()}
 
-    return StreamingResponse(sse_stream(chunks()), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(
+        sse_stream(chunks()), media_type="text/event-stream", headers=SSE_HEADERS
+    )

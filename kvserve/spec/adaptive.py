@@ -13,15 +13,17 @@ costs its full share, stops drafting by itself.
 
 A request at length 0 decodes plainly for a cool-down of steps, then probes with one draft
 token (unless a draft costs a whole step or more, as a draft model as large as the target does:
-then no acceptance can pay, and it never drafts); each failed probe doubles the cool-down (up to MAX_COOLDOWN), an accepted one resets it.
+then no acceptance can pay, and it never drafts); each failed probe doubles the cool-down (up to
+MAX_COOLDOWN), an accepted one resets it.
 Only the request's own history and the step cost count: its drafts never change its greedy
 tokens (verification is exact), only how many steps they take.
 """
+
 from __future__ import annotations
 
-DECAY = 0.7              # weight of the past per verification
-PRIOR = (4.0, 5.0)       # (successes, trials) before any verification: alpha 0.8, tried first
-FIRST_COOLDOWN = 4       # plain decode steps before the first probe
+DECAY = 0.7  # weight of the past per verification
+PRIOR = (4.0, 5.0)  # (successes, trials) before any verification: alpha 0.8, tried first
+FIRST_COOLDOWN = 4  # plain decode steps before the first probe
 MAX_COOLDOWN = 64
 
 
@@ -32,9 +34,9 @@ class AdaptiveDraftLength:
         self.max_k = max_k
         self.successes, self.trials = PRIOR
         self.cooldown = FIRST_COOLDOWN
-        self._wait = 0           # plain steps left before the next probe
-        self._idle = False       # the last length was 0
-        self._probing = False    # the last length was a probe
+        self._wait = 0  # plain steps left before the next probe
+        self._idle = False  # the last length was 0
+        self._probing = False  # the last length was a probe
 
     @property
     def alpha(self) -> float:
@@ -65,20 +67,20 @@ class AdaptiveDraftLength:
         """The number of draft tokens to propose for the next step (one call per decode step);
         row_share: what one more row costs of the step's throughput (0: rows are free)."""
         self._probing = False
-        if row_share >= 1.0:     # a draft costs a step or more: even one always accepted cannot pay
+        if row_share >= 1.0:  # a draft costs a step or more: even one always accepted cannot pay
             return 0
         k = self.worth(row_share)
         if k > 0:
             self._idle = False
             return k
-        if not self._idle:       # just dropped to plain decoding: pause before probing
+        if not self._idle:  # just dropped to plain decoding: pause before probing
             self._idle = True
             self._wait = self.cooldown
         if self._wait > 0:
             self._wait -= 1
             return 0
         self._probing = True
-        return 1                 # a probe
+        return 1  # a probe
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """The outcome of one verification of `num_drafts` > 0 draft tokens."""
@@ -87,7 +89,7 @@ class AdaptiveDraftLength:
         self.successes = DECAY * self.successes + num_accepted
         self.trials = DECAY * self.trials + num_accepted + (1 if num_accepted < num_drafts else 0)
         if self._probing:
-            if num_accepted > 0:     # probe again next step until the rate says to draft
+            if num_accepted > 0:  # probe again next step until the rate says to draft
                 self.cooldown = FIRST_COOLDOWN
             else:
                 self.cooldown = min(2 * self.cooldown, MAX_COOLDOWN)

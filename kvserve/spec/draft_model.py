@@ -21,6 +21,7 @@ Drafts are greedy, hence deterministic: the verifier treats them as one-hot (exa
 temperature, kvserve/spec/rejection.py). A request whose blocks do not fit in the draft's pool
 gets no drafts this step.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,15 +29,15 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.core.block_pool import Block, BlockPool
-from kvserve.core.request import Request
 from kvserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from kvserve.core.sequence import Sequence
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.spec.step_cost import StepCostModel
 
 
 @dataclass
 class _DraftSequence:
-    tokens: list[int] = field(default_factory=list)    # the tokens whose KV the draft cache holds
+    tokens: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds
     blocks: list[Block] = field(default_factory=list)
 
 
@@ -52,12 +53,13 @@ class DraftModelProposer:
     def __init__(self, loaded, config: EngineConfig, num_blocks: int) -> None:
         """`loaded`: the draft (kvserve.model.loader.LoadedModel); `num_blocks`: its KV pool."""
         self.arch = loaded.arch
-        self.runner = ModelRunner(loaded, config, num_blocks)
+        context = config.model.context_len(loaded.arch.max_position_embeddings)
+        self.runner = ModelRunner(loaded, config, num_blocks, max_model_len=context)
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.block_size = config.cache.block_size
         self.max_batch_tokens = config.scheduler.max_num_batched_tokens
-        self.round_cost = StepCostModel()      # the one-token rounds (steps 3): seconds by batch size
-        self.catch_up_cost = StepCostModel()   # the context feeds (step 2): seconds by tokens fed
+        self.round_cost = StepCostModel()  # the one-token rounds (steps 3): seconds by batch size
+        self.catch_up_cost = StepCostModel()  # the context feeds (step 2): seconds by tokens fed
         self._seqs: dict[str, _DraftSequence] = {}
 
     @property
@@ -68,10 +70,10 @@ class DraftModelProposer:
         """How many of the context's tokens the draft cache holds and may keep (step 1)."""
         return min(_common_prefix(seq.tokens, context), len(context) - 1)
 
-    def catch_up_tokens(self, req: Request) -> int:
+    def catch_up_tokens(self, req: Sequence) -> int:
         """The context tokens a draft for `req` would feed now: its whole context on the first
         call, then the tokens accepted since its last draft (1 or 2 while it drafts every step)."""
-        seq = self._seqs.get(req.request_id)
+        seq = self._seqs.get(req.seq_id)
         context = req.all_token_ids
         return len(context) - (self._kept(seq, context) if seq is not None else 0)
 
@@ -85,7 +87,8 @@ class DraftModelProposer:
         return None if per_token is None else per_token * tokens
 
     def _reserve(self, seq: _DraftSequence, positions: int) -> bool:
-        """Blocks for `positions` tokens of KV (freeing those past them); False when they do not fit."""
+        """Blocks for `positions` tokens of KV (freeing those past them); False when they do not
+        fit."""
         need = -(-positions // self.block_size)
         if need < len(seq.blocks):
             self.pool.free_blocks(seq.blocks[need:])
@@ -96,28 +99,38 @@ class DraftModelProposer:
             seq.blocks.extend(self.pool.get_new_blocks(need - len(seq.blocks)))
         return True
 
-    def _chunk(self, req: Request, seq: _DraftSequence, token_ids: list[int], start: int) -> ScheduledChunk:
-        return ScheduledChunk(request=req, token_ids=token_ids, start_pos=start,
-                              block_tables=[[b.block_id for b in seq.blocks]], sample=True)
+    def _chunk(
+        self, req: Sequence, seq: _DraftSequence, token_ids: list[int], start: int
+    ) -> ScheduledChunk:
+        return ScheduledChunk(
+            seq=req,
+            token_ids=token_ids,
+            start_pos=start,
+            block_tables=[[b.block_id for b in seq.blocks]],
+            sample=True,
+        )
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
-        return self.runner.greedy_tokens(SchedulerOutput(chunks, [], [], sum(len(c.token_ids) for c in chunks)))
+        return self.runner.greedy_tokens(
+            SchedulerOutput(chunks, [], [], sum(len(c.token_ids) for c in chunks))
+        )
 
-    def propose_batch(self, items: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose_batch(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Up to k greedy draft tokens for each (request, k), all requests batched per round."""
         drafts: list[list[int]] = [[] for _ in items]
-        todo = []       # (index, request, sequence, context, k, next position to feed)
+        todo = []  # (index, request, sequence, context, k, next position to feed)
         for i, (req, k) in enumerate(items):
             if k <= 0:
                 continue
             context = req.all_token_ids
-            seq = self._seqs.setdefault(req.request_id, _DraftSequence())
+            seq = self._seqs.setdefault(req.seq_id, _DraftSequence())
             keep = self._kept(seq, context)
             del seq.tokens[keep:]
-            if not self._reserve(seq, len(context) + k - 1):      # the context and drafts 1..k-1
+            if not self._reserve(seq, len(context) + k - 1):  # the context and drafts 1..k-1
                 continue
             todo.append((i, req, seq, context, k, keep))
-        # 2. the context not yet in the cache, a token budget per batch: the argmax after it is draft 1
+        # 2. the context not yet in the cache, a token budget per batch: the argmax after it is
+        # draft 1
         pending = list(todo)
         while pending:
             budget, batch, rest = self.max_batch_tokens, [], []
@@ -130,7 +143,9 @@ class DraftModelProposer:
                 batch.append((entry, n))
                 budget -= n
             t0 = time.perf_counter()
-            tokens = self._run([self._chunk(e[1], e[2], e[3][e[5]:e[5] + n], e[5]) for e, n in batch])
+            tokens = self._run(
+                [self._chunk(e[1], e[2], e[3][e[5] : e[5] + n], e[5]) for e, n in batch]
+            )
             self.catch_up_cost.observe(sum(n for _, n in batch), time.perf_counter() - t0)
             for ((i, req, seq, context, k, pos), n), tok in zip(batch, tokens):
                 if pos + n == len(context):
@@ -142,8 +157,12 @@ class DraftModelProposer:
         for j in range(1, max((e[4] for e in todo), default=0)):
             live = [e for e in todo if e[4] > j]
             t0 = time.perf_counter()
-            tokens = self._run([self._chunk(req, seq, [drafts[i][-1]], len(context) + j - 1)
-                                for i, req, seq, context, k, _ in live])
+            tokens = self._run(
+                [
+                    self._chunk(req, seq, [drafts[i][-1]], len(context) + j - 1)
+                    for i, req, seq, context, k, _ in live
+                ]
+            )
             self.round_cost.observe(len(live), time.perf_counter() - t0)
             for (i, *_), tok in zip(live, tokens):
                 drafts[i].append(tok)
@@ -151,15 +170,15 @@ class DraftModelProposer:
             seq.tokens = context + drafts[i][:-1]
         return drafts
 
-    def free(self, request_id: str) -> None:
-        seq = self._seqs.pop(request_id, None)
+    def free(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.free_blocks(seq.blocks)
 
     def forget(self) -> None:
-        for request_id in list(self._seqs):
-            self.free(request_id)
-        self.runner.forget_requests()
+        for seq_id in list(self._seqs):
+            self.free(seq_id)
+        self.runner.forget_sequences()
 
     def __len__(self) -> int:
         return len(self._seqs)

@@ -1,71 +1,69 @@
 """Exact verification of speculative drafts: the rejection sampler.
 
-A request brings k draft tokens d_1..d_k, the distributions q_1..q_k the draft drew them from
-(none for a deterministic draft such as n-gram lookup: q_j is then one-hot at d_j), and the
-target model's logits at its k + 1 fed positions (the last known token, then each draft).
-`p_j` is the distribution the normal sampler would draw from at position j: the same
-processing (kvserve.runner.sampler.process_logits: min_tokens, penalties, temperature, min_p,
-top_k, top_p), with the drafts before j counted as already generated.
+A request brings k draft tokens d_j, the distributions q_j the draft drew them from (one-hot for
+a deterministic draft such as n-gram lookup) and the target's logits at its k + 1 fed positions;
+p_j is what the normal sampler would draw from at position j (process_logits, with the drafts
+before j counted as generated). Draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j));
+at the first rejection a token is drawn from norm(max(0, p_j - q_j)), and when all k are accepted
+a bonus token from p_{k+1} (Leviathan et al. 2023, Chen et al. 2023). So every emitted token
+follows the target's distribution whatever was drafted; greedy requests emit the tokens of
+decoding one at a time (argmax_rows, the greedy sampler's tie rule).
 
-Sampled requests (Leviathan et al. 2023, Chen et al. 2023): draft j is accepted with
-probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the next token is drawn from
-norm(max(0, p_j - q_j)) and the step ends; when all k are accepted a bonus token is drawn from
-p_{k+1}. Every emitted token then follows the target's distribution exactly, whatever the draft.
-Greedy requests (temperature < 1e-5): drafts are accepted while each equals the argmax of the
-processed logits (argmax_rows, the normal greedy sampler's tie rule), then that argmax is
-emitted: the same tokens as decoding one at a time.
-
-Deterministic drafts (q one-hot, n-gram lookup) are verified by sampling each position as
-plain decoding samples it: position j draws one Exp(1) row from the request's generator and
-takes argmax(p_j / noise) (the normal sampler's exponential race); draft j is accepted when it
-equals that token, and the first token that differs is emitted. The draft is accepted with
-probability p_j(d_j) = min(1, p_j(d_j) / 1), and a token that differs follows p_j without d_j,
-renormalized = norm(max(0, p_j - q_j)): the rejection sampler's law, with the randomness of
-plain decoding. A request draws exactly one row per token it emits, so a seeded request's
-tokens are those it gets without speculation, whatever was drafted (drafts depend on timing:
-kvserve/spec/adaptive.py).
-
-Probabilistic drafts: a request with its own generator (a seeded request) draws k uniforms, then
-one Exp(1) vector over the vocabulary, from that generator only: its tokens depend on its own
-drafts and seed, not on the rest of the batch. The other requests share the default generator,
-one op per kind.
+Deterministic drafts are verified with plain decoding's own randomness (one Exp(1) row per
+emitted token, from the request's generator), so a seeded request gets the tokens it gets
+without speculation, whatever was drafted. A seeded request's probabilistic drafts draw from its
+own generator only; the rest of the batch shares the default one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.runner.sampler import (SamplerOutput, SamplingRow, argmax_rows, exponential_noise, process_logits,
-                                    take_rows, token_logprobs)
+from kvserve.runner.sampler import (
+    SamplerOutput,
+    SamplingRow,
+    argmax_rows,
+    exponential_noise,
+    process_logits,
+    take_rows,
+    token_logprobs,
+)
 
 
 @dataclass
 class Drafts:
     """The draft tokens of B requests, padded to the longest: request b has counts[b] of them."""
 
-    token_ids: torch.Tensor            # [B, K] int64, each row padded with 0 past its count
-    counts: torch.Tensor               # [B] int64, 0..K
-    probs: torch.Tensor | None = None  # [B, K, V]: q at each draft position; None: one-hot (deterministic)
+    token_ids: torch.Tensor  # [B, K] int64, each row padded with 0 past its count
+    counts: torch.Tensor  # [B] int64, 0..K
+    probs: torch.Tensor | None = (
+        None  # [B, K, V]: q at each draft position; None: one-hot (deterministic)
+    )
 
     @classmethod
-    def from_lists(cls, token_ids: list[list[int]], probs: list[torch.Tensor | None] | None = None,
-                   vocab: int | None = None) -> Drafts:
+    def from_lists(
+        cls,
+        token_ids: list[list[int]],
+        probs: list[torch.Tensor | None] | None = None,
+        vocab: int | None = None,
+    ) -> Drafts:
         """From per-request lists; `probs[b]` is [len(token_ids[b]), vocab] or None (one-hot)."""
         counts = [len(t) for t in token_ids]
         width = max(counts, default=0)
         ids = torch.zeros(len(token_ids), width, dtype=torch.long)
         for b, toks in enumerate(token_ids):
-            ids[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
         dense = None
         if probs is not None and any(p is not None for p in probs):
             assert vocab is not None, "vocab is needed to pad draft probabilities"
             dense = torch.zeros(len(token_ids), width, vocab)
             for b, (toks, p) in enumerate(zip(token_ids, probs)):
                 if p is None:
-                    dense[b, torch.arange(len(toks)), ids[b, :len(toks)]] = 1.0
+                    dense[b, torch.arange(len(toks)), ids[b, : len(toks)]] = 1.0
                 else:
-                    dense[b, :len(toks)] = p
+                    dense[b, : len(toks)] = p
         return cls(ids, torch.tensor(counts, dtype=torch.long), dense)
 
     @property
@@ -75,9 +73,12 @@ class Drafts:
         return torch.cumsum(sizes, 0) - sizes
 
     def position_rows(self) -> torch.Tensor:
-        """[B, K] target row of each draft position (clamped to the request's last row past its count)."""
+        """[B, K] target row of each draft position (clamped to the request's last row past its
+        count)."""
         j = torch.arange(self.token_ids.shape[1])
-        return self.first_rows.unsqueeze(1) + torch.minimum(j.unsqueeze(0), self.counts.unsqueeze(1))
+        return self.first_rows.unsqueeze(1) + torch.minimum(
+            j.unsqueeze(0), self.counts.unsqueeze(1)
+        )
 
     def valid(self) -> torch.Tensor:
         """[B, K] True where a draft exists."""
@@ -101,7 +102,8 @@ def verify_greedy(target_logits: torch.Tensor, drafts: Drafts) -> tuple[torch.Te
 
 
 def _uniforms(drafts: Drafts, generators: list[torch.Generator | None] | None) -> torch.Tensor:
-    """[B, K] U[0, 1): seeded requests draw counts[b] from their own generator, the rest share one op."""
+    """[B, K] U[0, 1): seeded requests draw counts[b] from their own generator, the rest share one
+    op."""
     b, k = drafts.token_ids.shape
     if generators is None or all(g is None for g in generators):
         return torch.rand(b, k)
@@ -116,8 +118,11 @@ def _uniforms(drafts: Drafts, generators: list[torch.Generator | None] | None) -
     return u
 
 
-def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
-                   generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_one_hot(
+    target_probs: torch.Tensor,
+    drafts: Drafts,
+    generators: list[torch.Generator | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [B], next token [B]) for deterministic drafts, each position sampled as
     plain decoding samples it (see the module doc). Rows as verify_sampled's."""
     b_count, vocab = drafts.token_ids.shape[0], target_probs.shape[1]
@@ -126,13 +131,17 @@ def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
     next_token = torch.zeros(b_count, dtype=torch.long)
     gens = generators or [None] * b_count
     shared = [b for b in range(b_count) if gens[b] is None]
-    if shared:     # no seed: every position's race at once (how many rows it draws is free)
-        rows = torch.tensor([firsts[b] + j for b in shared for j in range(counts[b] + 1)], dtype=torch.long)
-        tokens = argmax_rows(target_probs[rows].div(exponential_noise([None] * len(rows), vocab))).tolist()
+    if shared:  # no seed: every position's race at once (how many rows it draws is free)
+        rows = torch.tensor(
+            [firsts[b] + j for b in shared for j in range(counts[b] + 1)], dtype=torch.long
+        )
+        tokens = argmax_rows(
+            target_probs[rows].div(exponential_noise([None] * len(rows), vocab))
+        ).tolist()
         at = 0
         for b in shared:
             n = counts[b]
-            row = tokens[at:at + n + 1]
+            row = tokens[at : at + n + 1]
             at += n + 1
             a = 0
             while a < n and row[a] == int(drafts.token_ids[b, a]):
@@ -142,9 +151,9 @@ def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
         g = gens[b]
         if g is None:
             continue
-        for j in range(counts[b] + 1):    # one row per emitted token, as plain decoding draws
+        for j in range(counts[b] + 1):  # one row per emitted token, as plain decoding draws
             noise = exponential_noise([g], vocab)
-            token = int(argmax_rows(target_probs[firsts[b] + j:firsts[b] + j + 1].div(noise)))
+            token = int(argmax_rows(target_probs[firsts[b] + j : firsts[b] + j + 1].div(noise)))
             if j < counts[b] and token == int(drafts.token_ids[b, j]):
                 continue
             num_accepted[b], next_token[b] = j, token
@@ -152,8 +161,11 @@ def verify_one_hot(target_probs: torch.Tensor, drafts: Drafts,
     return num_accepted, next_token
 
 
-def verify_sampled(target_probs: torch.Tensor, drafts: Drafts,
-                   generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampled(
+    target_probs: torch.Tensor,
+    drafts: Drafts,
+    generators: list[torch.Generator | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [B], next token [B]) by rejection sampling (see the module doc).
 
     `target_probs` [sum(counts + 1), V]: request b's k_b + 1 positions are consecutive rows.
@@ -162,13 +174,13 @@ def verify_sampled(target_probs: torch.Tensor, drafts: Drafts,
     rows = drafts.position_rows()
     p_draft = target_probs[rows, drafts.token_ids]
     if drafts.probs is None:
-        accept = _uniforms(drafts, generators) < p_draft                 # q(d) = 1
+        accept = _uniforms(drafts, generators) < p_draft  # q(d) = 1
     else:
         q_draft = drafts.probs.gather(2, drafts.token_ids.unsqueeze(2)).squeeze(2)
-        accept = _uniforms(drafts, generators) * q_draft < p_draft       # u < p / q
+        accept = _uniforms(drafts, generators) * q_draft < p_draft  # u < p / q
     num_accepted = _leading_true(accept & drafts.valid())
 
-    dist = target_probs[drafts.first_rows + num_accepted]                # a copy: [B, V]
+    dist = target_probs[drafts.first_rows + num_accepted]  # a copy: [B, V]
     rejected = (num_accepted < drafts.counts).nonzero().squeeze(1)
     if rejected.numel():
         at = num_accepted[rejected]
@@ -196,8 +208,13 @@ class RejectionSampler:
     (as the normal sampler reports them: after penalties and temperature, before filtering).
     """
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]],
-                 draft_probs: list[torch.Tensor | None] | None = None) -> list[SamplerOutput]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        draft_token_ids: list[list[int]],
+        draft_probs: list[torch.Tensor | None] | None = None,
+    ) -> list[SamplerOutput]:
         firsts, pos = [], 0
         for toks in draft_token_ids:
             firsts.append(pos)
@@ -226,13 +243,14 @@ class RejectionSampler:
             for b, a, t in zip(s_req, num.tolist(), nxt.tolist()):
                 accepted[b], nexts[b] = a, t
 
-        tokens = [list(draft_token_ids[b][:accepted[b]]) + [nexts[b]] for b in range(len(firsts))]
+        tokens = [list(draft_token_ids[b][: accepted[b]]) + [nexts[b]] for b in range(len(firsts))]
         logprobs = self._logprobs(proc.logits, rows, firsts, tokens)
         return [SamplerOutput(t, lp) for t, lp in zip(tokens, logprobs)]
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], firsts: list[int],
-                  tokens: list[list[int]]) -> list[list]:
+    def _logprobs(
+        logits: torch.Tensor, rows: list[SamplingRow], firsts: list[int], tokens: list[list[int]]
+    ) -> list[list]:
         out = [[None] * len(t) for t in tokens]
         want = [b for b, f in enumerate(firsts) if rows[f].params.logprobs is not None]
         if not want:

@@ -2,7 +2,7 @@
 
 A decode-only step (no prompt tokens) of `rows` token rows takes about a + b * rows seconds: a is
 the weights' pass and the step's fixed work, b the compute of one row. How large b is against a
-depends on the CPU, its kernels and the context (docs/benchmarks-notes.md measures it), and a
+depends on the CPU, its kernels and the context (docs/benchmarks.md), and a
 step of many rows is compute-bound everywhere. `StepCostModel` fits a and b by exponentially
 weighted least squares over the steps it is shown, so a draft token's price is measured on the
 machine that pays it, never assumed per ISA.
@@ -11,12 +11,13 @@ machine that pays it, never assumed per ISA.
 the step's throughput one extra row costs. A draft whose chance of being accepted is below it
 makes the batch slower (kvserve/spec/adaptive.py).
 """
+
 from __future__ import annotations
 
-DECAY = 0.98              # weight of the past per observed step (a window of ~50 steps)
-MIN_SPREAD = 0.25         # weighted variance of `rows` below which the slope is not trusted yet
-PRIOR_SHARE = 0.25        # row_share at batch 1 until the slope is known: between the two ISAs
-MIN_SHARE = 0.02          # never treat a row as free (timer noise can fit b <= 0)
+DECAY = 0.98  # weight of the past per observed step (a window of ~50 steps)
+MIN_SPREAD = 0.25  # weighted variance of `rows` below which the slope is not trusted yet
+PRIOR_SHARE = 0.25  # row_share at batch 1 until the slope is known: between the two ISAs
+MIN_SHARE = 0.02  # never treat a row as free (timer noise can fit b <= 0)
 
 
 class StepCostModel:
@@ -65,7 +66,7 @@ class StepCostModel:
         B = max(1, batch_rows)
         ab = self.fit()
         if ab is None:
-            share = PRIOR_SHARE * B / (1 + PRIOR_SHARE * (B - 1))    # a + b = 1, b = PRIOR_SHARE
+            share = PRIOR_SHARE * B / (1 + PRIOR_SHARE * (B - 1))  # a + b = 1, b = PRIOR_SHARE
         else:
             a, b = ab
             share = 1.0 if a <= 0 else max(b, 0.0) * B / (a + max(b, 0.0) * B)

@@ -15,6 +15,7 @@ torch int32 tensor on the logits' device:
 
 apply_bitmask_numpy below does the same on a numpy array.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,9 +34,10 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
 
 
 def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The bitmask as a bool array of shape (num_rows, vocab_size): True where the token is allowed."""
+    """The bitmask as a bool array of shape (num_rows, vocab_size): True where the token is
+    allowed."""
     rows = np.atleast_2d(bitmask)
-    as_bytes = np.ascontiguousarray(rows, dtype="<i4").view(np.uint8)   # word j -> bytes 4j..4j+3
+    as_bytes = np.ascontiguousarray(rows, dtype="<i4").view(np.uint8)  # word j -> bytes 4j..4j+3
     bits = np.unpackbits(as_bytes, axis=1, bitorder="little")
     return bits[:, :vocab_size].astype(bool)
 
@@ -55,8 +57,8 @@ def apply_bitmask_numpy(logits: np.ndarray, bitmask: np.ndarray) -> None:
     view = logits[None, :] if logits.ndim == 1 else logits
     vocab = view.shape[1]
     allowed = unpack_bitmask(bitmask, min(vocab, bitmask.shape[-1] * WORD_BITS))
-    view[:, :allowed.shape[1]][~allowed] = -np.inf
-    view[:, allowed.shape[1]:] = -np.inf
+    view[:, : allowed.shape[1]][~allowed] = -np.inf
+    view[:, allowed.shape[1] :] = -np.inf
 
 
 def forbid_ids_from(bitmask: np.ndarray, row: int, first_id: int) -> None:
@@ -66,4 +68,4 @@ def forbid_ids_from(bitmask: np.ndarray, row: int, first_id: int) -> None:
         return
     keep = np.array((1 << bit) - 1, dtype=np.uint32).view(np.int32)
     bitmask[row, word] &= keep
-    bitmask[row, word + 1:] = 0
+    bitmask[row, word + 1 :] = 0

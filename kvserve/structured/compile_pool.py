@@ -7,6 +7,7 @@ space; only the pages a compile touches are used), which holds anything within t
 limits of kvserve.sampling_params many times over. They are few and their own, so compiles
 queue behind each other, never behind or in front of tokenizing, /health or the engine's steps.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -15,20 +16,26 @@ from collections.abc import Callable
 
 STACK_BYTES = 256 << 20
 DEFAULT_THREADS = 2
-_stack_lock = threading.Lock()     # threading.stack_size is process-wide: set it, start, restore
+_stack_lock = threading.Lock()  # threading.stack_size is process-wide: set it, start, restore
 
 
 class CompilePool:
-    def __init__(self, threads: int = DEFAULT_THREADS, stack_bytes: int = STACK_BYTES,
-                 name: str = "kvserve-compile"):
+    def __init__(
+        self,
+        threads: int = DEFAULT_THREADS,
+        stack_bytes: int = STACK_BYTES,
+        name: str = "kvserve-compile",
+    ):
         self._jobs: list = []
         self._ready = threading.Condition()
         self._idents: set[int] = set()
         with _stack_lock:
             before = threading.stack_size(stack_bytes)
             try:
-                workers = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                           for i in range(threads)]
+                workers = [
+                    threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                    for i in range(threads)
+                ]
                 for w in workers:
                     w.start()
             finally:
@@ -56,5 +63,5 @@ class CompilePool:
                 continue
             try:
                 future.set_result(fn(*args))
-            except BaseException as e:         # handed to the waiter, whatever it is
+            except BaseException as e:  # handed to the waiter, whatever it is
                 future.set_exception(e)

@@ -16,6 +16,7 @@ Thread safety: compile(), compile_future() and matcher() may be called from any 
 cache is guarded by a lock, and compiling runs outside it (llguidance releases the GIL while it
 builds a grammar), so one slow constraint does not hold up cache hits.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -42,8 +43,9 @@ TEMPLATE_BYTES_PER_TEXT_BYTE = 48
 TEMPLATE_BYTES_MIN = 64 << 10
 COMPILE_TIMEOUT_S = 30.0
 MAX_ERROR_CHARS = 2000
-_BACKTRACE = re.compile(r"\s*(<backtrace>|stack backtrace:|note: run with `RUST_BACKTRACE).*",
-                        re.DOTALL)
+_BACKTRACE = re.compile(
+    r"\s*(<backtrace>|stack backtrace:|note: run with `RUST_BACKTRACE).*", re.DOTALL
+)
 
 _pool: CompilePool | None = None
 _pool_lock = threading.Lock()
@@ -61,6 +63,7 @@ def compile_pool() -> CompilePool:
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A constraint's compile result: the grammar and its template matcher, or the error."""
+
     grammar: str | None
     template: llguidance.LLMatcher | None
     error: str | None
@@ -89,8 +92,13 @@ class GrammarCompiler:
     vocab_size is the model's (its logits' width; at least the tokenizer's): bitmasks for these
     matchers have allocate_bitmask(rows, vocab_size)'s shape."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ):
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
         self.vocab_size = vocab_size
@@ -114,12 +122,20 @@ class GrammarCompiler:
     def matcher(self, so: StructuredOutputs, param: str = "structured_outputs") -> GrammarMatcher:
         """A fresh matcher at the start of `so`'s grammar (one per sequence: n > 1 takes n)."""
         compiled = self._compiled(so, param)
-        return GrammarMatcher(compiled.template.deep_copy(), self.vocab_size, self.tokenizer_vocab_size)
+        return GrammarMatcher(
+            compiled.template.deep_copy(), self.vocab_size, self.tokenizer_vocab_size
+        )
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
-            return CacheInfo(self._hits, self._misses, len(self._cache), self.cache_size, self._bytes,
-                             self.cache_bytes)
+            return CacheInfo(
+                self._hits,
+                self._misses,
+                len(self._cache),
+                self.cache_size,
+                self._bytes,
+                self.cache_bytes,
+            )
 
     def compile_future(self, so: StructuredOutputs) -> concurrent.futures.Future:
         """The CompiledGrammar of `so` as a future: done at once on a cache hit, else the compile
@@ -142,7 +158,7 @@ class GrammarCompiler:
     def _compiled(self, so: StructuredOutputs, param: str) -> CompiledGrammar:
         future = self.compile_future(so)
         if not future.done() and self._pool.on_pool_thread():
-            compiled = self._build_and_cache(so.key(), so)   # a pool thread never waits on the pool
+            compiled = self._build_and_cache(so.key(), so)  # a pool thread never waits on the pool
         else:
             try:
                 compiled = future.result(timeout=COMPILE_TIMEOUT_S)
@@ -163,8 +179,10 @@ class GrammarCompiler:
             self._bytes -= old.cost if old is not None else 0
             self._cache[key] = compiled
             self._bytes += compiled.cost
-            while len(self._cache) > 1 and (len(self._cache) > self.cache_size   # the newest stays
-                                            or self._bytes > self.cache_bytes):
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.cache_size  # the newest stays
+                or self._bytes > self.cache_bytes
+            ):
                 _, dropped = self._cache.popitem(last=False)
                 self._bytes -= dropped.cost
         return compiled
@@ -185,8 +203,12 @@ class GrammarCompiler:
             return CompiledGrammar(grammar, None, _failure(kind, str(e) or type(e).__name__))
 
     def _build_template(self, kind: str, grammar: str) -> CompiledGrammar:
-        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
-                                        limits=llguidance.LLParserLimits(verbose_errors=False))
+        template = llguidance.LLMatcher(
+            self.ll_tokenizer,
+            grammar,
+            log_level=0,
+            limits=llguidance.LLParserLimits(verbose_errors=False),
+        )
         if template.is_error():
             return CompiledGrammar(grammar, None, _failure(kind, template.get_error()))
         # Two probes: copies of a template share its lexer, whose expression budget a huge
@@ -198,7 +220,9 @@ class GrammarCompiler:
             probe.fill_bitmask(first_mask, 0)
             if probe.error is not None or not unpack_bitmask(first_mask, self.vocab_size).any():
                 reason = f" ({probe.error})" if probe.error else ""
-                return CompiledGrammar(grammar, None, _failure(kind, f"no output satisfies it{reason}"))
+                return CompiledGrammar(
+                    grammar, None, _failure(kind, f"no output satisfies it{reason}")
+                )
         return CompiledGrammar(grammar, template, None)
 
 
@@ -210,16 +234,19 @@ def checked(compiled: CompiledGrammar, param: str) -> CompiledGrammar:
 
 
 def timeout_message(kind: str) -> str:
-    return (f"the {kind} constraint did not compile within {COMPILE_TIMEOUT_S:g} s: make it "
-            f"smaller or simpler")
+    return (
+        f"the {kind} constraint did not compile within {COMPILE_TIMEOUT_S:g} s: make it "
+        f"smaller or simpler"
+    )
 
 
 def clean_message(message: str) -> str:
     """llguidance's message as a client may see it: no Rust panic backtrace, at most
     MAX_ERROR_CHARS."""
     message = _BACKTRACE.sub("", message.replace(NON_VERBOSE_MARK, "")).strip()
-    message = re.sub(r"\bpanic: ", "the grammar compiler cannot take it (make it smaller): ",
-                     message)
+    message = re.sub(
+        r"\bpanic: ", "the grammar compiler cannot take it (make it smaller): ", message
+    )
     if len(message) > MAX_ERROR_CHARS:
         message = message[:MAX_ERROR_CHARS] + "..."
     return message

@@ -10,13 +10,14 @@ json_object: the schema {"type": "object"}; regex: Rust `regex` syntax; choice: 
 one terminal of every choice; grammar: Lark (llguidance's dialect, `%json {...}` included), or
 GBNF (rules written `name ::= ...`) converted to Lark.
 """
+
 from __future__ import annotations
 
 import json
 
 import llguidance
 
-from kvserve.sampling_params import ParamError, StructuredOutputs
+from kvserve.sampling_params import ParamError, StructuredOutputs, closed_objects
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 
@@ -25,25 +26,9 @@ def choice_lark(choices: list[str]) -> str:
     """A Lark grammar matching exactly one of `choices`: one terminal, so the lexer (an automaton)
     tells the choices apart; as alternatives of a rule, each would be a parser item of its own,
     past llguidance's 2,000 items per row at a few thousand choices."""
-    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def closed_objects(schema):
-    """A copy of a JSON schema where every object schema with `properties` and no
-    `additionalProperties` has `additionalProperties: false`; not inside allOf (each branch lists
-    only part of the keys), nor where `required` names a key `properties` does not list."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: (v if k in ("allOf", "const", "enum", "default", "examples") else closed_objects(v))
-           for k, v in schema.items()}
-    props, required = out.get("properties"), out.get("required", [])
-    if isinstance(props, dict) and "additionalProperties" not in out \
-            and "patternProperties" not in out and "unevaluatedProperties" not in out \
-            and isinstance(required, list) and all(name in props for name in required):
-        out["additionalProperties"] = False
-    return out
+    return "start: CHOICE\nCHOICE: " + " | ".join(
+        json.dumps(c, ensure_ascii=False) for c in choices
+    )
 
 
 def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> str:
@@ -56,9 +41,13 @@ def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> st
     try:
         if kind == "json":
             schema = closed_objects(json.loads(so.key()[1]))
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=json_options)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults=json_options
+            )
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=json_options)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                ANY_JSON_OBJECT, defaults=json_options
+            )
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(so.regex)
         if kind == "choice":

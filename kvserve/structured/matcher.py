@@ -10,6 +10,7 @@ and from then on allows only EOS. Methods that compute a mask release the GIL. O
 not be used from two threads at once; different matchers may be, and BatchMaskFiller fills many
 rows in parallel.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvserve.structured.bitmask import forbid_ids_from
 
-NON_VERBOSE_MARK = "<non-verbose/>"   # llguidance's stand-in for the parser state it leaves out
+NON_VERBOSE_MARK = "<non-verbose/>"  # llguidance's stand-in for the parser state it leaves out
 
 
 class GrammarMatcher:
@@ -88,7 +89,10 @@ class GrammarMatcher:
         """Why the matcher is in its error state, or None."""
         if not self._matcher.is_error():
             return None
-        return self._matcher.get_error().replace(NON_VERBOSE_MARK, "").strip() or "unknown grammar error"
+        return (
+            self._matcher.get_error().replace(NON_VERBOSE_MARK, "").strip()
+            or "unknown grammar error"
+        )
 
 
 class BatchMaskFiller:
@@ -102,6 +106,7 @@ class BatchMaskFiller:
         if not rows:
             return
         llguidance.numpy.fill_next_token_bitmask_par(
-            self._executor, [(m.ll_matcher, row) for m, row in rows], bitmask)
+            self._executor, [(m.ll_matcher, row) for m, row in rows], bitmask
+        )
         for m, row in rows:
             m.clear_padding_ids(bitmask, row)

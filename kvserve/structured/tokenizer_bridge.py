@@ -9,6 +9,7 @@ ones the matcher allows where the grammar accepts.
 Ids past the tokenizer's vocabulary (a model whose embedding is padded) exist in the LLTokenizer
 as named, empty special tokens; GrammarMatcher clears them from every mask.
 """
+
 from __future__ import annotations
 
 from copy import copy
@@ -24,9 +25,11 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenize
     build it once per model."""
     tokenizer_size = tokenizer.vocab_size
     if vocab_size < tokenizer_size:
-        raise ValueError(f"the model's vocabulary ({vocab_size} ids) is smaller than its tokenizer's "
-                         f"({tokenizer_size}): constrained decoding needs every token id to have a logit")
-    backend = copy(tokenizer.backend)     # serialized without padding or truncation settings
+        raise ValueError(
+            f"the model's vocabulary ({vocab_size} ids) is smaller than its tokenizer's "
+            f"({tokenizer_size}): constrained decoding needs every token id to have a logit"
+        )
+    backend = copy(tokenizer.backend)  # serialized without padding or truncation settings
     backend.no_padding()
     backend.no_truncation()
     eos = sorted(tokenizer.eos_token_ids) or None

@@ -5,6 +5,7 @@ and also sum vLLM-style `prompt_logprobs` over the same positions.
 
 usage: python scripts/lm_eval_task/crosscheck.py SAMPLES_JSONL [BASE_URL] [TOK_DIR] [N_DOCS]
 """
+
 import json
 import sys
 
@@ -26,7 +27,7 @@ def encode_pair(context: str, continuation: str):
         continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
     whole = tok(context + continuation, add_special_tokens=False).input_ids
     ctx = tok(context, add_special_tokens=False).input_ids
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 def post(body):
@@ -49,16 +50,33 @@ for line_no, line in enumerate(open(samples_path)):
         ctx, cont = encode_pair(a["arg_0"], a["arg_1"])
         ctxlen, ids = len(ctx), ctx + cont
         # 1) echo + logprobs + max_tokens 0: the legacy shape, summed by hand
-        out = post({"model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 0, "echo": True,
-                    "logprobs": 1, "temperature": 0})
+        out = post(
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": ids,
+                "max_tokens": 0,
+                "echo": True,
+                "logprobs": 1,
+                "temperature": 0,
+            }
+        )
         lp = out["choices"][0]["logprobs"]
         assert len(lp["token_logprobs"]) == len(ids), (len(lp["token_logprobs"]), len(ids))
         ll_echo = sum(lp["token_logprobs"][ctxlen:])
-        greedy_echo = all(t == max(top.values()) for t, top in
-                          zip(lp["token_logprobs"][ctxlen:], lp["top_logprobs"][ctxlen:]))
+        greedy_echo = all(
+            t == max(top.values())
+            for t, top in zip(lp["token_logprobs"][ctxlen:], lp["top_logprobs"][ctxlen:])
+        )
         # 2) vLLM's prompt_logprobs field
-        out2 = post({"model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 0,
-                     "prompt_logprobs": 0, "temperature": 0})
+        out2 = post(
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": ids,
+                "max_tokens": 0,
+                "prompt_logprobs": 0,
+                "temperature": 0,
+            }
+        )
         plp = out2["choices"][0]["prompt_logprobs"]
         ll_plp = sum(plp[p][str(ids[p])]["logprob"] for p in range(ctxlen, len(ids)))
         d = max(abs(ll_echo - ll_lmeval), abs(ll_plp - ll_lmeval))
@@ -66,8 +84,12 @@ for line_no, line in enumerate(open(samples_path)):
         count += 1
         mismatched_greedy += greedy_echo != greedy_lmeval
         if line_no < 3:
-            print(f"doc {s['doc_id']} {a['arg_0']!r} + {a['arg_1']!r}: ctxlen={ctxlen} cont={cont} "
-                  f"lm-eval={ll_lmeval:.6f} echo-sum={ll_echo:.6f} prompt_logprobs-sum={ll_plp:.6f} "
-                  f"greedy lm-eval={greedy_lmeval} ours={greedy_echo}")
-print(f"{count} (context, continuation) pairs checked; max |difference| = {worst:.3g}; "
-      f"is_greedy mismatches = {mismatched_greedy}")
+            print(
+                f"doc {s['doc_id']} {a['arg_0']!r} + {a['arg_1']!r}: ctxlen={ctxlen} cont={cont} "
+                f"lm-eval={ll_lmeval:.6f} echo-sum={ll_echo:.6f} prompt_logprobs-sum={ll_plp:.6f} "
+                f"greedy lm-eval={greedy_lmeval} ours={greedy_echo}"
+            )
+print(
+    f"{count} (context, continuation) pairs checked; max |difference| = {worst:.3g}; "
+    f"is_greedy mismatches = {mismatched_greedy}"
+)

@@ -1,9 +1,10 @@
 """Session fixtures for model tests: the default model, loaded once, ours and HF transformers'.
 
-    kv_model        kvserve LoadedModel (model, arch, tokenizer, path) of the default GGUF
-    hf_model        transformers LlamaForCausalLM of the same GGUF, float32, eval mode
-    default_gguf    path of the default model file
+kv_model        kvserve LoadedModel (model, arch, tokenizer, path) of the default GGUF
+hf_model        transformers LlamaForCausalLM of the same GGUF, float32, eval mode
+default_gguf    path of the default model file
 """
+
 import os
 
 import pytest
@@ -20,6 +21,7 @@ def _torch_threads():
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
     from tests.conftest import default_model_or_skip
+
     return default_model_or_skip()
 
 
@@ -27,13 +29,15 @@ def default_gguf() -> str:
 def kv_model(default_gguf):
     from kvserve.config import ModelConfig
     from kvserve.model.loader import load_model
+
     return load_model(ModelConfig(model=default_gguf, quantization="none"))
 
 
 @pytest.fixture(scope="session")
 def hf_model(default_gguf):
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")   # transformers needs it to read GGUF files
+    pytest.importorskip("accelerate")  # transformers needs it to read GGUF files
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf), dtype=torch.float32)
+        os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf), dtype=torch.float32
+    )
     return model.eval()

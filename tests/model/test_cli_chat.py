@@ -1,5 +1,6 @@
 """`kvserve chat` as a user drives it: /exit and /quit quit (never reach the model), a reply cut
 at --max-tokens says so, Ctrl-C stops a reply and returns to the prompt (no traceback)."""
+
 from __future__ import annotations
 
 import os
@@ -11,16 +12,34 @@ import time
 
 
 def chat(default_gguf: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvserve", "chat", "--model", default_gguf, "--threads", "1",
-                             "--kv-cache-memory", "32MiB", "--temperature", "0", *flags],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve",
+            "chat",
+            "--model",
+            default_gguf,
+            "--threads",
+            "1",
+            "--kv-cache-memory",
+            "32MiB",
+            "--temperature",
+            "0",
+            *flags,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_quit_commands_and_the_max_tokens_marker(default_gguf):
     proc = chat(default_gguf, "--max-tokens", "4")
     out, _ = proc.communicate("Hello there\n/exit\n", timeout=300)
     assert proc.returncode == 0, out
-    assert out.count("bot> ") == 1                      # /exit was not sent to the model
+    assert out.count("bot> ") == 1  # /exit was not sent to the model
     assert "[cut at --max-tokens 4]" in out
     proc = chat(default_gguf, "--max-tokens", "4")
     out, _ = proc.communicate("/quit\n", timeout=300)

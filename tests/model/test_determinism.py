@@ -4,6 +4,7 @@ the ISA build of the kernels (every build computes the same bits: ops/csrc/gguf_
 
 Each ISA build the host can execute is tested (KVSERVE_ISA); the portable C build, which is
 slow, only in the cross-ISA comparison on a short run."""
+
 import os
 
 import pytest
@@ -13,7 +14,7 @@ from kvserve.ops import cpu_kernels
 GREEDY = [
     "The capital of France is",
     "List three primary colors:",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea, there lived",
     "Translate to French: The weather is nice today.",
     "Q: What is 17 * 23?\nA:",
@@ -29,16 +30,19 @@ STEPS = 32
 def isa_env(monkeypatch):
     def use(isa):
         monkeypatch.setenv("KVSERVE_ISA", isa)
+
     return use
 
 
 def _llm(default_gguf, threads, **kw):
     from kvserve import LLM
+
     return LLM(default_gguf, num_threads=threads, kv_cache_memory="96MiB", max_model_len=1024, **kw)
 
 
 def _greedy_tokens(llm, prompts, steps):
     from kvserve import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -49,6 +53,7 @@ FAST_ISAS = [isa for isa in cpu_kernels.host_isas() if isa != "portable"]
 @pytest.mark.parametrize("isa", FAST_ISAS)
 def test_greedy_tokens_do_not_depend_on_batch_or_threads(default_gguf, isa_env, isa):
     from kvserve import SamplingParams
+
     isa_env(isa)
     llm = _llm(default_gguf, threads=1)
     if llm.engine.runner.layer_stack is None:
@@ -60,9 +65,11 @@ def test_greedy_tokens_do_not_depend_on_batch_or_threads(default_gguf, isa_env, 
     # 8 sampled neighbours of other lengths, all submitted together.
     llm = _llm(default_gguf, threads=2, max_num_batched_tokens=48)
     greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
-    sampled = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=8 + 5 * i, ignore_eos=True)
-               for i in range(len(OTHERS))]
-    prompts = [p for pair in zip(OTHERS, GREEDY) for p in pair]          # interleaved
+    sampled = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=8 + 5 * i, ignore_eos=True)
+        for i in range(len(OTHERS))
+    ]
+    prompts = [p for pair in zip(OTHERS, GREEDY) for p in pair]  # interleaved
     params = [q for pair in zip(sampled, [greedy] * len(GREEDY)) for q in pair]
     outs = llm.generate(prompts, params, use_tqdm=False)
     batched = [o.outputs[0].token_ids for o in outs[1::2]]
@@ -74,6 +81,7 @@ def test_isa_builds_give_identical_tokens_and_logprobs(default_gguf, isa_env):
     """Every build the host can execute (portable C included) gives the same tokens and the same
     logprobs, bit for bit."""
     from kvserve import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     results = {}
     for isa in cpu_kernels.host_isas():
@@ -82,8 +90,10 @@ def test_isa_builds_give_identical_tokens_and_logprobs(default_gguf, isa_env):
         if llm.engine.runner.layer_stack is None:
             pytest.skip("no C layer stack here (no compiler)")
         outs = llm.generate(GREEDY[:2], params, use_tqdm=False)
-        results[isa] = [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
-                        for o in outs]
+        results[isa] = [
+            (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+            for o in outs
+        ]
         del llm
     ref = results["portable"]
     for isa, got in results.items():
@@ -92,6 +102,7 @@ def test_isa_builds_give_identical_tokens_and_logprobs(default_gguf, isa_env):
 
 def test_forced_isa_that_the_cpu_lacks_is_refused(default_gguf, isa_env):
     from kvserve import LLM
+
     missing = [isa for isa in cpu_kernels.ISAS if isa not in cpu_kernels.host_isas()]
     if not missing:
         pytest.skip("this CPU executes every build")

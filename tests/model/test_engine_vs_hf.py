@@ -7,6 +7,7 @@ preemption. fp32 near-ties can flip a greedy choice between two implementations,
 sequences diverge we apply vLLM's check_logprobs_close rule at the first divergence: each
 side's token must be in the other side's top-5 there, and comparison stops at that point.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,9 @@ _CODE = '''def merge_sort(items):
 '''
 _LONG = " ".join(
     f"Paragraph {i}: the paged KV cache stores keys and values in fixed blocks of sixteen tokens, "
-    f"and a block table maps each request's positions to physical blocks." for i in range(14))
+    f"and a block table maps each request's positions to physical blocks."
+    for i in range(14)
+)
 
 PROMPTS = [
     "Hello, my name is",
@@ -49,11 +52,20 @@ def hf_reference(hf_model, kv_model):
     for text in PROMPTS:
         ids = tok.encode(text, add_special_tokens=True)
         with torch.inference_mode():
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        gen = out.sequences[0, len(ids):].tolist()
-        tops = [set(torch.log_softmax(s[0].float(), -1).topk(TOP).indices.tolist()) for s in out.logits]  # raw logits: min_new_tokens masks EOS in `scores`
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        gen = out.sequences[0, len(ids) :].tolist()
+        tops = [
+            set(torch.log_softmax(s[0].float(), -1).topk(TOP).indices.tolist()) for s in out.logits
+        ]  # raw logits: min_new_tokens masks EOS in `scores`
         refs.append((ids, gen, tops))
     lengths = [len(r[0]) for r in refs]
     assert min(lengths) <= 8 and max(lengths) >= 400, lengths
@@ -66,8 +78,10 @@ def _check_close(ours_ids: list[int], ours_tops: list[set[int]], ref, label: str
     for i, (a, b) in enumerate(zip(ours_ids, ref_ids)):
         if a != b:
             assert a in ref_tops[i] and b in ours_tops[i], (
-                f"{label}: first divergence at token {i}: ours {a} not in HF top-{TOP} {ref_tops[i]} "
-                f"or HF {b} not in our top-{TOP} {ours_tops[i]}")
+                f"{label}: first divergence at token {i}: "
+                f"ours {a} not in HF top-{TOP} {ref_tops[i]} "
+                f"or HF {b} not in our top-{TOP} {ours_tops[i]}"
+            )
             return
 
 
@@ -118,7 +132,12 @@ def test_one_batch(llm_default, hf_reference):
 
 
 def test_chunked_prefill(hf_reference):
-    llm = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=64, enable_prefix_caching=False, quantization="none")
+    llm = LLM(
+        kv_cache_memory="256MiB",
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        quantization="none",
+    )
     _assert_all(llm, hf_reference, batched=True, label="chunked")
 
 
@@ -127,6 +146,13 @@ def test_preemption(hf_reference):
     # must preempt by recompute and still produce the same tokens.
     longest = max(len(r[0]) for r in hf_reference) + NEW_TOKENS
     blocks = longest // 16 + 6
-    llm = LLM(num_blocks=blocks, max_num_batched_tokens=128, enable_prefix_caching=False, quantization="none")
+    llm = LLM(
+        num_blocks=blocks,
+        max_num_batched_tokens=128,
+        enable_prefix_caching=False,
+        quantization="none",
+    )
     _assert_all(llm, hf_reference, batched=True, label="preemption")
-    assert llm.engine.scheduler.stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert llm.engine.scheduler.stats.num_preemptions > 0, (
+        "the KV pool was meant to force preemption"
+    )

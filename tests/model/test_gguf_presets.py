@@ -1,6 +1,7 @@
 """The GGUF type mixes llama-quantize writes (kvserve/bench/gguf_presets.py, random weights of a
 tiny Llama shape) load onto the C layer stack, every one of them: Q4_K_M's fused q/k/v of a
 Q4_K q and k and a Q6_K v run side by side, and the stack computes what the PyTorch layers do."""
+
 import pytest
 
 from kvserve.bench.gguf_presets import PRESETS, more_bits, tensor_type, write_model
@@ -23,7 +24,7 @@ def preset_files(tmp_path_factory, default_gguf):
 def test_q4_k_m_mixes_types_as_llama_quantize_does():
     layers = 32
     v = [tensor_type("q4_k_m", "attn_v", i, layers) for i in range(layers)]
-    assert v.count("Q6_K") == sum(more_bits(i, layers) for i in range(layers)) == 16   # half
+    assert v.count("Q6_K") == sum(more_bits(i, layers) for i in range(layers)) == 16  # half
     assert {tensor_type("q4_k_m", r, 5, layers) for r in ("attn_q", "attn_k", "ffn_up")} == {"Q4_K"}
 
 
@@ -31,6 +32,7 @@ def test_q4_k_m_mixes_types_as_llama_quantize_does():
 def test_every_preset_runs_the_c_layer_stack(preset_files, preset):
     from kvserve.model.loader import load_model
     from kvserve.runner.layer_stack import CLayerStack
+
     lm = load_model(ModelConfig(model=preset_files[preset]))
     assert CLayerStack.declined(lm.model) is None
     parts = [len(layer.self_attn.qkv_proj.gguf_parts) for layer in lm.model.layers]
@@ -42,6 +44,7 @@ def test_mixed_kinds_on_the_c_stack_compute_what_the_pytorch_layers_do(preset_fi
     final hidden states and logits of a step of decodes beside a prompt chunk agree; the rows
     differ from each other (the weights are centred: a wrong or missing part shows)."""
     from kvserve.model.loader import load_model
+
     lm = load_model(ModelConfig(model=preset_files["q4_k_m"], quantization="gguf"))
     a = _mixed_step(lm, PROMPTS, c_stack=True)
     b = _mixed_step(lm, PROMPTS, c_stack=False)
@@ -57,12 +60,18 @@ def test_a_kv_cache_the_stack_cannot_read_is_named_at_start(preset_files, caplog
     import logging
 
     from kvserve import LLM
+
     with caplog.at_level(logging.INFO, logger="kvserve"):
-        llm = LLM(preset_files["q4_k_m"], kv_cache_memory="16MiB", max_model_len=128,
-                  kv_cache_dtype="bfloat16")
+        llm = LLM(
+            preset_files["q4_k_m"],
+            kv_cache_memory="16MiB",
+            max_model_len=128,
+            kv_cache_dtype="bfloat16",
+        )
     assert llm.engine.runner.layer_stack is None
-    assert "every step runs the C layer stack" not in caplog.text
-    assert "steps run the PyTorch forward: the KV cache is torch.bfloat16" in caplog.text
+    assert "steps: C layer stack" not in caplog.text
+    assert "steps: PyTorch forward (the KV cache is torch.bfloat16" in caplog.text
+    assert "to get the C layer stack back: --kv-cache-dtype float32, float16 or int8" in caplog.text
 
 
 def test_a_declined_stack_names_the_tensor(preset_files, caplog):
@@ -71,17 +80,22 @@ def test_a_declined_stack_names_the_tensor(preset_files, caplog):
 
     from kvserve import LLM
     from kvserve.model.quant import GgufMethod
+
     lm_file = preset_files["q4_k_m"]
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(lm_file, kv_cache_memory="16MiB", max_model_len=128, quantization="gguf")
-    assert "every step runs the C layer stack" in caplog.text
+    assert "steps: C layer stack" in caplog.text
     assert llm.engine.step_path.startswith("C layer stack")
     model = llm.engine.runner.model
     lin = model.layers[1].mlp.down_proj
     assert isinstance(lin.quant_method, GgufMethod)
     lin.gguf_parts, lin.dense_reason = [], "GGUF type Q5_1 has no packed kind"
     from kvserve.runner.layer_stack import CLayerStack
-    assert CLayerStack.declined(model) == "layer 1 mlp down: kept dense (GGUF type Q5_1 has no packed kind)"
+
+    assert (
+        CLayerStack.declined(model)
+        == "layer 1 mlp down: kept dense (GGUF type Q5_1 has no packed kind)"
+    )
 
 
 def test_a_tensor_without_a_packed_kind_is_named_at_start(tmp_path, default_gguf, caplog):
@@ -90,12 +104,14 @@ def test_a_tensor_without_a_packed_kind_is_named_at_start(tmp_path, default_gguf
     import logging
 
     from kvserve import LLM
+
     path = str(tmp_path / "tiny-q2_k-v.gguf")
-    write_model(path, "tiny", "q4_k_m", tokenizer_from=default_gguf,
-                types={"blk.2.attn_v.weight": "Q2_K"})
+    write_model(
+        path, "tiny", "q4_k_m", tokenizer_from=default_gguf, types={"blk.2.attn_v.weight": "Q2_K"}
+    )
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(path, kv_cache_memory="16MiB", max_model_len=128)
     assert llm.engine.runner.layer_stack is None
     why = "layer 2 attn qkv: kept dense (part v: GGUF type Q2_K has no packed kind)"
-    assert f"steps run the PyTorch forward: {why}" in caplog.text
-    assert llm.engine.step_path == f"PyTorch forward ({why})"      # what benchmarks record
+    assert f"steps: PyTorch forward ({why}); no setting brings" in caplog.text
+    assert llm.engine.step_path == f"PyTorch forward ({why})"  # what benchmarks record

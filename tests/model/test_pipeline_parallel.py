@@ -5,24 +5,34 @@ The stages run the same modules in the same order as one process's PyTorch forwa
 shapes of the matrix products change (a step's batch is cut into micro-batches), so PP=2 gives the
 greedy tokens of PP=1 and logprobs within 1e-4 (float weights and KV here); chunked prompts and
 prompt logprobs go through; a killed stage stops the engine at once."""
+
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from kvserve.runner.pipeline_parallel import micro_batches, stage_layers
-
 from tests.model.test_tensor_parallel import PARAMS, PROMPTS
 
 
 def _llm(default_gguf, pp):
     # 32-token steps: prompts in chunks, and steps of several chunks cut into micro-batches
-    return LLM(default_gguf, quantization="none", pipeline_parallel_size=pp, num_threads=1, max_model_len=1024,
-               kv_cache_memory="64MiB", kv_cache_dtype="float32", max_num_batched_tokens=32)
+    return LLM(
+        default_gguf,
+        quantization="none",
+        pipeline_parallel_size=pp,
+        num_threads=1,
+        max_model_len=1024,
+        kv_cache_memory="64MiB",
+        kv_cache_dtype="float32",
+        max_num_batched_tokens=32,
+    )
 
 
 def _close(a, b, tol=1e-4):
     """Two logprob lists (token, text, logprob) with the same tokens and values within tol."""
-    return [t[:2] for t in a] == [t[:2] for t in b] and all(abs(x[2] - y[2]) < tol for x, y in zip(a, b))
+    return [t[:2] for t in a] == [t[:2] for t in b] and all(
+        abs(x[2] - y[2]) < tol for x, y in zip(a, b)
+    )
 
 
 def test_stages_and_micro_batches():
@@ -32,10 +42,13 @@ def test_stages_and_micro_batches():
         stage_layers(30, 31, 0)
 
     def step(lengths):
-        return SchedulerOutput([ScheduledChunk(None, [0] * n, 0, [[0]], True) for n in lengths], [], [], sum(lengths))
-    assert micro_batches(step([1] * 8), 2) == [list(range(8))]               # 8 tokens: too few to split
+        return SchedulerOutput(
+            [ScheduledChunk(None, [0] * n, 0, [[0]], True) for n in lengths], [], [], sum(lengths)
+        )
+
+    assert micro_batches(step([1] * 8), 2) == [list(range(8))]  # 8 tokens: too few to split
     assert micro_batches(step([100, 1, 1, 100]), 2) == [[0, 1], [2, 3]]
-    assert micro_batches(step([512]), 4) == [[0]]                             # one chunk: one micro-batch
+    assert micro_batches(step([512]), 4) == [[0]]  # one chunk: one micro-batch
     runs = micro_batches(step([16] * 10), 3)
     assert len(runs) == 3 and sum(runs, []) == list(range(10))
 
@@ -60,4 +73,3 @@ def test_pp2_gives_the_tokens_and_logprobs_of_one_process(default_gguf):
         assert llm.engine.scheduler.num_used_blocks == 0
     finally:
         llm.engine.close()
-

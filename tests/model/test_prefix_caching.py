@@ -3,17 +3,25 @@
 Reusing cached KV blocks (and forking a prompt's blocks for n samples, with copy-on-write)
 must never change what the model generates.
 """
+
 from __future__ import annotations
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 
-SYSTEM = ("You are a careful assistant for a library of Python documentation. Answer briefly, "
-          "cite the module name, and never invent functions that do not exist. ") * 6
-QUESTIONS = ["What does os.path.join do?", "How do I read a file line by line?",
-             "What is a dataclass?", "Explain list comprehensions.", "What does zip() return?",
-             "How do I sort a dict by value?"]
+SYSTEM = (
+    "You are a careful assistant for a library of Python documentation. Answer briefly, "
+    "cite the module name, and never invent functions that do not exist. "
+) * 6
+QUESTIONS = [
+    "What does os.path.join do?",
+    "How do I read a file line by line?",
+    "What is a dataclass?",
+    "Explain list comprehensions.",
+    "What does zip() return?",
+    "How do I sort a dict by value?",
+]
 
 
 def _prompts():
@@ -53,15 +61,21 @@ def test_greedy_same_with_and_without_prefix_cache(cached, uncached):
     n_prompt = len(cached.tokenizer.encode(prompts[0], add_special_tokens=True))
     for o in again:
         assert o.num_cached_tokens >= (n_prompt - 16) // 16 * 16 - 16, o.num_cached_tokens
-        assert o.num_cached_tokens < len(o.prompt_token_ids), "the last prompt token is always recomputed"
+        assert o.num_cached_tokens < len(o.prompt_token_ids), (
+            "the last prompt token is always recomputed"
+        )
     assert cached.engine.scheduler.stats.prefix_cache_hits > hits_before
-    assert all(o.num_cached_tokens == 0 for o in uncached.generate(prompts[:2], params, use_tqdm=False))
+    assert all(
+        o.num_cached_tokens == 0 for o in uncached.generate(prompts[:2], params, use_tqdm=False)
+    )
     _assert_idle(cached)
     _assert_idle(uncached)
 
 
 def test_n4_seeded_sampling_same_with_and_without_cache(cached, uncached):
-    params = SamplingParams(n=4, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(
+        n=4, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True
+    )
     prompts = _prompts()[:2]
     a = uncached.generate(prompts, params, use_tqdm=False)
     b = cached.generate(prompts, params, use_tqdm=False)
@@ -76,10 +90,16 @@ def test_n4_seeded_sampling_same_with_and_without_cache(cached, uncached):
 def test_n4_greedy_forks_match_single(cached):
     """n greedy samples share the prompt's blocks (fork + copy-on-write) and equal n=1 greedy."""
     prompt = QUESTIONS[2] * 3  # a prompt whose last block is partially filled
-    single = cached.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                             use_tqdm=False)[0].outputs[0].token_ids
-    many = cached.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=20, ignore_eos=True),
-                           use_tqdm=False)[0]
+    single = (
+        cached.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    many = cached.generate(
+        [prompt], SamplingParams(n=4, temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in many.outputs] == [0, 1, 2, 3]
     assert all(c.token_ids == single for c in many.outputs)
     _assert_idle(cached)
@@ -90,6 +110,7 @@ def test_int8_kv_cache_engine_prefix_hits_and_forks():
     hits and n > 1 forks (copy-on-write copies int8 blocks) give what recomputing gives, and every
     block is free at the end."""
     import torch
+
     llm = LLM(kv_cache_memory="64MiB", kv_cache_dtype="int8", enable_prefix_caching=True)
     assert llm.engine.kv_shape.bytes_per_token == 2 * 30 * 3 * (64 + 4)
     k = llm.engine.runner.kv_caches[0][0]
@@ -100,7 +121,10 @@ def test_int8_kv_cache_engine_prefix_hits_and_forks():
     again = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.num_cached_tokens > 0 for o in again)
     assert _texts(again) == first
-    forks = llm.generate(prompts[:1], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
-                         use_tqdm=False)[0]
+    forks = llm.generate(
+        prompts[:1],
+        SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.token_ids for c in forks.outputs] == [first[0][0]] * 3
     _assert_idle(llm)

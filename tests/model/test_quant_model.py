@@ -1,5 +1,6 @@
 """Weight formats on the default model: formats that should agree do (greedy, or top-5 close at the
 first divergence), and the int4 kernel runs the file's Q4_1 blocks with the dequantized values."""
+
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
@@ -10,7 +11,7 @@ from kvserve.ops.attention import AttentionMetadata
 
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea, there lived",
 ]
 STEPS = 12
@@ -19,20 +20,28 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def models(default_gguf):
     from kvserve.model.loader import load_model
-    return {f: load_model(ModelConfig(model=default_gguf, quantization=f)) for f in ("none", "gguf", "int4")}
+
+    return {
+        f: load_model(ModelConfig(model=default_gguf, quantization=f))
+        for f in ("none", "gguf", "int4")
+    }
 
 
 @torch.inference_mode()
 def greedy(lm, ids, n, kv_dtype=torch.float32):
     """Greedy continuation over a paged pool; returns (tokens, logits of each step)."""
     from kvserve.ops import kv_int8
+
     T = len(ids) + n
     blocks = -(-T // 16)
     shape = (blocks, 16, lm.arch.num_kv_heads, lm.arch.head_dim)
     if kv_dtype == torch.int8:
         shape = kv_int8.pool_shape(*shape)
-    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(lm.arch.num_layers)]
-    table = torch.arange(blocks).flip(0)[None]                    # non-trivial block order
+    kv = [
+        (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+        for _ in range(lm.arch.num_layers)
+    ]
+    table = torch.arange(blocks).flip(0)[None]  # non-trivial block order
 
     def run(toks, start):
         pos = torch.arange(start, start + len(toks))
@@ -53,7 +62,11 @@ def assert_agree(a, b):
     (ta, la), (tb, lb) = a, b
     for i, (x, y) in enumerate(zip(ta, tb)):
         if x != y:
-            assert x in lb[i].topk(5).indices.tolist() and y in la[i].topk(5).indices.tolist(), (i, ta, tb)
+            assert x in lb[i].topk(5).indices.tolist() and y in la[i].topk(5).indices.tolist(), (
+                i,
+                ta,
+                tb,
+            )
             return
     assert ta == tb
 
@@ -68,7 +81,7 @@ def test_gguf_packed_q4_agrees_with_fp32_dequantized(models, prompt):
     out = greedy(models["gguf"], ids, STEPS)
     assert_agree(out, ref)
     same = next((i for i, (x, y) in enumerate(zip(out[0], ref[0])) if x != y), STEPS)
-    for i in range(same):       # the steps before any divergence saw the same tokens
+    for i in range(same):  # the steps before any divergence saw the same tokens
         scale = ref[1][i].abs().max().item()
         assert (out[1][i] - ref[1][i]).abs().max().item() < 0.05 * scale, i
 
@@ -84,14 +97,19 @@ def test_loaded_int4_layers_hold_the_files_values(models, default_gguf):
     dequantize of the file (rows of Q/K in HF order)."""
     from kvserve.model.gguf_file import GGUFFile
     from kvserve.model.gguf_loader import unpermute_rows
+
     lm = models["gguf"]
     g = GGUFFile(default_gguf)
     layer = lm.model.layers[3]
-    checks = {"attn_q": (layer.self_attn.qkv_proj, 0, lm.arch.num_heads),
-              "attn_k": (layer.self_attn.qkv_proj, 1, lm.arch.num_kv_heads),
-              "attn_v": (layer.self_attn.qkv_proj, 2, None),
-              "ffn_gate": (layer.mlp.gate_up_proj, 0, None), "ffn_up": (layer.mlp.gate_up_proj, 1, None),
-              "ffn_down": (layer.mlp.down_proj, 0, None), "attn_output": (layer.self_attn.o_proj, 0, None)}
+    checks = {
+        "attn_q": (layer.self_attn.qkv_proj, 0, lm.arch.num_heads),
+        "attn_k": (layer.self_attn.qkv_proj, 1, lm.arch.num_kv_heads),
+        "attn_v": (layer.self_attn.qkv_proj, 2, None),
+        "ffn_gate": (layer.mlp.gate_up_proj, 0, None),
+        "ffn_up": (layer.mlp.gate_up_proj, 1, None),
+        "ffn_down": (layer.mlp.down_proj, 0, None),
+        "attn_output": (layer.self_attn.o_proj, 0, None),
+    }
     for name, (lin, shard, heads) in checks.items():
         t = g.tensors[f"blk.3.{name}.weight"]
         assert t.qtype == Q.Q4_1
@@ -100,7 +118,7 @@ def test_loaded_int4_layers_hold_the_files_values(models, default_gguf):
             raw = raw[unpermute_rows(t.shape[0], heads)]
         ref = torch.from_numpy(dequantize(raw, t.qtype)).reshape(t.shape)
         start = sum(lin.shard_sizes[:shard])
-        got = lin.quant_method.dequantized(lin)[start:start + t.shape[0]]
+        got = lin.quant_method.dequantized(lin)[start : start + t.shape[0]]
         assert torch.equal(got, ref), name
 
 
@@ -109,6 +127,7 @@ def test_tied_embedding_is_read_from_the_packed_head(models, default_gguf):
     Q8_0 blocks are the only copy, and a lookup gives the file's dequantized rows (the dense
     format keeps its own float32 embedding)."""
     from kvserve.model.gguf_file import GGUFFile
+
     g = GGUFFile(default_gguf)
     t = g.tensors["token_embd.weight"]
     ids = torch.tensor([[0, 2, 49151], [17, 17, 300]])
@@ -125,6 +144,7 @@ def test_tied_embedding_is_read_from_the_packed_head(models, default_gguf):
 def test_default_format_is_recorded(default_gguf):
     from kvserve.model.loader import resolve_quantization
     from kvserve.model.quant import DEFAULT_GGUF
+
     assert resolve_quantization(None, default_gguf) == DEFAULT_GGUF
     with pytest.raises(ValueError):
         resolve_quantization("int3", default_gguf)
@@ -136,21 +156,25 @@ def _mixed_step(lm, prompts, c_stack):
     (runner/layer_stack.py) or the model's PyTorch forward. Returns the final hidden states of
     every row of that step's sampled positions: [len(prompts), H]."""
     from kvserve.runner.layer_stack import CLayerStack
+
     stack = CLayerStack.build(lm.model)
     ids = [lm.tokenizer.encode(p) for p in prompts]
     per = -(-max(len(x) for x in ids) // 16) + 1
     shape = (per * len(ids), 16, lm.arch.num_kv_heads, lm.arch.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(lm.arch.num_layers)]
-    tables = torch.arange(per * len(ids)).flip(0).reshape(len(ids), per)    # ragged, reversed blocks
+    tables = torch.arange(per * len(ids)).flip(0).reshape(len(ids), per)  # ragged, reversed blocks
 
     def run(toks, pos, meta, rows, prompt_lens):
         if c_stack:
             return stack(torch.tensor(toks), pos, meta, kv, torch.tensor(rows), prompt_lens)
         return lm.model(torch.tensor(toks), pos, meta, kv)[rows]
+
     with torch.inference_mode():
         for b, x in enumerate(ids[:-1]):
             pos = torch.arange(len(x))
-            meta = AttentionMetadata(tables[b][pos // 16] * 16 + pos % 16, [0, len(x)], [len(x)], tables[b:b + 1], 16)
+            meta = AttentionMetadata(
+                tables[b][pos // 16] * 16 + pos % 16, [0, len(x)], [len(x)], tables[b : b + 1], 16
+            )
             run(x, pos, meta, [len(x) - 1], [len(x)])
         n = len(ids) - 1
         last = ids[-1]
@@ -160,8 +184,13 @@ def _mixed_step(lm, prompts, c_stack):
         qsl = list(range(n + 1)) + [n + len(last)]
         seq_lens = [len(x) + 1 for x in ids[:-1]] + [len(last)]
         meta = AttentionMetadata(slots, qsl, seq_lens, tables, 16)
-        return run([7, 42, 1000][:n] + last, pos, meta, list(range(n)) + [n + len(last) - 1],
-                   [len(x) for x in ids])
+        return run(
+            [7, 42, 1000][:n] + last,
+            pos,
+            meta,
+            list(range(n)) + [n + len(last) - 1],
+            [len(x) for x in ids],
+        )
 
 
 def test_c_layer_stack_matches_the_pytorch_layers(models):
@@ -169,6 +198,7 @@ def test_c_layer_stack_matches_the_pytorch_layers(models):
     compute with the same weights: ragged contexts, reversed block tables, decodes and a prompt
     chunk in one step."""
     from kvserve.runner.layer_stack import CLayerStack
+
     lm = models["gguf"]
     if CLayerStack.build(lm.model) is None:
         pytest.skip("no C layer stack on this machine (no compiler)")
@@ -182,14 +212,22 @@ def test_engine_greedy_equals_pytorch_path(models, default_gguf, prompt):
     """The engine (every step through the C layer stack) and greedy decoding through the model's
     PyTorch forward pick the same tokens, in the gguf format."""
     from kvserve import LLM, SamplingParams
+
     lm = models["gguf"]
     ids = lm.tokenizer.encode(prompt)
     plain = greedy(lm, ids, STEPS)
     llm = LLM(default_gguf, kv_cache_memory="32MiB", max_model_len=512, quantization="gguf")
     if llm.engine.runner.layer_stack is None:
         pytest.skip("no C layer stack on this machine")
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
+    out = (
+        llm.generate(
+            [{"prompt_token_ids": ids}],
+            SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert out == plain[0]
 
 

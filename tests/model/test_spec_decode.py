@@ -2,8 +2,9 @@
 
 At temperature 0 the tokens are exactly those of plain decoding (drafts are verified at decode
 positions, which the C layer stack computes as it computes decodes), alone and batched; seeded
-sampling gives the tokens of plain decoding; every KV block comes back; and the prefix cache never serves a block
-that held a rejected draft."""
+sampling gives the tokens of plain decoding; every KV block comes back; and the prefix cache never
+serves a block that held a rejected draft."""
+
 import random
 
 import pytest
@@ -11,7 +12,12 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.spec.step_cost import MIN_SHARE
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
 TOKENS = 128
 
 TEXTS = [
@@ -22,10 +28,18 @@ TEXTS = [
     "The meeting is moved to Thursday at 3 pm in room 204; bring the quarterly report.",
     "SELECT name, email FROM users WHERE active = 1 ORDER BY created_at DESC LIMIT 10;",
 ]
-COPY_PROMPTS = ([f"Repeat this text exactly: {t}\nRepeated text: " for t in TEXTS]
-                + [f"Text: {t}\nThe same text, copied twice:\n" for t in TEXTS[:3]]
-                + ["Rename the function add to plus in this code:\n" + TEXTS[2] + "\nThe code after renaming:\n",
-                   "Context: " + TEXTS[4] + "\nQuestion: when and where is the meeting? Quote the context.\nAnswer:"])
+COPY_PROMPTS = (
+    [f"Repeat this text exactly: {t}\nRepeated text: " for t in TEXTS]
+    + [f"Text: {t}\nThe same text, copied twice:\n" for t in TEXTS[:3]]
+    + [
+        "Rename the function add to plus in this code:\n"
+        + TEXTS[2]
+        + "\nThe code after renaming:\n",
+        "Context: "
+        + TEXTS[4]
+        + "\nQuestion: when and where is the meeting? Quote the context.\nAnswer:",
+    ]
+)
 OPEN_PROMPTS = [
     "The capital of France is",
     "List three primary colors:",
@@ -38,7 +52,7 @@ OPEN_PROMPTS = [
     "Explain why the sky is blue in one paragraph.",
     "My favourite recipe for pancakes is",
 ]
-PROMPTS = COPY_PROMPTS + OPEN_PROMPTS         # 21
+PROMPTS = COPY_PROMPTS + OPEN_PROMPTS  # 21
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 
 
@@ -55,7 +69,9 @@ def plain(default_gguf):
 def spec(default_gguf):
     llm = _llm(default_gguf, speculative_config=SPEC)
     if llm.engine.runner.layer_stack is None:
-        pytest.skip("no C layer stack here: the PyTorch forward runs verification rows as a prompt chunk")
+        pytest.skip(
+            "no C layer stack here: the PyTorch forward runs verification rows as a prompt chunk"
+        )
     # Verification must be exact at every draft length. The lengths the adaptive policy picks
     # follow the step times it measures on this machine (a busy one drafted only single-token
     # probes for 21 requests, all accepted), so the price of a draft row is held at its floor
@@ -80,7 +96,7 @@ def test_greedy_batched_is_token_identical(spec, plain_tokens):
         assert a == b, f"{prompt!r}: plain {a} != speculative {b}"
     stats = spec.engine.drafter.stats
     assert stats.num_accepted_tokens - before > 0
-    assert stats.num_draft_tokens > stats.num_accepted_tokens      # some drafts were rejected too
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # some drafts were rejected too
     assert stats.verify_seconds > 0 and stats.draft_seconds > 0
     assert spec.engine.scheduler.num_used_blocks == 0
 
@@ -93,15 +109,20 @@ def test_greedy_alone_is_token_identical(spec, plain_tokens):
 def test_stops_cut_where_plain_decoding_cuts(spec, plain, plain_tokens):
     """Stop token ids, stop strings and max_tokens inside accepted drafts cut at the same token."""
     stop_id = plain_tokens[0][20]
-    params = [SamplingParams(temperature=0, max_tokens=TOKENS, stop_token_ids=[stop_id]),
-              SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=TOKENS, stop=["lazy dog"], ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=TOKENS, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=TOKENS, stop=["lazy dog"], ignore_eos=True),
+    ]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
     a = plain.generate(prompts, params, use_tqdm=False)
     b = spec.generate(prompts, params, use_tqdm=False)
     for x, y in zip(a, b):
-        assert (x.outputs[0].token_ids, x.outputs[0].text, x.outputs[0].finish_reason) == \
-               (y.outputs[0].token_ids, y.outputs[0].text, y.outputs[0].finish_reason)
+        assert (x.outputs[0].token_ids, x.outputs[0].text, x.outputs[0].finish_reason) == (
+            y.outputs[0].token_ids,
+            y.outputs[0].text,
+            y.outputs[0].finish_reason,
+        )
 
 
 def test_logprobs_are_the_targets(spec, plain):
@@ -110,14 +131,21 @@ def test_logprobs_are_the_targets(spec, plain):
     b = spec.generate(PROMPTS[:2], params, use_tqdm=False)
     for x, y in zip(a, b):
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert (lx.token_id, lx.rank, [t for t, _, _ in lx.top]) == (ly.token_id, ly.rank, [t for t, _, _ in ly.top])
+            assert (lx.token_id, lx.rank, [t for t, _, _ in lx.top]) == (
+                ly.token_id,
+                ly.rank,
+                [t for t, _, _ in ly.top],
+            )
             assert lx.logprob == pytest.approx(ly.logprob, abs=1e-5)
 
 
 def test_seeded_sampling_gives_the_tokens_of_plain_decoding(spec, plain):
     """Drafts change with timing (the draft length follows the measured step cost), so a seeded
     request's tokens must not depend on them: they are its tokens without speculation."""
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=64, ignore_eos=True) for s in range(4)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=64, ignore_eos=True)
+        for s in range(4)
+    ]
     prompts = PROMPTS[:2] + PROMPTS[-2:]
     first = _tokens(spec, prompts, params)
     second = _tokens(spec, prompts, params)

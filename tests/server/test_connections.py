@@ -2,6 +2,7 @@
 (raw sockets: slow-loris, silent and idle connections, a partial body), --max-connections, the
 API key on every route but /health (and /metrics with --metrics-public), and a second SIGTERM
 exiting at once with its documented code."""
+
 import http.client
 import json
 import os
@@ -17,12 +18,26 @@ from kvserve.server.launcher import FORCED_EXIT_CODE
 from tests.server.conftest import API_KEY
 
 TIMEOUT = 1  # --header-timeout, --body-timeout and --keep-alive-timeout of the module's server
-GRACE = 5    # how much later than its timeout a connection may close
-BASE_ARGS = ["--threads", "1", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--no-access-log"]
+GRACE = 5  # how much later than its timeout a connection may close
+BASE_ARGS = [
+    "--threads",
+    "1",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "64MiB",
+    "--no-access-log",
+]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "Hello"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
-                ("GET", "/version", None), ("GET", "/metrics", None), ("GET", "/v1/models", None),
-                ("GET", "/openapi.json", None), ("GET", "/docs", None)]
+KEYED_ROUTES = [
+    ("POST", "/tokenize", {"prompt": "Hello"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/version", None),
+    ("GET", "/metrics", None),
+    ("GET", "/v1/models", None),
+    ("GET", "/openapi.json", None),
+    ("GET", "/docs", None),
+]
 
 
 def _started(server_factory, args):
@@ -38,8 +53,19 @@ def _finished(srv):
 
 @pytest.fixture(scope="module")
 def timeouts_server(server_factory):
-    srv = _started(server_factory, ["--api-key", API_KEY, "--header-timeout", str(TIMEOUT),
-                                    "--body-timeout", str(TIMEOUT), "--keep-alive-timeout", str(TIMEOUT)])
+    srv = _started(
+        server_factory,
+        [
+            "--api-key",
+            API_KEY,
+            "--header-timeout",
+            str(TIMEOUT),
+            "--body-timeout",
+            str(TIMEOUT),
+            "--keep-alive-timeout",
+            str(TIMEOUT),
+        ],
+    )
     yield srv
     _finished(srv)
 
@@ -47,8 +73,20 @@ def timeouts_server(server_factory):
 @pytest.fixture(scope="module")
 def capped_server(server_factory):
     """Four connections at most; timeouts long enough to hold four idle connections meanwhile."""
-    srv = _started(server_factory, ["--api-key", API_KEY, "--max-connections", "4", "--metrics-public",
-                                    "--header-timeout", "60", "--keep-alive-timeout", "60"])
+    srv = _started(
+        server_factory,
+        [
+            "--api-key",
+            API_KEY,
+            "--max-connections",
+            "4",
+            "--metrics-public",
+            "--header-timeout",
+            "60",
+            "--keep-alive-timeout",
+            "60",
+        ],
+    )
     yield srv
     _finished(srv)
 
@@ -68,7 +106,9 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     except ConnectionResetError:
         pass
     except socket.timeout:
-        raise AssertionError(f"connection still open after {sock.gettimeout()}s; got {data[:200]!r}")
+        raise AssertionError(
+            f"connection still open after {sock.gettimeout()}s; got {data[:200]!r}"
+        )
     return data
 
 
@@ -119,8 +159,13 @@ def test_keep_alive_serves_several_requests(timeouts_server):
 
 def test_partial_body_gets_408_and_close(timeouts_server):
     with _connect(timeouts_server) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Authorization: Bearer "
+            + API_KEY.encode()
+            + b'\r\nContent-Length: 100\r\n\r\n{"prompt":'
+        )
         status, headers, body = _response(sock, "POST")
         assert status == 408
         assert headers["connection"] == "close"
@@ -132,9 +177,14 @@ def test_partial_body_gets_408_and_close(timeouts_server):
 def test_body_in_pieces_within_the_timeout_is_read(timeouts_server):
     body = json.dumps({"prompt": "Hello there"}).encode()
     with _connect(timeouts_server) as sock:
-        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+        sock.sendall(
+            b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer "
+            + API_KEY.encode()
+            + b"\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:5]
+        )
         time.sleep(TIMEOUT / 5)
         sock.sendall(body[5:])
         status, _, answer = _response(sock, "POST")
@@ -145,8 +195,11 @@ def test_long_response_outlives_the_timeouts(timeouts_server):
     """A stream read slowly stays open past the header and idle timeouts: they run only between
     requests."""
     with httpx.Client(base_url=timeouts_server.base_url, headers=AUTH, timeout=120) as client:
-        with client.stream("POST", "/v1/completions", json={
-                "prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             time.sleep(3 * TIMEOUT)
@@ -207,8 +260,11 @@ def test_second_sigterm_exits_at_once(server_factory):
     srv = _started(server_factory, [])
     try:
         with httpx.Client(base_url=srv.base_url, timeout=120) as client:
-            with client.stream("POST", "/v1/completions", json={
-                    "prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+            with client.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True},
+            ) as r:
                 assert next(line for line in r.iter_lines() if line.startswith("data:"))
                 srv.proc.send_signal(signal.SIGTERM)
                 _wait_draining(srv)

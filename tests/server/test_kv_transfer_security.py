@@ -6,6 +6,7 @@ exist; with one they need the transfer key; and even a trusted import lands in a
 its own, which only requests presenting the key (the router's forwarded decode requests) read:
 users, and a victim asking all along, keep their idle greedy answers. Then the limits: the body
 cap, one import at a time, and exports that stream pinned blocks and always let them go."""
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,17 @@ def handover(server_factory):
 
 
 def chat(url: str, question: str, headers: dict = AUTH, **extra) -> str:
-    r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
-                   json={"messages": [{"role": "user", "content": question}], "max_tokens": 12,
-                         "temperature": 0, **extra})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=headers,
+        timeout=120,
+        json={
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 12,
+            "temperature": 0,
+            **extra,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
 
@@ -54,14 +63,19 @@ def system_prompt_block(url: str) -> list[int]:
 
 
 def chat_tokens(url: str, question: str) -> list[int]:
-    r = httpx.post(f"{url}/tokenize", headers=AUTH, timeout=30,
-                   json={"messages": [{"role": "user", "content": question}]})
+    r = httpx.post(
+        f"{url}/tokenize",
+        headers=AUTH,
+        timeout=30,
+        json={"messages": [{"role": "user", "content": question}]},
+    )
     return r.json()["tokens"]
 
 
 def export(url: str, ids: list[int]) -> bytes:
-    r = httpx.post(f"{url}/v1/kv/prefill", json={"prompt_token_ids": ids}, headers=KV_AUTH,
-                   timeout=120)
+    r = httpx.post(
+        f"{url}/v1/kv/prefill", json={"prompt_token_ids": ids}, headers=KV_AUTH, timeout=120
+    )
     assert r.status_code == 200, r.text
     return r.content
 
@@ -69,7 +83,7 @@ def export(url: str, ids: list[int]) -> bytes:
 def made_up(template: bytes, token_ids: list[int], num_blocks: int) -> bytes:
     """A payload in `template`'s format (a real export) of random KV for `token_ids`."""
     n = int.from_bytes(template[4:8], "little")
-    header = json.loads(template[8:8 + n])
+    header = json.loads(template[8 : 8 + n])
     header.update(token_ids=token_ids, num_blocks=num_blocks)
     count = 2 * header["layers"] * num_blocks * int(np.prod(header["block_shape"]))
     noise = (np.random.default_rng(0).standard_normal(count) * 4).astype(header["dtype"]).tobytes()
@@ -78,8 +92,12 @@ def made_up(template: bytes, token_ids: list[int], num_blocks: int) -> bytes:
 
 
 def post_import(url: str, payload: bytes, headers: dict = KV_AUTH) -> httpx.Response:
-    return httpx.post(f"{url}/v1/kv/import", content=payload, timeout=120,
-                      headers={**headers, "content-type": "application/octet-stream"})
+    return httpx.post(
+        f"{url}/v1/kv/import",
+        content=payload,
+        timeout=120,
+        headers={**headers, "content-type": "application/octet-stream"},
+    )
 
 
 def blocks_used(url: str) -> float:
@@ -106,7 +124,7 @@ class Victim(threading.Thread):
             while not self.stop.is_set():
                 for q in QUESTIONS:
                     self.answers.append((q, chat(self.url, q)))
-        except (AssertionError, httpx.HTTPError) as e:     # reported by the test
+        except (AssertionError, httpx.HTTPError) as e:  # reported by the test
             self.error = e
 
     def wait_for(self, count: int, timeout: float = 120.0) -> None:
@@ -120,17 +138,35 @@ def test_without_a_role_the_endpoints_do_not_exist(server):
     poison = b"KVX1" + bytes(64)
     for headers in (AUTH, {**AUTH, "X-KV-Transfer-Key": "anything"}):
         assert post_import(server, poison, headers).status_code == 404
-        r = httpx.post(f"{server}/v1/kv/prefill", json={"prompt_token_ids": [1, 2]},
-                       headers=headers, timeout=30)
+        r = httpx.post(
+            f"{server}/v1/kv/prefill",
+            json={"prompt_token_ids": [1, 2]},
+            headers=headers,
+            timeout=30,
+        )
         assert r.status_code == 404
-        assert chat(server, QUESTIONS[0], headers) == idle     # the header means nothing here
+        assert chat(server, QUESTIONS[0], headers) == idle  # the header means nothing here
 
 
 def test_a_role_without_a_key_refuses_to_start():
     env = {k: v for k, v in os.environ.items() if k != "KVSERVE_KV_TRANSFER_KEY"}
-    r = subprocess.run([sys.executable, "-m", "kvserve", "serve", "--port", str(free_port()),
-                        "--kv-transfer-role", "decode"], capture_output=True, text=True,
-                       timeout=180, env=env, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvserve",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--kv-transfer-role",
+            "decode",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
     assert r.returncode == 2 and "--kv-transfer-key" in r.stderr, r.stderr[-2000:]
 
 
@@ -145,9 +181,9 @@ def test_poisoning_the_shared_prefix_fails(handover):
         headers = AUTH if key is None else {**AUTH, "X-KV-Transfer-Key": key}
         r = post_import(handover, poison, headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_kv_transfer_key"
-    r = post_import(handover, poison)              # trusted: lands in the handover namespace
+    r = post_import(handover, poison)  # trusted: lands in the handover namespace
     assert r.status_code == 200 and r.json()["cached_tokens"] == BLOCK
-    victim = Victim(handover)                              # an unsalted user: the attack's target
+    victim = Victim(handover)  # an unsalted user: the attack's target
     victim.start()
     try:
         victim.wait_for(1)
@@ -155,14 +191,17 @@ def test_poisoning_the_shared_prefix_fails(handover):
             assert chat(handover, q) == idle[q]
             assert chat(handover, q, cache_salt="kv-handover") == idle[q]
         ids = chat_tokens(handover, QUESTIONS[1])
-        r = post_import(handover, made_up(template, ids[:2 * BLOCK], 2))     # while the victim asks
+        r = post_import(handover, made_up(template, ids[: 2 * BLOCK], 2))  # while the victim asks
         assert r.status_code == 200 and r.json()["cached_tokens"] == 2 * BLOCK
         # the made-up block is live in the namespace: a request that presents the key reads it
         assert chat(handover, QUESTIONS[0], KV_AUTH) != idle[QUESTIONS[0]]
         # a wrong key on a generation request is refused, not silently ignored
-        r = httpx.post(f"{handover}/v1/chat/completions", timeout=30,
-                       headers={**AUTH, "X-KV-Transfer-Key": "wrong"},
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        r = httpx.post(
+            f"{handover}/v1/chat/completions",
+            timeout=30,
+            headers={**AUTH, "X-KV-Transfer-Key": "wrong"},
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        )
         assert r.status_code == 401
         victim.wait_for(len(victim.answers) + 2)
     finally:
@@ -174,13 +213,18 @@ def test_poisoning_the_shared_prefix_fails(handover):
 
 def test_the_export_needs_the_key_before_anything_else(handover):
     for body in (b"not json", json.dumps({"prompt_token_ids": [1, 2, 3]}).encode()):
-        r = httpx.post(f"{handover}/v1/kv/prefill", content=body, timeout=30,
-                       headers={**AUTH, "content-type": "application/json"})
+        r = httpx.post(
+            f"{handover}/v1/kv/prefill",
+            content=body,
+            timeout=30,
+            headers={**AUTH, "content-type": "application/json"},
+        )
         assert r.status_code == 401
 
 
-def raw_post(url: str, path: str, head: dict, body: bytes = b"",
-             rcvbuf: int | None = None) -> socket.socket:
+def raw_post(
+    url: str, path: str, head: dict, body: bytes = b"", rcvbuf: int | None = None
+) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     s = socket.socket()
     s.settimeout(60)
@@ -200,8 +244,11 @@ def read_status(s: socket.socket) -> tuple[int, str]:
             break
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
-    length = next(int(v) for k, v in (line.split(b":", 1) for line in head.split(b"\r\n")[1:])
-                  if k.strip().lower() == b"content-length")
+    length = next(
+        int(v)
+        for k, v in (line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+        if k.strip().lower() == b"content-length"
+    )
     while len(rest) < length:
         rest += s.recv(65536)
     return int(head.split()[1]), rest.decode()
@@ -210,20 +257,21 @@ def read_status(s: socket.socket) -> tuple[int, str]:
 def test_the_body_cap_is_a_whole_context(handover):
     template = export(handover, list(range(2000, 2000 + BLOCK + 1)))
     s = raw_post(handover, "/v1/kv/import", {**KV_AUTH, "Content-Length": str(10**9)})
-    status, body = read_status(s)                        # answered before a byte of the body
+    status, body = read_status(s)  # answered before a byte of the body
     s.close()
     assert status == 413
     limit = int(body.split("over the limit of ")[1].split()[0])
-    context = 1024 // BLOCK                              # conftest's --max-model-len
+    context = 1024 // BLOCK  # conftest's --max-model-len
     whole = made_up(template, list(range(3000, 3000 + context * BLOCK)), context)
-    assert len(whole) <= limit < len(whole) + 8 * 1024   # a context's KV, and room for its header
+    assert len(whole) <= limit < len(whole) + 8 * 1024  # a context's KV, and room for its header
     assert post_import(handover, whole).json()["cached_tokens"] == context * BLOCK
     r = post_import(handover, whole + bytes(limit - len(whole)))
     assert r.status_code == 400 and "bytes of KV" in r.json()["error"]["message"]
 
-    def chunks():                         # no Content-Length: the cap counts as it reads
+    def chunks():  # no Content-Length: the cap counts as it reads
         yield whole
         yield bytes(limit - len(whole) + 1)
+
     r = httpx.post(f"{handover}/v1/kv/import", content=chunks(), headers=KV_AUTH, timeout=120)
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
 
@@ -231,41 +279,50 @@ def test_the_body_cap_is_a_whole_context(handover):
 def test_one_import_at_a_time(handover):
     template = export(handover, list(range(4000, 4000 + BLOCK + 1)))
     payload = made_up(template, list(range(4000, 4000 + BLOCK)), 1)
-    slow = raw_post(handover, "/v1/kv/import", {**KV_AUTH, "Content-Length": str(len(payload))},
-                    payload[:8])
+    slow = raw_post(
+        handover, "/v1/kv/import", {**KV_AUTH, "Content-Length": str(len(payload))}, payload[:8]
+    )
     try:
-        time.sleep(1.0)                                   # the slow import holds the slot
+        time.sleep(1.0)  # the slow import holds the slot
         r = post_import(handover, b"KVX1" + bytes(32))
         assert r.status_code == 429 and "Retry-After" in r.headers
         slow.sendall(payload[8:])
         assert read_status(slow)[0] == 200
     finally:
         slow.close()
-    assert post_import(handover, payload).status_code == 200     # the slot is free again
+    assert post_import(handover, payload).status_code == 200  # the slot is free again
 
 
 def test_exports_stream_pinned_blocks_and_always_release_them(handover):
     from kvserve.engine.kv_payload import KVFormat, PayloadReader
+
     ids = [(i * 7919) % 40000 + 100 for i in range(1000)]
     idle = wait_blocks(handover, lambda used: True)
     assert idle == 0
     data = export(handover, ids)
     n = int.from_bytes(data[4:8], "little")
-    header = json.loads(data[8:8 + n])
-    fmt = KVFormat(BLOCK, header["layers"], header["dtype"], np.dtype(header["dtype"]).itemsize,
-                   tuple(header["block_shape"]), 50000, 1024)
+    header = json.loads(data[8 : 8 + n])
+    fmt = KVFormat(
+        BLOCK,
+        header["layers"],
+        header["dtype"],
+        np.dtype(header["dtype"]).itemsize,
+        tuple(header["block_shape"]),
+        50000,
+        1024,
+    )
     reader = PayloadReader(fmt, len(data))
     reader.feed(data)
-    assert reader.finish()[0].token_ids == ids[:len(ids) // BLOCK * BLOCK]
+    assert reader.finish()[0].token_ids == ids[: len(ids) // BLOCK * BLOCK]
     wait_blocks(handover, lambda used: used == idle)
     # a client that stops reading holds the pins; one that goes away lets them go
     body = json.dumps({"prompt_token_ids": ids}).encode()
     head = {**KV_AUTH, "Content-Type": "application/json", "Content-Length": str(len(body))}
     s = raw_post(handover, "/v1/kv/prefill", head, body, rcvbuf=64 * 1024)
-    try:                  # a small receive window: the payload cannot hide in the socket buffers
+    try:  # a small receive window: the payload cannot hide in the socket buffers
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
         assert wait_blocks(handover, lambda used: used >= len(ids) // BLOCK) >= len(ids) // BLOCK
     finally:
         s.close()
     wait_blocks(handover, lambda used: used == idle)
-    assert chat(handover, QUESTIONS[1])                   # the server serves on
+    assert chat(handover, QUESTIONS[1])  # the server serves on

@@ -1,5 +1,6 @@
 """A second, tiny server (one running request, one waiting slot): health during a long prefill,
 429 with Retry-After past --max-waiting, and SIGTERM draining to exit code 0."""
+
 import json
 import os
 import signal
@@ -10,8 +11,21 @@ import time
 import httpx
 import pytest
 
-ARGS = ["--max-num-seqs", "1", "--max-waiting", "1", "--max-num-batched-tokens", "2048",
-        "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "120", "--no-access-log"]
+ARGS = [
+    "--max-num-seqs",
+    "1",
+    "--max-waiting",
+    "1",
+    "--max-num-batched-tokens",
+    "2048",
+    "--max-model-len",
+    "1024",
+    "--kv-cache-memory",
+    "64MiB",
+    "--shutdown-timeout",
+    "120",
+    "--no-access-log",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +40,9 @@ def tiny(server_factory):
 def _stream(base_url: str, body: dict):
     """Open a streaming completion; returns (client, response, line iterator)."""
     c = httpx.Client(base_url=base_url, timeout=300)
-    r = c.send(c.build_request("POST", "/v1/completions", json={**body, "stream": True}), stream=True)
+    r = c.send(
+        c.build_request("POST", "/v1/completions", json={**body, "stream": True}), stream=True
+    )
     return c, r, r.iter_lines()
 
 
@@ -34,8 +50,11 @@ def _raw_post(port: int, path: str, body: dict) -> socket.socket:
     """Send a request on a plain socket and leave it pending (close the socket to drop it)."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -53,15 +72,19 @@ def test_health_answers_during_long_prefill(tiny):
     result = {}
 
     def long_request():
-        result["r"] = httpx.post(f"{tiny.base_url}/v1/completions", timeout=300,
-                                 json={"prompt": prompt, "max_tokens": 1})
+        result["r"] = httpx.post(
+            f"{tiny.base_url}/v1/completions", timeout=300, json={"prompt": prompt, "max_tokens": 1}
+        )
         done.set()
 
     t = threading.Thread(target=long_request)
     t.start()
     answered_while_busy = 0
     while not done.is_set():
-        if httpx.get(f"{tiny.base_url}/health", timeout=60).status_code == 200 and not done.is_set():
+        if (
+            httpx.get(f"{tiny.base_url}/health", timeout=60).status_code == 200
+            and not done.is_set()
+        ):
             answered_while_busy += 1
     t.join()
     assert result["r"].status_code == 200
@@ -84,15 +107,23 @@ def test_queue_full_gets_429(tiny):
     c1.close()
     second.close()  # dropping the queued request's connection aborts it too
     deadline = time.monotonic() + 60
-    while (_metric(tiny.base_url, "kvserve:num_requests_running") or
-           _metric(tiny.base_url, "kvserve:num_requests_waiting")):
+    while _metric(tiny.base_url, "kvserve:num_requests_running") or _metric(
+        tiny.base_url, "kvserve:num_requests_waiting"
+    ):
         assert time.monotonic() < deadline, "requests not aborted"
         time.sleep(0.05)
 
 
 def test_sigterm_drains_then_exits_0(tiny):
-    c, r, lines = _stream(tiny.base_url, {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
-                                          "stream_options": {"include_usage": True}})
+    c, r, lines = _stream(
+        tiny.base_url,
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.status_code == 200
     first = next(x for x in lines if x.startswith("data:"))
     tiny.proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,6 @@
-"""Disconnects free their KV blocks; 64 concurrent streams all complete with correct usage; no leak."""
+"""Disconnects free their KV blocks; 64 concurrent streams all complete with correct usage; no
+leak."""
+
 import asyncio
 import time
 
@@ -15,8 +17,11 @@ def test_dropped_streams_are_aborted(server, auth, metrics, idle):
     aborted_before = before.get("kvserve:request_success_total{finished_reason=abort}", 0)
     clients, responses = [], []
     for i in range(8):
-        body = {**LONG, "prompt": f"Story number {i}: once upon a time"} if i % 2 else \
-            {**LONG, "messages": [{"role": "user", "content": f"Tell story number {i}."}]}
+        body = (
+            {**LONG, "prompt": f"Story number {i}: once upon a time"}
+            if i % 2
+            else {**LONG, "messages": [{"role": "user", "content": f"Tell story number {i}."}]}
+        )
         path = "/v1/completions" if i % 2 else "/v1/chat/completions"
         c = httpx.Client(base_url=server, headers=auth, timeout=120)
         r = c.send(c.build_request("POST", path, json=body), stream=True)
@@ -54,12 +59,21 @@ def test_64_concurrent_streams(server, auth, aclient_factory, model_name, metric
     idle_kv = idle(1.0)["kvserve:kv_cache_usage_perc"]
     prompts = [f"Request {i}: write a sentence about the number {i}." for i in range(64)]
     expected_prompt_tokens = [
-        len(httpx.post(f"{server}/tokenize", json={"prompt": p}, headers=auth).json()["tokens"]) for p in prompts]
+        len(httpx.post(f"{server}/tokenize", json={"prompt": p}, headers=auth).json()["tokens"])
+        for p in prompts
+    ]
 
     async def one(client, i):
         stream = await client.completions.create(
-            model=model_name, prompt=prompts[i], max_tokens=8 + i % 5, temperature=0.8, seed=i, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=model_name,
+            prompt=prompts[i],
+            max_tokens=8 + i % 5,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, finish, usage = "", None, None
         async for chunk in stream:
             if chunk.choices:
@@ -86,8 +100,10 @@ def test_64_concurrent_streams(server, auth, aclient_factory, model_name, metric
     assert after["kvserve:kv_cache_usage_perc"] == idle_kv  # no block leaked
     generated = after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"]
     assert generated == sum(8 + i % 5 for i in range(64))
-    finished = (after["kvserve:request_success_total{finished_reason=length}"]
-                - before["kvserve:request_success_total{finished_reason=length}"])
+    finished = (
+        after["kvserve:request_success_total{finished_reason=length}"]
+        - before["kvserve:request_success_total{finished_reason=length}"]
+    )
     assert finished == 64
 
 
@@ -95,19 +111,42 @@ def test_greedy_answer_is_the_same_alone_and_among_15_others(client, aclient_fac
     """A temperature-0 request's text does not depend on what else the server runs beside it
     (other users' prompts chunked into the same steps, sampled neighbours, batched decodes)."""
     prompt, n = "List three primary colors:", 32
-    alone = client.completions.create(model=model_name, prompt=prompt, max_tokens=n, temperature=0,
-                                      extra_body={"ignore_eos": True}).choices[0].text
+    alone = (
+        client.completions.create(
+            model=model_name,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
 
     async def run_all():
         c = aclient_factory()
         try:
-            others = [c.completions.create(model=model_name, prompt=("In the beginning " * (10 + 9 * i)) + f"#{i}",
-                                           max_tokens=4 + 3 * i, temperature=0.9, seed=i, extra_body={"ignore_eos": True})
-                      for i in range(15)]
-            mine = c.completions.create(model=model_name, prompt=prompt, max_tokens=n, temperature=0,
-                                        extra_body={"ignore_eos": True})
+            others = [
+                c.completions.create(
+                    model=model_name,
+                    prompt=("In the beginning " * (10 + 9 * i)) + f"#{i}",
+                    max_tokens=4 + 3 * i,
+                    temperature=0.9,
+                    seed=i,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(15)
+            ]
+            mine = c.completions.create(
+                model=model_name,
+                prompt=prompt,
+                max_tokens=n,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return await asyncio.gather(mine, *others)
         finally:
             await c.close()
+
     batched = asyncio.run(run_all())[0].choices[0].text
     assert batched == alone

@@ -2,6 +2,7 @@
 client: answers equal a replica's own, a shared prompt prefix sticks to one replica, streaming
 works through it, a killed replica is taken out at once and the other serves, and with none left
 the answer is a fast 503 naming them."""
+
 from __future__ import annotations
 
 import subprocess
@@ -12,21 +13,36 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, SERVER_ARGS, ServerProcess, free_port
+from tests.server.conftest import API_KEY, SERVER_ARGS, free_port
 
-SYSTEM = ("You answer questions about the kvserve manual. The manual says: the server listens on port 8000, "
-          "the router spreads requests over replicas, and every replica keeps a prefix cache. ")
+SYSTEM = (
+    "You answer questions about the kvserve manual. The manual says: the server listens on port "
+    "8000, the router spreads requests over replicas, and every replica keeps a prefix cache. "
+)
 
 
 class RouterProcess:
     def __init__(self, replicas: list[str], extra: list[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvserve", "router", "--port", str(self.port), "--api-key", API_KEY,
-               "--health-interval", "0.5", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvserve",
+            "router",
+            "--port",
+            str(self.port),
+            "--api-key",
+            API_KEY,
+            "--health-interval",
+            "0.5",
+            *extra,
+        ]
         for r in replicas:
             cmd += ["--replica", r]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.proc.stdout.read()
@@ -38,7 +54,9 @@ class RouterProcess:
         raise RuntimeError("router not up in 60 s")
 
     def stats(self) -> dict:
-        return httpx.get(f"{self.url}/router/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()
+        return httpx.get(
+            f"{self.url}/router/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10
+        ).json()
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -69,9 +87,13 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def _chat(client, model, question: str, **kw):
-    return client.chat.completions.create(model=model, messages=[{"role": "system", "content": SYSTEM},
-                                                                 {"role": "user", "content": question}],
-                                          max_tokens=12, temperature=0, **kw)
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=12,
+        temperature=0,
+        **kw,
+    )
 
 
 def test_answers_through_the_router_equal_a_replicas_and_a_prefix_sticks(router, replicas):
@@ -83,22 +105,33 @@ def test_answers_through_the_router_equal_a_replicas_and_a_prefix_sticks(router,
     for q in ("What spreads requests?", "What does every replica keep?", "Which port again?"):
         _chat(via, model, q)
     counts = [r["routed"] for r in router.stats()["replicas"]]
-    assert sorted(counts) == [0, 4]                      # one replica got the whole conversation
+    assert sorted(counts) == [0, 4]  # one replica got the whole conversation
     assert max(r["prefix_routed"] for r in router.stats()["replicas"]) == 3
     # ... and a stream through the router ends like the non-streamed answer
-    text = "".join(c.choices[0].delta.content or "" for c in _chat(via, model, "Which port?", stream=True)
-                   if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in _chat(via, model, "Which port?", stream=True)
+        if c.choices
+    )
     assert text == direct
 
 
 def test_the_router_checks_the_key_and_refuses_bad_bodies(router):
     assert httpx.get(f"{router.url}/router/stats", timeout=10).status_code == 401
-    r = httpx.post(f"{router.url}/v1/completions", content=b"{not json", timeout=10,
-                   headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    r = httpx.post(
+        f"{router.url}/v1/completions",
+        content=b"{not json",
+        timeout=10,
+        headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     # a body the replica refuses comes back as the replica's own 400, naming the field
-    r = httpx.post(f"{router.url}/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": -1},
-                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    r = httpx.post(
+        f"{router.url}/v1/completions",
+        json={"model": "x", "prompt": "hi", "max_tokens": -1},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=10,
+    )
     assert r.status_code in (400, 404) and "error" in r.json()
 
 
@@ -112,13 +145,18 @@ def test_a_killed_replica_is_taken_out_and_none_left_is_a_fast_503(server_factor
         extra[0].proc.kill()
         extra[0].proc.wait()
         t0 = time.monotonic()
-        for i in range(4):          # every request is answered: by the live replica
-            assert via.completions.create(model=model, prompt=f"Count: {i},", max_tokens=4).choices[0].text is not None
+        for i in range(4):  # every request is answered: by the live replica
+            assert (
+                via.completions.create(model=model, prompt=f"Count: {i},", max_tokens=4)
+                .choices[0]
+                .text
+                is not None
+            )
         assert time.monotonic() - t0 < 30
         dead = next(r for r in router.stats()["replicas"] if r["url"] == extra[0].base_url)
         assert dead["healthy"] is False and dead["last_error"]
         router.stop()
-        router = RouterProcess([extra[0].base_url])            # only the dead one
+        router = RouterProcess([extra[0].base_url])  # only the dead one
         t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as e:
             via = _client(router.url)

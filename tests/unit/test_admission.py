@@ -1,6 +1,7 @@
 """The AsyncEngine's admission fast path on a stand-in core (no model): queue places reserved
 by requests being prepared count against the queue at once and are given back when the block
 ends, so a burst is refused from its first request past the limit."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -31,6 +32,7 @@ class IdleCore:
 @pytest.fixture
 def engine():
     import asyncio
+
     e = AsyncEngine(IdleCore(max_waiting=16))
     yield e
     asyncio.run(e.shutdown(0.1))
@@ -45,7 +47,7 @@ def test_reservations_count_at_once_and_come_back(engine):
         with engine.reserve(6):
             with pytest.raises(QueueFullError):
                 engine.check_queue(1)
-    engine.check_queue(16)                  # every place given back
+    engine.check_queue(16)  # every place given back
 
 
 def test_a_request_that_can_never_fit_is_a_value_error(engine):
@@ -71,16 +73,17 @@ def test_requests_on_their_way_count_as_ahead(engine):
     with pytest.raises(QueueFullError):
         engine.check_queue(1, ahead=16)
     with pytest.raises(QueueFullError):
-        engine.check_queue(1, ahead=400)        # many pending: a 429, never "can never fit"
+        engine.check_queue(1, ahead=400)  # many pending: a 429, never "can never fit"
 
 
 def test_a_pending_admission_is_released_once():
     from kvserve.server.connections import Admission, PendingAdmissions
+
     pending = PendingAdmissions()
     a, b = Admission(pending), Admission(pending)
     assert pending.count == 2
     a.release()
-    a.release()                                  # at its reservation and again at its response's end
+    a.release()  # at its reservation and again at its response's end
     assert pending.count == 1
     b.release()
     assert pending.count == 0

@@ -1,6 +1,7 @@
 """paged_attention against the explicit-loop reference on random mixed batches, through both
 decode paths: the C kernel (kvserve.ops.cpu_kernels) and the torch SDPA fallback; and the C
 kernel itself on prompt rows, on every ISA build the host runs (the same bits on each)."""
+
 import random
 import shutil
 
@@ -8,8 +9,14 @@ import pytest
 import torch
 
 from kvserve.ops import cpu_kernels
-from kvserve.ops.attention import (AttentionMetadata, causal_mask, gather_kv, paged_attention,
-                                   paged_attention_ref, write_kv)
+from kvserve.ops.attention import (
+    AttentionMetadata,
+    causal_mask,
+    gather_kv,
+    paged_attention,
+    paged_attention_ref,
+    write_kv,
+)
 
 
 def make_batch(rng: random.Random, chunks, block_size, num_blocks, hq, hkv, d, dtype=torch.float32):
@@ -26,7 +33,9 @@ def make_batch(rng: random.Random, chunks, block_size, num_blocks, hq, hkv, d, d
         n = (seq_len + block_size - 1) // block_size
         table = [free.pop() for _ in range(n)]
         tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(before, seq_len)]
+        slots += [
+            table[p // block_size] * block_size + p % block_size for p in range(before, seq_len)
+        ]
         seq_lens.append(seq_len)
         qsl.append(qsl[-1] + q_len)
     width = max(len(t) for t in tables)
@@ -35,8 +44,13 @@ def make_batch(rng: random.Random, chunks, block_size, num_blocks, hq, hkv, d, d
     q = torch.randn(T, hq, d, generator=g, dtype=dtype)
     k = torch.randn(T, hkv, d, generator=g, dtype=dtype)
     v = torch.randn(T, hkv, d, generator=g, dtype=dtype)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=qsl,
-                             seq_lens=seq_lens, block_tables=block_tables, block_size=block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        block_size=block_size,
+    )
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return q, k, v, k_cache, v_cache, meta
 
@@ -50,7 +64,9 @@ def decode_path(request, monkeypatch):
     cpu_kernels._load.cache_clear()
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
 def test_c_kernel_builds_where_a_compiler_exists(decode_path):
     assert cpu_kernels.available() == (decode_path == "c-kernel")
 
@@ -89,7 +105,7 @@ def test_paged_matches_reference_on_mixed_batches(seed, hq, hkv):
             chunks.append((rng.randint(0, 60), 1))
     num_blocks = sum((a + b) // block_size + 1 for a, b in chunks) + 5
     q, _, _, kc, vc, meta = make_batch(rng, chunks, block_size, num_blocks, hq, hkv, 16)
-    scale = 16 ** -0.5
+    scale = 16**-0.5
     got = paged_attention(q, kc, vc, meta, scale)
     want = paged_attention_ref(q, kc, vc, meta, scale)
     assert got.shape == q.shape
@@ -119,14 +135,16 @@ def test_sliding_window_never_reads_freed_table_entries(kv):
         kc, vc = _int8_pools(kc, vc)
     for window in (1, 5, 8):
         want = paged_attention(q, kc, vc, meta, 0.3, sliding_window=window)
-        poison = 63                     # a block no table uses (make_batch leaves spares)
+        poison = 63  # a block no table uses (make_batch leaves spares)
         assert poison not in meta.block_tables.tolist()
         kp, vp = kc.clone(), vc.clone()
-        kp[poison], vp[poison] = (30, 30) if kv == "float32" else (kp[poison] * 0 + 100, vp[poison] * 0 + 100)
+        kp[poison], vp[poison] = (
+            (30, 30) if kv == "float32" else (kp[poison] * 0 + 100, vp[poison] * 0 + 100)
+        )
         tables = meta.block_tables.clone()
         for b in range(meta.num_seqs):
             first_query = meta.seq_lens[b] - (meta.query_start_loc[b + 1] - meta.query_start_loc[b])
-            tables[b, :max(0, first_query - window + 1) // 4] = poison
+            tables[b, : max(0, first_query - window + 1) // 4] = poison
         freed = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, tables, 4)
         assert not torch.equal(tables, meta.block_tables)
         got = paged_attention(q, kp, vp, freed, 0.3, sliding_window=window)
@@ -137,7 +155,7 @@ def test_for_layer_hands_each_layer_its_groups_metadata():
     rng = random.Random(3)
     *_, full = make_batch(rng, [(4, 2)], 4, 8, 2, 1, 8)
     *_, window = make_batch(rng, [(4, 2)], 4, 8, 2, 1, 8)
-    assert full.for_layer(5) is full                     # one group: the step's metadata itself
+    assert full.for_layer(5) is full  # one group: the step's metadata itself
     full.layers = [window, full, window]
     assert [full.for_layer(i) for i in range(3)] == [window, full, window]
 
@@ -184,8 +202,12 @@ def test_unusable_cache_dir_falls_back_to_torch(monkeypatch, tmp_path, decode_pa
     assert not cpu_kernels.available()
     rng = random.Random(3)
     q, _, _, kc, vc, meta = make_batch(rng, [(20, 1), (0, 5)], 4, 20, 4, 2, 16)
-    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.25), paged_attention_ref(q, kc, vc, meta, 0.25),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        paged_attention(q, kc, vc, meta, 0.25),
+        paged_attention_ref(q, kc, vc, meta, 0.25),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_model_layout_queries_take_the_c_kernel(monkeypatch, decode_path):
@@ -195,27 +217,35 @@ def test_model_layout_queries_take_the_c_kernel(monkeypatch, decode_path):
         pytest.skip("C kernel turned off or not buildable here")
     calls = []
     real = cpu_kernels.paged_attention
-    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(
+        cpu_kernels, "paged_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    )
     rng = random.Random(11)
     q, k, _, kc, vc, meta = make_batch(rng, [(30, 1), (7, 1), (0, 6)], 4, 40, 6, 2, 16)
-    qk = torch.cat((q, k), dim=1)                                   # [T, Hq + Hkv, D], like the model
+    qk = torch.cat((q, k), dim=1)  # [T, Hq + Hkv, D], like the model
     q_view = qk.split([6, 2], dim=1)[0]
     assert not q_view.is_contiguous()
-    torch.testing.assert_close(paged_attention(q_view, kc, vc, meta, 0.25),
-                               paged_attention_ref(q, kc, vc, meta, 0.25), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        paged_attention(q_view, kc, vc, meta, 0.25),
+        paged_attention_ref(q, kc, vc, meta, 0.25),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     assert calls, "decodes did not take the C kernel"
 
 
 def _int8_pools(kc, vc):
     from kvserve.ops import kv_int8
+
     return kv_int8.quantize(kc), kv_int8.quantize(vc)
 
 
 def test_int8_rows_round_trip_within_half_a_step():
     from kvserve.ops import kv_int8
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=g) * torch.rand(50, 3, 1, generator=g) * 10
-    x[4, 1] = 0.0                                        # an all-zero row keeps scale 0, values 0
+    x[4, 1] = 0.0  # an all-zero row keeps scale 0, values 0
     rows = kv_int8.quantize(x)
     assert rows.dtype == torch.int8 and rows.shape == (50, 3, 68)
     back = kv_int8.dequantize(rows)
@@ -229,10 +259,15 @@ def test_int8_cache_matches_reference_on_mixed_batches(seed, decode_path):
     """An int8 pool (kv_int8 rows): prompt chunks and decodes (C kernel or torch) equal the
     reference attention over the dequantized pool; write_kv quantizes what it stores."""
     rng = random.Random(500 + seed)
-    chunks = [(rng.randint(0, 40), 1), (0, rng.randint(2, 20)), (rng.randint(1, 30), 5), (rng.randint(0, 50), 1)]
+    chunks = [
+        (rng.randint(0, 40), 1),
+        (0, rng.randint(2, 20)),
+        (rng.randint(1, 30), 5),
+        (rng.randint(0, 50), 1),
+    ]
     q, k, v, kc, vc, meta = make_batch(rng, chunks, 4, 60, 6, 2, 16)
     kc8, vc8 = _int8_pools(kc, vc)
-    write_kv(k, v, kc8, vc8, meta.slot_mapping)            # the new tokens go in quantized
+    write_kv(k, v, kc8, vc8, meta.slot_mapping)  # the new tokens go in quantized
     got = paged_attention(q, kc8, vc8, meta, 0.25, sliding_window=None if seed % 2 else 9)
     want = paged_attention_ref(q, kc8, vc8, meta, 0.25, sliding_window=None if seed % 2 else 9)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -241,10 +276,12 @@ def test_int8_cache_matches_reference_on_mixed_batches(seed, decode_path):
     assert (got - exact).abs().max().item() < 0.05
 
 
-# ---------------------------------------------------------------- the C kernel on prompt rows, per ISA
+# ------------------------------------------------------------ the C kernel on prompt rows, per ISA
 
 HOST_ISAS = cpu_kernels.host_isas()
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+needs_cc = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
 
 
 @pytest.fixture
@@ -259,6 +296,7 @@ def use_isa(monkeypatch, decode_path):
         if not cpu_kernels.available():
             pytest.skip("C kernels unavailable")
         assert cpu_kernels.library().gguf_gemv_isa().decode() == isa
+
     yield use
     cpu_kernels._load.cache_clear()
 
@@ -279,7 +317,7 @@ def token_rows(meta, seed=0):
         q0, q1 = meta.query_start_loc[b], meta.query_start_loc[b + 1]
         start = seq_len - (q1 - q0)
         rows += [(q0 + i, b, start + i + 1) for i in range(q1 - q0)]
-    if seed is not None:             # None: in order, each sequence's rows one after the other
+    if seed is not None:  # None: in order, each sequence's rows one after the other
         random.Random(seed).shuffle(rows)
     return tuple(torch.tensor(col, dtype=torch.long) for col in zip(*rows))
 
@@ -287,8 +325,18 @@ def token_rows(meta, seed=0):
 def run_kernel(q, kc, vc, meta, rows, scale, window):
     qrow, qseq, lens = rows
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_attention(q.contiguous(), kc, vc, out, qrow, meta.block_tables.contiguous(), lens, scale,
-                                window, qseq=qseq)
+    cpu_kernels.paged_attention(
+        q.contiguous(),
+        kc,
+        vc,
+        out,
+        qrow,
+        meta.block_tables.contiguous(),
+        lens,
+        scale,
+        window,
+        qseq=qseq,
+    )
     return out
 
 
@@ -319,7 +367,7 @@ def test_c_kernel_prompt_rows_match_reference(use_isa, kv, window, hq, hkv, d):
     for isa in HOST_ISAS:
         use_isa(isa)
         got = run_kernel(q, kc, vc, meta, rows, 0.3, window)
-        assert not got.isnan().any(), isa                  # every token's row was written
+        assert not got.isnan().any(), isa  # every token's row was written
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{isa}: {m}")
 
 
@@ -329,7 +377,9 @@ def test_c_kernel_prompt_rows_match_reference(use_isa, kv, window, hq, hkv, d):
 @pytest.mark.parametrize("d", [20, 64])
 @pytest.mark.parametrize("group", [3, 2])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, kv, window, d, group, block_size):
+def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(
+    use_isa, threads, kv, window, d, group, block_size
+):
     """A token's output is bitwise the same in a batch or alone, with 1 or 2 threads, on every
     ISA build the host runs (d = 64: the kernel's head size with the query in registers; groups
     of 3 and 2 query heads per KV head: the joint passes over V; blocks of 16: the x86 builds
@@ -343,8 +393,9 @@ def test_c_kernel_bits_do_not_depend_on_batch_threads_or_isa(use_isa, threads, k
     assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, token_rows(meta, seed=5), window)
 
 
-def assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, window, alone=None,
-                                alone_threads=(2,)):
+def assert_same_bits_everywhere(
+    use_isa, threads, q, kc, vc, meta, rows, window, alone=None, alone_threads=(2,)
+):
     """Each row's output is bitwise the same in the batch `rows` and in a call of its own, with 1
     or 2 threads, on every ISA build the host runs. alone: the index sets of `rows` that go as
     calls of their own (default: every row by itself), each with every count of alone_threads."""
@@ -355,7 +406,7 @@ def assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, window,
         use_isa(isa)
         threads(2)
         batch = run_kernel(q, kc, vc, meta, rows, 0.25, window)
-        assert not batch[rows[0]].isnan().any(), isa          # every row was written
+        assert not batch[rows[0]].isnan().any(), isa  # every row was written
         threads(1)
         assert torch.equal(run_kernel(q, kc, vc, meta, rows, 0.25, window), batch), isa
         for i, sel in enumerate(alone):
@@ -383,11 +434,15 @@ def test_c_kernel_rows_of_one_sequence_keep_their_bits(use_isa, threads, kv, d, 
     chunk's tokens), go through the kernel as runs that read each K/V row once for all of them:
     every row's output is bitwise the one it gets alone, with 1 or 2 threads, on every ISA build."""
     rng = random.Random(d * 10 + group)
-    q, k, v, kc, vc, meta = make_batch(rng, RUN_CHUNKS, block_size, 360 // block_size, 2 * group, 2, d)
+    q, k, v, kc, vc, meta = make_batch(
+        rng, RUN_CHUNKS, block_size, 360 // block_size, 2 * group, 2, d
+    )
     if kv != "float32":
         kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)
-    assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, token_rows(meta, seed=None), None)
+    assert_same_bits_everywhere(
+        use_isa, threads, q, kc, vc, meta, token_rows(meta, seed=None), None
+    )
 
 
 @needs_cc
@@ -400,10 +455,14 @@ def test_c_kernel_one_sequence_alone_keeps_its_bits(use_isa, threads, kv, d, gro
     rows cut into runs for the threads) gives each row the bits it gets inside a batch of many
     sequences, with 1 or 2 threads, on every ISA build."""
     rng = random.Random(d * 10 + group + 1)
-    q, k, v, kc, vc, meta = make_batch(rng, RUN_CHUNKS, block_size, 360 // block_size, 2 * group, 2, d)
+    q, k, v, kc, vc, meta = make_batch(
+        rng, RUN_CHUNKS, block_size, 360 // block_size, 2 * group, 2, d
+    )
     if kv != "float32":
         kc, vc = _pools(kv, kc, vc)
         write_kv(k, v, kc, vc, meta.slot_mapping)
     rows = token_rows(meta, seed=None)
     sequences = [(rows[1] == b).nonzero().squeeze(1) for b in range(len(meta.seq_lens))]
-    assert_same_bits_everywhere(use_isa, threads, q, kc, vc, meta, rows, None, alone=sequences, alone_threads=(2, 1))
+    assert_same_bits_everywhere(
+        use_isa, threads, q, kc, vc, meta, rows, None, alone=sequences, alone_threads=(2, 1)
+    )

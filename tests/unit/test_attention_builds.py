@@ -2,6 +2,7 @@
 stays within 1e-4 of a double-precision reference: tests/unit/csrc/attention_check.c, built with
 the library's float flags and each ISA's target flags (cpu_kernels). The Arm builds
 run under qemu in tests/unit/test_arm_kernels.py."""
+
 from __future__ import annotations
 
 import shutil
@@ -24,12 +25,28 @@ EXACT = ["-O1", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-
 def attention_check_output(cc: str, flags: list[str], exe: Path, runner: list[str] = ()) -> str:
     """attention_check built with `flags` and run (under `runner`, e.g. qemu): its whole output,
     after checking that every case passed the reference."""
-    p = subprocess.run([cc, *EXACT, *flags, f"-I{CSRC}", str(CHECK), str(CSRC / "paged_attention.c"), "-lm",
-                        "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            cc,
+            *EXACT,
+            *flags,
+            f"-I{CSRC}",
+            str(CHECK),
+            str(CSRC / "paged_attention.c"),
+            "-lm",
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, f"{cc} {flags} failed:\n{p.stderr}"
     run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     last = run.stdout.splitlines()[-1] if run.stdout else ""
-    assert run.returncode == 0 and last.startswith("reference check of 144 cases: passed"), run.stdout[-3000:] + run.stderr
+    assert run.returncode == 0 and last.startswith("reference check of 144 cases: passed"), (
+        run.stdout[-3000:] + run.stderr
+    )
     return run.stdout
 
 
@@ -47,4 +64,6 @@ def test_attention_gives_the_portable_bits_on_every_host_build(isa, tmp_path):
         pytest.skip(f"this CPU does not execute the {isa} build")
     portable = attention_check_output(CC, [], tmp_path / "portable")
     got = attention_check_output(CC, cpu_kernels.ISA_FLAGS[isa], tmp_path / isa)
-    assert got == portable, f"{isa} and portable attention differ:" + first_difference(got, portable)
+    assert got == portable, f"{isa} and portable attention differ:" + first_difference(
+        got, portable
+    )

@@ -1,4 +1,5 @@
 """BlockPool: refcounts, the LRU free queue, prefix hashes."""
+
 import pytest
 
 from kvserve.core.block_pool import BlockPool, hash_block_tokens
@@ -15,7 +16,7 @@ def test_alloc_and_free_refcounts_no_leak():
     assert ids(a) == [0, 1, 2] and ids(b) == [3, 4]
     assert all(x.ref_cnt == 1 for x in a + b)
     assert pool.num_free_blocks == 3
-    pool.touch(a[:2])                       # a second owner
+    pool.touch(a[:2])  # a second owner
     pool.free_blocks(a)
     assert [x.ref_cnt for x in a] == [1, 1, 0]
     assert pool.num_free_blocks == 4
@@ -47,7 +48,7 @@ def test_hash_chains_parent_tokens_and_salt():
     assert h0 != hash_block_tokens(None, [1, 2, 4])
     h1 = hash_block_tokens(h0, [5, 6, 7])
     other_parent = hash_block_tokens(None, [9, 9, 9])
-    assert h1 != hash_block_tokens(other_parent, [5, 6, 7])   # same tokens, other prefix
+    assert h1 != hash_block_tokens(other_parent, [5, 6, 7])  # same tokens, other prefix
     assert h1 != hash_block_tokens(None, [5, 6, 7])
     assert hash_block_tokens(None, [1, 2, 3], "alice") != h0
     assert hash_block_tokens(None, [1, 2, 3], "alice") != hash_block_tokens(None, [1, 2, 3], "bob")
@@ -74,7 +75,7 @@ def test_unhashed_free_blocks_are_reused_before_cached_ones():
     pool = BlockPool(3)
     blocks = pool.get_new_blocks(3)
     pool.cache_block(blocks[0], hash_block_tokens(None, [0]))
-    pool.free_blocks(blocks)                 # 0 hashed -> tail; 1, 2 unhashed -> head
+    pool.free_blocks(blocks)  # 0 hashed -> tail; 1, 2 unhashed -> head
     assert ids(pool.get_new_blocks(2)) == [2, 1]
     assert ids(pool.get_new_blocks(1)) == [0]
 

@@ -1,6 +1,7 @@
 """Start-up and configuration checks: a KV budget of nothing, or more than this machine's free
 memory, is refused with one line that names the flag (or the --config key) and the fix; so is a
 device this torch does not have. Never a traceback, never a start that fails later under load."""
+
 import argparse
 import subprocess
 import sys
@@ -20,19 +21,31 @@ from kvserve.config import (
 from kvserve.config_file import add_config_arg, parse_args_with_config
 
 GiB = 2**30
-SMOL = KVShape(30, 3, 64, 2)          # SmolLM2-135M's KV: 30 layers, 3 KV heads, head_dim 64, fp16
+SMOL = KVShape(30, 3, 64, 2)  # SmolLM2-135M's KV: 30 layers, 3 KV heads, head_dim 64, fp16
 
 
-@pytest.mark.parametrize("text, size", [("2GiB", 2 * GiB), ("1e9", 10**9), ("1.5e3KiB", 1536000),
-                                        ("512", 512), (4096, 4096)])
+@pytest.mark.parametrize(
+    "text, size",
+    [("2GiB", 2 * GiB), ("1e9", 10**9), ("1.5e3KiB", 1536000), ("512", 512), (4096, 4096)],
+)
 def test_sizes_read_as_written(text, size):
     assert kv_cache_size(text) == size
 
 
-@pytest.mark.parametrize("text, match", [("0", "above 0"), ("0GiB", "above 0"), (0, "above 0"),
-                                         ("-1GiB", "cannot read"), ("nan", "cannot read"),
-                                         ("1e999", "out of range"), (float("inf"), "out of range"),
-                                         (True, "cannot read"), ("10 parsecs", "cannot read")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("0", "above 0"),
+        ("0GiB", "above 0"),
+        (0, "above 0"),
+        ("-1GiB", "cannot read"),
+        ("nan", "cannot read"),
+        ("1e999", "out of range"),
+        (float("inf"), "out of range"),
+        (True, "cannot read"),
+        ("10 parsecs", "cannot read"),
+    ],
+)
 def test_bad_kv_budgets_say_how_to_write_one(text, match):
     with pytest.raises(ValueError, match=match):
         kv_cache_size(text)
@@ -69,7 +82,7 @@ def test_the_flag_itself_is_checked_as_the_file_is(tmp_path, capsys):
         _parser().parse_args(["--kv-cache-memory", "0"])
     assert "argument --kv-cache-memory: the KV cache needs memory" in capsys.readouterr().err
     path = tmp_path / "tuned.yaml"
-    path.write_text("kv-cache-memory: 10TiB\nmax-num-seqs: 8\n")     # a size: checked at start
+    path.write_text("kv-cache-memory: 10TiB\nmax-num-seqs: 8\n")  # a size: checked at start
     args = parse_args_with_config(_parser(), ["--config", str(path)])
     assert (args.kv_cache_memory, args.max_num_seqs) == (10 * 2**40, 8)
 
@@ -81,15 +94,16 @@ def test_a_budget_beyond_available_memory_is_refused_naming_the_fix():
     msg = str(e.value)
     assert "--kv-cache-memory 60.00 GiB" in msg and "23.00 GiB available" in msg
     assert "below 23.00 GiB" in msg and "leave it out" in msg
-    cache.check_fits(61 * GiB)                                  # it fits: nothing to say
-    cache.check_fits(None)                                      # unknown: not checked
-    CacheConfig(kv_cache_memory=60 * GiB).check_fits(1)         # not in this machine's RAM (cuda)
+    cache.check_fits(61 * GiB)  # it fits: nothing to say
+    cache.check_fits(None)  # unknown: not checked
+    CacheConfig(kv_cache_memory=60 * GiB).check_fits(1)  # not in this machine's RAM (cuda)
 
 
 def test_this_machine_is_checked_for_its_ranks_share():
     # Two nodes, one rank each: 30 GiB of KV is 15 GiB here.
-    two_nodes = make_engine_config(kv_cache_memory="30GiB", tensor_parallel_size=2, nnodes=2,
-                                   node_rank=0, master_addr="h").on_device(cuda_available=False)
+    two_nodes = make_engine_config(
+        kv_cache_memory="30GiB", tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="h"
+    ).on_device(cuda_available=False)
     assert two_nodes.cache.ram_share == 0.5
     two_nodes.cache.check_fits(16 * GiB)
     with pytest.raises(ValueError, match="this machine's ranks hold 15.00 GiB of it"):
@@ -116,11 +130,19 @@ def test_the_engine_start_checks_cpu_budgets_only(monkeypatch):
 
 def test_a_missing_device_is_one_line_not_a_traceback():
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA")
-    r = subprocess.run([sys.executable, "-m", "kvserve", "generate", "hi", "--device", "cuda"],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvserve", "generate", "hi", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 2, r.stderr
-    assert r.stderr == ("kvserve: --device cuda: this torch sees no CUDA device "
-                        "(torch.cuda.is_available() is False): install a CUDA build of torch, "
-                        "or run with --device cpu\n"), r.stderr
+    assert r.stderr == (
+        "kvserve: --device cuda: this torch sees no CUDA device "
+        "(torch.cuda.is_available() is False): install a CUDA build of torch, "
+        "or run with --device cpu\n"
+    ), r.stderr

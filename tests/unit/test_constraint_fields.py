@@ -2,6 +2,7 @@
 constraint in two fields is one constraint (guidance sends guided_grammar and
 structured_outputs.grammar together, as vLLM accepts); different ones are a 400; Lark grammars
 that start with `?start:` are Lark; whitespace_pattern reaches the JSON grammar."""
+
 import pytest
 
 from kvserve.server.errors import BadRequest
@@ -35,8 +36,10 @@ def test_question_mark_start_is_lark_and_gbnf_still_converts():
 
 def test_whitespace_pattern_reaches_the_json_grammar():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    for fields in ({"structured_outputs": {"json": schema, "whitespace_pattern": "[ ]?"}},
-                   {"guided_json": schema, "guided_whitespace_pattern": "[ ]?"}):
+    for fields in (
+        {"structured_outputs": {"json": schema, "whitespace_pattern": "[ ]?"}},
+        {"guided_json": schema, "guided_whitespace_pattern": "[ ]?"},
+    ):
         so, _ = constraint(**fields)
         assert so.whitespace_pattern == "[ ]?" and '"whitespace_pattern":"[ ]?"' in grammar_text(so)
     with pytest.raises(BadRequest) as e:

@@ -1,4 +1,5 @@
 """The decode batch sizes captured as CUDA graphs: every batch up to max_num_seqs has one."""
+
 import pytest
 
 from kvserve.runner.cuda_graphs import graph_sizes
@@ -10,5 +11,5 @@ def test_every_batch_has_a_captured_size_and_padding_is_bounded(max_batch):
     assert sizes == sorted(set(sizes)) and sizes[-1] >= max_batch
     for b in range(1, max_batch + 1):
         padded = next(s for s in sizes if s >= b)
-        assert padded - b < max(16, b), (b, padded)      # never more than 15 padding rows
+        assert padded - b < max(16, b), (b, padded)  # never more than 15 padding rows
     assert graph_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]

@@ -1,4 +1,5 @@
 """IncrementalDetokenizer on a tiny byte-level BPE trained here (Korean, emoji, English)."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,8 +41,12 @@ def tokenizer() -> TinyTokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=330,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return TinyTokenizer(tok)
 
@@ -102,7 +107,9 @@ def test_stop_string_spanning_tokens_is_cut_and_never_leaked(tokenizer):
 
 def test_korean_stop_string_with_include_stop_str(tokenizer):
     text = "오늘 날씨가 정말 좋네요. 감사합니다."
-    deltas, stops, _ = stream(tokenizer, text, SamplingParams(stop=["좋네요"], include_stop_str_in_output=True))
+    deltas, stops, _ = stream(
+        tokenizer, text, SamplingParams(stop=["좋네요"], include_stop_str_in_output=True)
+    )
     assert "".join(deltas) == "오늘 날씨가 정말 좋네요"
     assert any(stops)
 
@@ -110,7 +117,9 @@ def test_korean_stop_string_with_include_stop_str(tokenizer):
 @pytest.mark.parametrize("stop", [["later", "first"], ["first", "later"]])
 def test_earliest_stop_string_wins(tokenizer, stop):
     text = "Hello first there, then later the end"
-    deltas, _, detok = stream(tokenizer, text, SamplingParams(stop=stop), chunk=len(tokenizer.encode(text)))
+    deltas, _, detok = stream(
+        tokenizer, text, SamplingParams(stop=stop), chunk=len(tokenizer.encode(text))
+    )
     assert "".join(deltas) == "Hello "
     assert detok.stop_reason == "first"
 

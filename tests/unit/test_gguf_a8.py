@@ -6,6 +6,7 @@ Every ISA build computes exactly that contract, checked against an independent n
 version; one part stays within 2^-8 of a block's max |x| per weight of the dequantized matmul,
 mixed parts within that and closer on outlier blocks. (Every build against the portable one:
 test_gguf_gemv.py, and csrc/gemv_check.c's cases for NEON and AVX-VNNI.)"""
+
 import shutil
 
 import numpy as np
@@ -21,8 +22,9 @@ from kvserve.ops import cpu_kernels
 from tests.unit.test_gguf_gemv import outlier_blocks, quantize_block_np
 from tests.unit.test_gguf_kquants import random_blocks
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
 HOST_ISAS = cpu_kernels.host_isas()
 f = np.float32
 
@@ -38,7 +40,7 @@ def weights(qtype, n, k, seed):
     if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         rng = np.random.default_rng(seed)
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-        w[0, :32] += 0.3                    # an offset block: Q4_1's m term matters
+        w[0, :32] += 0.3  # an offset block: Q4_1's m term matters
         bt = BlockTensor(quantize(w, qtype), qtype, (n, k))
     else:
         bt = random_blocks(qtype, n, k, seed)
@@ -49,9 +51,9 @@ def weights(qtype, n, k, seed):
 def acts(m, k, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(4).add(0.1)
-    x[0, 5] = 40.0                          # an outlier
+    x[0, 5] = 40.0  # an outlier
     if m > 1:
-        x[m - 1, 32:64] = 0.0               # an all-zero block
+        x[m - 1, 32:64] = 0.0  # an all-zero block
     return x
 
 
@@ -69,20 +71,27 @@ def reference_parts(bt: BlockTensor, x: torch.Tensor, parts: str) -> np.ndarray:
     if qt == Q.Q8_0:
         q, m = raw[:, :, 2:].view(np.int8).astype(np.int64), None
     else:
-        qs = raw[:, :, bs - 16:].astype(np.int64)
-        q = np.concatenate([qs & 15, qs >> 4], axis=2)                       # weights 0..15, 16..31
-        m = (raw[:, :, 2:4].copy().view(np.float16).astype(np.float32)[:, :, 0] if qt == Q.Q4_1
-             else (d * f(-8)).astype(np.float32))
+        qs = raw[:, :, bs - 16 :].astype(np.int64)
+        q = np.concatenate([qs & 15, qs >> 4], axis=2)  # weights 0..15, 16..31
+        m = (
+            raw[:, :, 2:4].copy().view(np.float16).astype(np.float32)[:, :, 0]
+            if qt == Q.Q4_1
+            else (d * f(-8)).astype(np.float32)
+        )
     out = np.zeros((x.shape[0], n), dtype=np.float32)
     for r, row in enumerate(x.numpy().astype(np.float32)):
         acc = np.zeros(n, dtype=np.float32)
         for b in range(k // 32):
-            block = row[32 * b:32 * b + 32]
+            block = row[32 * b : 32 * b + 32]
             xa, xb, dx = quantize_block_np(block, parts)
             s = (q[:, b, :] * (256 * xa + xb)).sum(axis=1)
             acc = acc + s.astype(np.float32) * (d[:, b] * dx)
             if m is not None:
-                sx = dx * f(256 * xa.sum()) if not xb.any() else np.cumsum(block, dtype=np.float32)[-1]
+                sx = (
+                    dx * f(256 * xa.sum())
+                    if not xb.any()
+                    else np.cumsum(block, dtype=np.float32)[-1]
+                )
                 acc = acc + m[:, b] * sx
         out[r] = acc
     return out
@@ -101,11 +110,16 @@ def test_parts_are_the_contract_bit_for_bit(qtype, isa, parts):
     _lib_or_skip(isa)
     bt, packed, kind = weights(qtype, 37, 256, seed=3)
     x = outlier_rows(5, 256, seed=9)
-    ties = torch.randint(-126, 126, (1, 256), generator=torch.Generator().manual_seed(2)).float() + 0.5
-    ties[:, ::32] = 127.0                   # the block max is 127: v = x, every xa a tie
+    ties = (
+        torch.randint(-126, 126, (1, 256), generator=torch.Generator().manual_seed(2)).float() + 0.5
+    )
+    ties[:, ::32] = 127.0  # the block max is 127: v = x, every xa a tie
     x = torch.cat([x, ties, torch.zeros(1, 256)])
-    if parts == "mixed":                    # both kinds of block, in different rows of a pass
-        two = [[quantize_block_np(r[32 * b:32 * b + 32].numpy(), "mixed")[1].any() for b in range(8)] for r in x]
+    if parts == "mixed":  # both kinds of block, in different rows of a pass
+        two = [
+            [quantize_block_np(r[32 * b : 32 * b + 32].numpy(), "mixed")[1].any() for b in range(8)]
+            for r in x
+        ]
         assert any(map(any, two)) and not all(map(all, two))
         assert any(two[r][b] != two[r + 1][b] for r in range(len(x) - 1) for b in range(8))
     got = cpu_kernels.gguf_gemv(packed, kind, 37, x, isa=isa, parts=parts)
@@ -127,11 +141,11 @@ def test_parts_error_bound(qtype, isa, parts):
         x = outlier_rows(m, k, seed=m)
         got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, parts=parts).double()
         block_max = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double()
-        bound = block_max @ W.abs().t() * 2 ** -8
+        bound = block_max @ W.abs().t() * 2**-8
         err = (got - x.double() @ W.t()).abs()
         assert (err <= bound + 1e-6).all(), (m, err.max())
         two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa).double()
-        assert not torch.equal(got, two)    # the parts differ: parts reached the kernel
+        assert not torch.equal(got, two)  # the parts differ: parts reached the kernel
         if parts == "mixed":
             one = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, parts="one").double()
             assert err.square().sum() < (one - x.double() @ W.t()).square().sum()
@@ -150,8 +164,13 @@ _block = st.lists(st.floats(-4.0, 4.0, width=32), min_size=32, max_size=32)
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.lists(st.tuples(_block, _block, st.integers(0, 63), st.floats(0.0, 200.0, width=32)),
-                     min_size=1, max_size=3))
+@given(
+    rows=st.lists(
+        st.tuples(_block, _block, st.integers(0, 63), st.floats(0.0, 200.0, width=32)),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_mixed_parts_match_the_contract_on_any_blocks(rows):
     """Fuzzed rows of two blocks, each with one value set to an outlier of any size (0: none): the
     mixed quantizer's per-block choice and the GEMV give numpy's contract bit for bit on every
@@ -163,4 +182,6 @@ def test_mixed_parts_match_the_contract_on_any_blocks(rows):
     want = torch.from_numpy(reference_parts(bt, x, "mixed"))
     for isa in HOST_ISAS:
         _lib_or_skip(isa)
-        assert torch.equal(cpu_kernels.gguf_gemv(packed, kind, 16, x, isa=isa, parts="mixed"), want), isa
+        assert torch.equal(
+            cpu_kernels.gguf_gemv(packed, kind, 16, x, isa=isa, parts="mixed"), want
+        ), isa

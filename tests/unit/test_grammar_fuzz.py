@@ -2,13 +2,14 @@
 deep and wide, some past the limits. Each either compiles or raises ParamError whose message has
 no Rust panic or backtrace; the process never dies (the ring runs in a subprocess, whose exit
 status tells a crash from a failed assertion)."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
 
-FUZZ = textwrap.dedent('''
+FUZZ = textwrap.dedent("""
     import json
     import string
 
@@ -23,7 +24,9 @@ FUZZ = textwrap.dedent('''
     compiler = GrammarCompiler(tok, tok.vocab_size + 7)
     names = st.text(string.ascii_lowercase, min_size=1, max_size=6)
     literal = st.text(string.ascii_letters + string.digits + " {}[]\\\\\\"'|*+?()", max_size=8)
-    scalar = st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null")])
+    scalar = st.sampled_from(
+        [{"type": t} for t in ("string", "integer", "number", "boolean", "null")]
+    )
 
 
     def schema(depth):
@@ -32,7 +35,8 @@ FUZZ = textwrap.dedent('''
             return leaf
         inner = schema(depth - 1)
         return leaf | st.builds(lambda p, r: {"type": "object", "properties": p, "required": r},
-                                st.dictionaries(names, inner, max_size=4), st.lists(names, max_size=2)) \\
+                                st.dictionaries(names, inner, max_size=4),
+                                st.lists(names, max_size=2)) \\
             | st.builds(lambda i: {"type": "array", "items": i}, inner) \\
             | st.builds(lambda a: {"anyOf": a}, st.lists(inner, min_size=1, max_size=3)) \\
             | st.builds(lambda d: {"$defs": {"x": d}, "$ref": "#/$defs/x"}, inner)
@@ -60,12 +64,14 @@ FUZZ = textwrap.dedent('''
     constraint = st.one_of(
         st.builds(lambda s: StructuredOutputs(json=s), schema(4)),
         st.builds(lambda n: StructuredOutputs(json=nested_schema(n)), st.integers(1, 400)),
-        st.builds(lambda n, g: StructuredOutputs(grammar=chain(n, g)), st.integers(1, 3000), st.booleans()),
+        st.builds(lambda n, g: StructuredOutputs(grammar=chain(n, g)),
+                  st.integers(1, 3000), st.booleans()),
         st.builds(lambda r: StructuredOutputs(grammar=lark(r)),
                   st.lists(st.tuples(names, literal), max_size=8, unique_by=lambda t: t[0])),
         st.builds(lambda t: StructuredOutputs(grammar=t), st.text(min_size=1, max_size=200)),
         st.builds(lambda t: StructuredOutputs(regex=t), st.text(min_size=1, max_size=60)),
-        st.builds(lambda c: StructuredOutputs(choice=c), st.lists(literal, min_size=1, max_size=300)),
+        st.builds(lambda c: StructuredOutputs(choice=c),
+                  st.lists(literal, min_size=1, max_size=300)),
     )
 
 
@@ -86,7 +92,7 @@ FUZZ = textwrap.dedent('''
 
     fuzz()
     print("survived")
-''')
+""")
 
 
 def test_grammar_fuzz_ring_never_crashes_the_process():

@@ -1,6 +1,7 @@
 """The KV handover without a model: the payload parser (kvserve/engine/kv_payload.py), the
 handover namespace (core/block_pool.py PrivateSalt), and the engine side (engine/kv_transfer.py)
 on a small fake core: pin, stream, release and adopt, with the pool's free count checked."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,16 +14,29 @@ import torch
 from kvserve.config import KVGroup
 from kvserve.core.block_pool import PrivateSalt, hash_block_tokens
 from kvserve.core.kv_cache import KVCacheManager
-from kvserve.core.request import Request
+from kvserve.core.sequence import Sequence
 from kvserve.engine import kv_transfer
-from kvserve.engine.kv_payload import (MAGIC, KVFormat, PayloadReader, PayloadTooLarge,
-                                       check_transfer_args, encode_prefix)
+from kvserve.engine.kv_payload import (
+    MAGIC,
+    KVFormat,
+    PayloadReader,
+    PayloadTooLarge,
+    check_transfer_args,
+    encode_prefix,
+)
 from kvserve.sampling_params import SamplingParams
 
 BS = 4
 PROBES = itertools.count()
-FMT = KVFormat(block_size=BS, layers=2, dtype="float16", itemsize=2, block_shape=(BS, 2, 3),
-               vocab_size=1000, max_model_len=32)
+FMT = KVFormat(
+    block_size=BS,
+    layers=2,
+    dtype="float16",
+    itemsize=2,
+    block_shape=(BS, 2, 3),
+    vocab_size=1000,
+    max_model_len=32,
+)
 
 
 def payload(token_ids: list[int], num_blocks: int, fmt: KVFormat = FMT, fill: int = 7) -> bytes:
@@ -32,11 +46,12 @@ def payload(token_ids: list[int], num_blocks: int, fmt: KVFormat = FMT, fill: in
 def read(data: bytes, chunk: int = 5, limit: int | None = None):
     reader = PayloadReader(FMT, FMT.payload_limit() if limit is None else limit)
     for i in range(0, len(data), chunk):
-        reader.feed(data[i:i + chunk])
+        reader.feed(data[i : i + chunk])
     return reader.finish()
 
 
 # ---- the payload ----
+
 
 @pytest.mark.parametrize("chunk", [1, 3, 8, 100, 10**6])
 def test_payload_round_trip_in_any_chunks(chunk):
@@ -50,7 +65,7 @@ def test_the_limit_is_a_whole_context():
     biggest = payload(list(range(32)), FMT.max_blocks)
     assert len(biggest) <= FMT.payload_limit()
     assert read(biggest)[0].num_blocks == 8
-    head = encode_prefix(FMT, list(range(36)), 9)       # one block past the context
+    head = encode_prefix(FMT, list(range(36)), 9)  # one block past the context
     with pytest.raises(ValueError, match="0 to 8"):
         read(head + b"\0" * FMT.kv_bytes(9))
 
@@ -59,8 +74,8 @@ def test_oversized_payloads_are_refused_before_their_kv_arrives():
     prefix = encode_prefix(FMT, list(range(8)), 2)
     reader = PayloadReader(FMT, limit=len(prefix) + 10)
     with pytest.raises(PayloadTooLarge, match="announces"):
-        reader.feed(prefix)                         # the header alone says too much
-    assert reader.kv is None                                         # nothing allocated
+        reader.feed(prefix)  # the header alone says too much
+    assert reader.kv is None  # nothing allocated
     with pytest.raises(PayloadTooLarge, match="limit of 50"):
         PayloadReader(FMT, limit=50).feed(b"x" * 51)
     too_long = MAGIC + (FMT.header_limit + 1).to_bytes(4, "little")
@@ -68,40 +83,53 @@ def test_oversized_payloads_are_refused_before_their_kv_arrives():
         read(too_long)
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"junk" * 10, "not a KV payload"),
-    (b"KV", "not a KV payload"),
-    (MAGIC + (50).to_bytes(4, "little") + b"{}", "ends inside its header"),
-    (MAGIC + (3).to_bytes(4, "little") + b"[1]", "not valid"),
-    (MAGIC + (0).to_bytes(4, "little"), "not valid"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"junk" * 10, "not a KV payload"),
+        (b"KV", "not a KV payload"),
+        (MAGIC + (50).to_bytes(4, "little") + b"{}", "ends inside its header"),
+        (MAGIC + (3).to_bytes(4, "little") + b"[1]", "not valid"),
+        (MAGIC + (0).to_bytes(4, "little"), "not valid"),
+    ],
+)
 def test_malformed_payloads(data, message):
     with pytest.raises(ValueError, match=message):
         read(data)
 
 
 def crafted(**changes) -> bytes:
-    header = {"token_ids": [1, 2, 3, 4], "block_size": BS, "num_blocks": 1, "layers": 2,
-              "dtype": "float16", "block_shape": [BS, 2, 3], **changes}
+    header = {
+        "token_ids": [1, 2, 3, 4],
+        "block_size": BS,
+        "num_blocks": 1,
+        "layers": 2,
+        "dtype": "float16",
+        "block_shape": [BS, 2, 3],
+        **changes,
+    }
     head = json.dumps(header).encode()
     return MAGIC + len(head).to_bytes(4, "little") + head + b"\0" * FMT.kv_bytes(1)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"dtype": "float32"}, "another model or KV format"),
-    ({"block_shape": [BS, 3, 2]}, "another model or KV format"),
-    ({"layers": 3}, "another model or KV format"),
-    ({"block_size": True}, "not valid"),
-    ({"num_blocks": 1.0}, "not valid"),
-    ({"num_blocks": float("nan")}, "not valid"),
-    ({"num_blocks": 2**64}, "0 to 8"),
-    ({"num_blocks": -1}, "0 to 8"),
-    ({"token_ids": [1, 2, 3]}, "do not fill"),
-    ({"token_ids": [1, 2, 3, 1000]}, r"in \[0, 1000\)"),
-    ({"token_ids": [1, 2, 3, -1]}, r"in \[0, 1000\)"),
-    ({"token_ids": [1, 2, 3, True]}, r"in \[0, 1000\)"),
-    ({"token_ids": "1234"}, "not valid"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"dtype": "float32"}, "another model or KV format"),
+        ({"block_shape": [BS, 3, 2]}, "another model or KV format"),
+        ({"layers": 3}, "another model or KV format"),
+        ({"block_size": True}, "not valid"),
+        ({"num_blocks": 1.0}, "not valid"),
+        ({"num_blocks": float("nan")}, "not valid"),
+        ({"num_blocks": 2**64}, "0 to 8"),
+        ({"num_blocks": -1}, "0 to 8"),
+        ({"token_ids": [1, 2, 3]}, "do not fill"),
+        ({"token_ids": [1, 2, 3, 1000]}, r"in \[0, 1000\)"),
+        ({"token_ids": [1, 2, 3, -1]}, r"in \[0, 1000\)"),
+        ({"token_ids": [1, 2, 3, True]}, r"in \[0, 1000\)"),
+        ({"token_ids": "1234"}, "not valid"),
+    ],
+)
 def test_headers_of_another_format_or_with_bad_fields(changes, message):
     with pytest.raises(ValueError, match=message):
         read(crafted(**changes))
@@ -109,7 +137,7 @@ def test_headers_of_another_format_or_with_bad_fields(changes, message):
 
 def test_deeply_nested_header_is_a_value_error():
     head = b"[" * 5000 + b"]" * 5000
-    fmt = KVFormat(BS, 2, "float16", 2, (BS, 2, 3), 1000, 32 * 1024)       # room for a long header
+    fmt = KVFormat(BS, 2, "float16", 2, (BS, 2, 3), 1000, 32 * 1024)  # room for a long header
     reader = PayloadReader(fmt, fmt.payload_limit())
     with pytest.raises(ValueError, match="not valid"):
         reader.feed(MAGIC + len(head).to_bytes(4, "little") + head)
@@ -137,6 +165,7 @@ def test_a_role_needs_a_key():
 
 # ---- the namespace ----
 
+
 def test_a_private_salt_names_no_client_salt():
     ns = kv_transfer.new_namespace()
     tokens = [1, 2, 3, 4]
@@ -149,21 +178,32 @@ def test_a_private_salt_names_no_client_salt():
 
 # ---- the engine side, on a fake core ----
 
+
 def fake_core(num_blocks: int = 12) -> SimpleNamespace:
     kv = KVCacheManager([KVGroup(None, (0, 1), num_blocks)], BS)
-    caches = [(torch.zeros(num_blocks, BS, 2, 3, dtype=torch.float16),
-               torch.zeros(num_blocks, BS, 2, 3, dtype=torch.float16)) for _ in range(2)]
+    caches = [
+        (
+            torch.zeros(num_blocks, BS, 2, 3, dtype=torch.float16),
+            torch.zeros(num_blocks, BS, 2, 3, dtype=torch.float16),
+        )
+        for _ in range(2)
+    ]
     cache = SimpleNamespace(enable_prefix_caching=True, block_size=BS)
-    return SimpleNamespace(config=SimpleNamespace(cache=cache), kv_groups=kv.groups, ranks=None,
-                           runner=SimpleNamespace(kv_caches=caches),
-                           scheduler=SimpleNamespace(kv_cache_manager=kv),
-                           arch=SimpleNamespace(vocab_size=1000), max_model_len=32)
+    return SimpleNamespace(
+        config=SimpleNamespace(cache=cache),
+        kv_groups=kv.groups,
+        ranks=None,
+        runner=SimpleNamespace(kv_caches=caches),
+        scheduler=SimpleNamespace(kv_cache_manager=kv),
+        arch=SimpleNamespace(vocab_size=1000),
+        max_model_len=32,
+    )
 
 
-def compute(core, rid: str, tokens: list[int], salt=None) -> Request:
+def compute(core, rid: str, tokens: list[int], salt=None) -> Sequence:
     """What a step leaves behind: the prompt's blocks written (values of their own) and cached."""
     kv = core.scheduler.kv_cache_manager
-    req = Request(rid, list(tokens), SamplingParams(max_tokens=1), cache_salt=salt)
+    req = Sequence(rid, list(tokens), SamplingParams(max_tokens=1), cache_salt=salt)
     hits, n = kv.get_computed_blocks(req)
     assert kv.allocate_slots(req, req.num_tokens - n, [], hits, n)
     for b in kv.block_ids(rid)[0]:
@@ -189,8 +229,9 @@ def export(core, tokens, salt) -> bytes:
 
 
 def hit_tokens(core, tokens, salt) -> int:
-    req = Request(f"probe-{next(PROBES)}", list(tokens) + [0], SamplingParams(max_tokens=1),
-                  cache_salt=salt)
+    req = Sequence(
+        f"probe-{next(PROBES)}", list(tokens) + [0], SamplingParams(max_tokens=1), cache_salt=salt
+    )
     return core.scheduler.kv_cache_manager.get_computed_blocks(req)[1]
 
 
@@ -198,16 +239,16 @@ def test_export_pins_while_streaming_and_releases():
     core = fake_core()
     pool = core.scheduler.kv_cache_manager.pools[0]
     ns = kv_transfer.new_namespace()
-    tokens = list(range(100, 114))                       # 3 full blocks and 2 tokens
+    tokens = list(range(100, 114))  # 3 full blocks and 2 tokens
     compute(core, "a", tokens, ns)
     idle = pool.num_free_blocks
     pinned = kv_transfer.pin_blocks(core, tokens, ns)
     assert len(pinned.blocks) == 3 and pool.num_free_blocks == idle - 3
-    compute(core, "flood", list(range(500, 536)))        # wants every free block: the pinned stay
+    compute(core, "flood", list(range(500, 536)))  # wants every free block: the pinned stay
     assert [pool.get_cached_block(b.block_hash) for b in pinned.blocks] == pinned.blocks
     kv_transfer.release(pinned)
     assert pool.num_free_blocks == idle
-    assert kv_transfer.pin_blocks(core, tokens, None).blocks == []      # another namespace: nothing
+    assert kv_transfer.pin_blocks(core, tokens, None).blocks == []  # another namespace: nothing
 
 
 def test_export_then_adopt_gives_the_same_kv_in_the_namespace_only():
@@ -220,9 +261,9 @@ def test_export_then_adopt_gives_the_same_kv_in_the_namespace_only():
     pool = dst.scheduler.kv_cache_manager.pools[0]
     idle = pool.num_free_blocks
     assert kv_transfer.adopt_blocks(dst, header.token_ids, header.num_blocks, kv, ns_dst) == 12
-    assert pool.num_free_blocks == idle                  # cached, unreferenced
+    assert pool.num_free_blocks == idle  # cached, unreferenced
     assert hit_tokens(dst, tokens[:12], ns_dst) == 12
-    for salt in (None, str(ns_dst), "alice"):     # users, even one who knew the salt's characters
+    for salt in (None, str(ns_dst), "alice"):  # users, even one who knew the salt's characters
         assert hit_tokens(dst, tokens[:12], salt) == 0
     pinned_src = kv_transfer.pin_blocks(src, tokens, ns_src)
     pinned_dst = kv_transfer.pin_blocks(dst, tokens, ns_dst)
@@ -240,10 +281,10 @@ def test_export_then_adopt_gives_the_same_kv_in_the_namespace_only():
 def test_adopt_stops_when_the_pool_is_full_and_keeps_what_it_holds():
     dst = fake_core(num_blocks=4)
     kv = dst.scheduler.kv_cache_manager
-    busy = Request("busy", list(range(12)), SamplingParams(max_tokens=1))
-    assert kv.allocate_slots(busy, 12, [])               # 3 of 4 blocks referenced
+    busy = Sequence("busy", list(range(12)), SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(busy, 12, [])  # 3 of 4 blocks referenced
     tokens = list(range(100, 112))
-    data = bytearray(payload(tokens, 3)[-FMT.kv_bytes(3):])
+    data = bytearray(payload(tokens, 3)[-FMT.kv_bytes(3) :])
     assert kv_transfer.adopt_blocks(dst, tokens, 3, data, None) == 4
     assert kv.pools[0].num_free_blocks == 1 and hit_tokens(dst, tokens, None) == 4
     kv.free(busy)
@@ -256,7 +297,7 @@ def test_a_reset_during_an_export_aborts_it():
     compute(core, "a", tokens)
     pinned = kv_transfer.pin_blocks(core, tokens, None)
     assert kv_transfer.read_part(pinned, 0)
-    fresh = KVCacheManager([KVGroup(None, (0, 1), 12)], BS)        # a reset: every block free
+    fresh = KVCacheManager([KVGroup(None, (0, 1), 12)], BS)  # a reset: every block free
     core.scheduler = SimpleNamespace(kv_cache_manager=fresh)
     with pytest.raises(kv_transfer.ExportAborted):
         kv_transfer.read_part(pinned, 1)

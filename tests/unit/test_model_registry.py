@@ -1,5 +1,6 @@
 """The architecture registry (kvserve.model.registry): names from GGUF and HF files -> model class;
 unknown ones refused naming what is supported; Gemma 3 hyper-parameters from config.json."""
+
 import pytest
 import torch
 
@@ -11,14 +12,19 @@ from kvserve.model.llama import LlamaForCausalLM
 
 
 def test_names_map_to_model_classes():
-    assert registry.gguf_arch_name("gemma3") == "gemma3" and registry.gguf_arch_name("llama") == "llama"
+    assert (
+        registry.gguf_arch_name("gemma3") == "gemma3"
+        and registry.gguf_arch_name("llama") == "llama"
+    )
     assert registry.hf_arch_name(["Qwen2ForCausalLM"]) == "qwen2"
     assert registry.MODEL_CLASSES["gemma3"] is Gemma3ForCausalLM
     assert {registry.MODEL_CLASSES[a] for a in ("llama", "mistral", "qwen2")} == {LlamaForCausalLM}
 
 
 def test_unknown_architectures_are_refused_naming_the_supported():
-    with pytest.raises(ValueError, match=r"'phi3' is not supported \(supported: gemma3, llama, qwen2\)"):
+    with pytest.raises(
+        ValueError, match=r"'phi3' is not supported \(supported: gemma3, llama, qwen2\)"
+    ):
         registry.gguf_arch_name("phi3", "x.gguf")
     with pytest.raises(ValueError, match="Gemma3ForCausalLM, LlamaForCausalLM"):
         registry.hf_arch_name(["FalconForCausalLM"])
@@ -28,15 +34,31 @@ def test_unknown_architectures_are_refused_naming_the_supported():
         registry.build_model(ModelArch("bert", 1, 8, 1, 1, 8, 8, 8, 8), torch.float32)
 
 
-GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_hidden_layers=8, hidden_size=64,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=96, vocab_size=300,
-              max_position_embeddings=128, sliding_window=16, query_pre_attn_scalar=24)
+GEMMA3 = dict(
+    architectures=["Gemma3ForCausalLM"],
+    model_type="gemma3_text",
+    num_hidden_layers=8,
+    hidden_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    intermediate_size=96,
+    vocab_size=300,
+    max_position_embeddings=128,
+    sliding_window=16,
+    query_pre_attn_scalar=24,
+)
 
 
 def test_gemma3_config_new_style():
-    cfg = dict(GEMMA3, layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 4,
-               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    cfg = dict(
+        GEMMA3,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 4,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
     arch = hf_arch(cfg)
     assert arch.layer_windows == [16, 16, 16, None, 16, 16, 16, 16]
     assert (arch.rope_theta, arch.rope_local_theta, arch.query_pre_attn_scalar) == (1e6, 1e4, 24)
@@ -44,7 +66,7 @@ def test_gemma3_config_new_style():
     model = registry.build_model(arch, torch.float32)
     assert isinstance(model, Gemma3ForCausalLM)
     assert [layer.self_attn.sliding_window for layer in model.layers] == arch.layer_windows
-    assert model.layers[0].self_attn.scale == 24 ** -0.5
+    assert model.layers[0].self_attn.scale == 24**-0.5
     assert "model.layers.3.self_attn.k_norm.weight" in model.weight_names()
 
 
@@ -54,9 +76,14 @@ def test_gemma3_config_old_style_pattern():
     assert arch.rope_local_theta == 5e3
 
 
-@pytest.mark.parametrize("bad,match", [({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-                                       ({"hidden_activation": "relu"}, "hidden_activation"),
-                                       ({"layer_types": ["full_attention"]}, "layer_types")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"hidden_activation": "relu"}, "hidden_activation"),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
+    ],
+)
 def test_gemma3_config_refusals(bad, match):
     with pytest.raises(ValueError, match=match):
         hf_arch(dict(GEMMA3, **bad))
@@ -64,5 +91,6 @@ def test_gemma3_config_refusals(bad, match):
 
 def test_c_layer_stack_does_not_take_gemma3():
     from kvserve.runner.layer_stack import CLayerStack
+
     model = registry.build_model(hf_arch(GEMMA3), torch.float32)
     assert CLayerStack.build(model) is None

@@ -1,4 +1,5 @@
 """Packed weight formats (kvserve.model.quant) against dequantized references."""
+
 import numpy as np
 import pytest
 import torch
@@ -22,9 +23,9 @@ def fused(method, w, b=None, shards=(40, 56)):
     lin = Linear(w.shape[1], list(shards), bias=b is not None, quant_method=method)
     start = 0
     for i, n in enumerate(shards):
-        lin.load_weight(w[start:start + n], i)
+        lin.load_weight(w[start : start + n], i)
         if b is not None:
-            lin.load_bias(b[start:start + n], i)
+            lin.load_bias(b[start : start + n], i)
         start += n
     return lin
 
@@ -49,19 +50,21 @@ def test_int8_linear_matches_dequantized_matmul(reduce_range):
     if not reduce_range and not int8_mod._has_vnni():
         with pytest.raises(ValueError, match="reduce_range=False needs a CPU with VNNI"):
             Int8Method(kernel="fbgemm", reduce_range=False)
-        pytest.skip("no VNNI on this CPU: fbgemm's AVX2 int16 path saturates without reduce_range, "
-                    "so Int8Method refuses reduce_range=False (checked above)")
+        pytest.skip(
+            "no VNNI on this CPU: fbgemm's AVX2 int16 path saturates without reduce_range, "
+            "so Int8Method refuses reduce_range=False (checked above)"
+        )
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     lin = fused(Int8Method(kernel="fbgemm", reduce_range=reduce_range), w, b)
     W = lin.quant_method.dequantized(lin)
-    assert (W - w).abs().max() <= (w.abs().amax(1) / 254).max() + 1e-6      # half a step per row
+    assert (W - w).abs().max() <= (w.abs().amax(1) / 254).max() + 1e-6  # half a step per row
     for rows in (1, 7, 64):
         x = torch.randn(rows, 64, generator=g) * 3
-        x[0] *= 1000                      # one outlier token must not flatten the others
+        x[0] *= 1000  # one outlier token must not flatten the others
         ref = fbgemm_activation(x, reduce_range) @ W.t() + b
         assert (lin(x) - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
-        exact = x @ W.t() + b             # per-token 8-bit: every row within ~1% of its own range
+        exact = x @ W.t() + b  # per-token 8-bit: every row within ~1% of its own range
         err = (lin(x) - exact).abs().amax(1) / exact.abs().amax(1)
         assert err.max().item() < 0.05, err
 
@@ -70,7 +73,7 @@ def test_int8_refuses_full_range_without_vnni(monkeypatch):
     monkeypatch.setattr(int8_mod, "_has_vnni", lambda: False)
     with pytest.raises(ValueError, match="use reduce_range=True"):
         Int8Method(kernel="fbgemm", reduce_range=False)
-    assert Int8Method(kernel="fbgemm").reduce_range is True       # the default on such a CPU
+    assert Int8Method(kernel="fbgemm").reduce_range is True  # the default on such a CPU
     monkeypatch.setattr(int8_mod, "_has_vnni", lambda: True)
     assert Int8Method(kernel="fbgemm", reduce_range=False).reduce_range is False
 
@@ -82,7 +85,11 @@ def test_int8_weight_only_matches_dequantized_matmul():
     W = lin.quant_method.dequantized(lin)
     for rows in (1, 7, 64):
         x = torch.randn(rows, 64, generator=g)
-        ref = x.bfloat16().float() @ (lin.qweight.float() * lin.wscale.bfloat16().float()[:, None]).t() + b
+        ref = (
+            x.bfloat16().float()
+            @ (lin.qweight.float() * lin.wscale.bfloat16().float()[:, None]).t()
+            + b
+        )
         assert (lin(x) - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
         assert (lin(x) - (x @ W.t() + b)).abs().max().item() < 2e-2 * ref.abs().max().item()
 
@@ -94,15 +101,16 @@ def test_int4_dense_quantizer_and_kernel():
     q, d, m = quantize_int4_rows(w)
     ref_w = q.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
     W = lin.quant_method.dequantized(lin)
-    assert torch.equal(W, ref_w)                                   # packing loses nothing
+    assert torch.equal(W, ref_w)  # packing loses nothing
     assert (W - w).abs().max() <= (d.max() / 2) * 1.001
     x = torch.randn(5, 64, generator=g)
-    ref = x.bfloat16().float() @ W.t() + b                            # bf16 activations, fp32 weights
+    ref = x.bfloat16().float() @ W.t() + b  # bf16 activations, fp32 weights
     assert (lin(x) - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
 
 
 def test_int4pack_convention_fp32_is_exact():
-    """The kernel's fp32 path reproduces (q - 8) * scale + zero: Q4_1's d * q + m with zero = m + 8d."""
+    """The kernel's fp32 path reproduces (q - 8) * scale + zero: Q4_1's d * q + m with
+    zero = m + 8d."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 96, generator=g)
     lin = fused(Int4Method(compute_dtype=torch.float32), w, shards=(64,))
@@ -115,14 +123,16 @@ def test_int4pack_convention_fp32_is_exact():
 def test_gguf_blocks_load_bit_exact(qtype):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((48, 128)).astype(np.float32)
-    raw = quantize(w, qtype)                                         # [48, bytes per row]
+    raw = quantize(w, qtype)  # [48, bytes per row]
     ref = torch.from_numpy(dequantize(raw, qtype))
     bt = BlockTensor(raw, qtype, (48, 128))
     assert torch.equal(bt.dequantize(), ref)
     lin = Linear(128, [16, 32], quant_method=Int4Method())
     lin.load_weight(BlockTensor(raw[:16], qtype, (16, 128)), 0)
     lin.load_weight(BlockTensor(raw[16:], qtype, (32, 128)), 1)
-    assert torch.equal(lin.quant_method.dequantized(lin), ref)       # nibbles and scales kept as they are
+    assert torch.equal(
+        lin.quant_method.dequantized(lin), ref
+    )  # nibbles and scales kept as they are
     x = torch.randn(3, 128)
     ref_y = x.bfloat16().float() @ ref.t()
     assert (lin(x) - ref_y).abs().max().item() < 1e-2 * ref_y.abs().max().item()
@@ -131,6 +141,7 @@ def test_gguf_blocks_load_bit_exact(qtype):
 def test_gguf_q4_1_of_default_model_bit_exact():
     from kvserve.model.gguf_loader import GGUFFile, gguf_arch, iter_gguf_weights
     from tests.conftest import default_model_or_skip
+
     path = default_model_or_skip()
     g = GGUFFile(path)
     arch = gguf_arch(g)
@@ -167,8 +178,8 @@ def test_int4_batch_fp16_path_uses_the_same_weights():
     small, big = Int4Method.SMALL_BATCH, Int4Method.SMALL_BATCH + 1
     x = torch.randn(big, 64, generator=g)
     exact = x @ W.t() + b
-    y_big = lin(x)                                   # fbgemm fp16 path
+    y_big = lin(x)  # fbgemm fp16 path
     assert (y_big - exact).abs().max().item() < 2e-3 * exact.abs().max().item()
-    y_small = lin(x[:small])                         # int4pack path
+    y_small = lin(x[:small])  # int4pack path
     assert (y_small - exact[:small]).abs().max().item() < 1e-2 * exact.abs().max().item()
     assert (y_big - exact).abs().max() < (y_small - exact[:small]).abs().max() + 1e-6

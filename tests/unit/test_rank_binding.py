@@ -1,6 +1,7 @@
 """Where the ranks of tensor/pipeline parallelism listen (kvserve.runner.ranks): on one machine
 the store and gloo bind 127.0.0.1 only, whatever --master-addr or GLOO_SOCKET_IFNAME say; across
 machines, node 0's --master-addr; a bad address or a busy port is a ValueError saying which."""
+
 import os
 import socket
 
@@ -12,8 +13,11 @@ from kvserve.runner import ranks
 
 
 def _listening(port: int) -> list[str]:
-    return [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    return [
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
 
 
 def test_one_machine_meets_on_loopback_whatever_the_master_addr():
@@ -46,7 +50,7 @@ def test_a_busy_port_or_a_foreign_address_says_which(monkeypatch):
         with pytest.raises(ValueError, match=f"--master-port {port}: .* in use"):
             ranks._listen("127.0.0.1", port)
     with pytest.raises(ValueError, match="is not an address of this machine"):
-        ranks._listen("198.51.100.7", 0)          # TEST-NET-2: no machine's own address
+        ranks._listen("198.51.100.7", 0)  # TEST-NET-2: no machine's own address
     with pytest.raises(ValueError, match="--master-addr no-such-host.invalid: cannot resolve"):
         ranks._listen("no-such-host.invalid", 0)
 
@@ -55,10 +59,10 @@ def test_gloo_binds_the_loopback_interface_on_one_machine(monkeypatch):
     loopback = ranks.gloo_interface("127.0.0.1")
     assert "127.0.0.1" in [a.address for a in psutil.net_if_addrs()[loopback]]
     one_machine = resolve_distributed(2, env={})
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth-public")       # asked for: one machine ignores it
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth-public")  # asked for: one machine ignores it
     with ranks._gloo_bound(one_machine):
         assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth-public"       # and puts it back
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth-public"  # and puts it back
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     with ranks._gloo_bound(one_machine):
         assert os.environ["GLOO_SOCKET_IFNAME"] == loopback

@@ -1,6 +1,7 @@
 """What the router refuses from a client before forwarding (kvserve/router/forwarding.py), and
 whose fault a failed forward is (kvserve/router/app.py): a client's bad headers, body or JSON get
 its own 4xx and never count against the replica; a replica that drops a request does count."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,17 @@ def refused(fn, *args) -> APIError:
 
 
 def test_headers_are_allow_listed_trimmed_and_bad_ones_named():
-    out = forward_headers([(b"Accept", b"*/* "), (b"authorization", b"\tBearer k "),
-                           (b"authorization", b"Bearer second"), (b"cookie", b"a=b"),
-                           (b"connection", b"keep-alive, x"), (b"user-agent", b"caf\xe9"),
-                           (b"content-type", b"application/json")])
+    out = forward_headers(
+        [
+            (b"Accept", b"*/* "),
+            (b"authorization", b"\tBearer k "),
+            (b"authorization", b"Bearer second"),
+            (b"cookie", b"a=b"),
+            (b"connection", b"keep-alive, x"),
+            (b"user-agent", b"caf\xe9"),
+            (b"content-type", b"application/json"),
+        ]
+    )
     assert out == {"accept": "*/*", "authorization": "Bearer k", "content-type": "application/json"}
     for name in (b"content-type", b"authorization"):
         err = refused(forward_headers, [(name, b"application/json\xe9")])
@@ -41,8 +49,9 @@ def test_json_nesting_and_integer_length_are_400s_naming_the_field():
     err = refused(parse_json_body, nested)
     assert err.status == 400 and err.param == "prompt" and "nests more than" in err.message
     # too deep for json.loads itself (RecursionError): the field is found by a scan of the text
-    deep = (b'{"model": "m", "x": "[{", "messages": ' + b'{"a": [' * 5000 + b"1" + b"]}" * 5000
-            + b"}")
+    deep = (
+        b'{"model": "m", "x": "[{", "messages": ' + b'{"a": [' * 5000 + b"1" + b"]}" * 5000 + b"}"
+    )
     assert refused(parse_json_body, deep).param == "messages"
     assert refused(parse_json_body, b"[" * 100_000).param is None
     big = b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}"
@@ -59,6 +68,7 @@ def test_json_nesting_and_integer_length_are_400s_naming_the_field():
 
 class FakeReplica(BaseHTTPRequestHandler):
     """/health answers 200; a POST is echoed as JSON, or dropped unanswered when its body asks."""
+
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):
@@ -105,7 +115,8 @@ def test_a_client_fault_is_a_400_and_the_replica_stays_in(routed, monkeypatch):
     def chunks():
         for _ in range(10):
             yield b" " * 1000
-    r = client.post("/v1/completions", content=chunks())          # no length given: counted
+
+    r = client.post("/v1/completions", content=chunks())  # no length given: counted
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     deep = MAX_JSON_DEPTH + 10
     r = client.post("/v1/completions", content=b'{"prompt": [' + b"[" * deep + b"]" * deep + b"]}")

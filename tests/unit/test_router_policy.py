@@ -1,5 +1,6 @@
 """The router's choice of replica (kvserve/router/policy.py): prefix affinity within a load slack,
 least loaded otherwise, unhealthy replicas never, and the routing key of each endpoint."""
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,12 +21,12 @@ def make(policy="prefix", urls=(A, B, C), **kw) -> Router:
 def test_block_hashes_are_chained_and_cut_at_full_blocks():
     text = "x" * (3 * BLOCK_CHARS + 5)
     h = block_hashes(text)
-    assert len(h) == 3 and len(set(h)) == 3                     # same blocks, different chains
-    assert block_hashes(text[:2 * BLOCK_CHARS]) == h[:2]
+    assert len(h) == 3 and len(set(h)) == 3  # same blocks, different chains
+    assert block_hashes(text[: 2 * BLOCK_CHARS]) == h[:2]
     assert block_hashes("y" + text)[0] != h[0]
     assert block_hashes("short") == []
     assert len(block_hashes("z" * 10 * BLOCK_CHARS, max_blocks=4)) == 4
-    assert len(block_hashes("\ud800" * BLOCK_CHARS)) == 1      # a lone surrogate hashes, never raises
+    assert len(block_hashes("\ud800" * BLOCK_CHARS)) == 1  # a lone surrogate hashes, never raises
 
 
 def test_a_shared_prefix_goes_back_to_the_replica_that_holds_it():
@@ -51,11 +52,11 @@ def test_new_prefixes_spread_over_the_least_loaded():
 def test_affinity_yields_to_load_beyond_the_slack():
     r = make(balance_slack=2, balance_ratio=0.0)
     home, _ = r.choose(SYSTEM + "q0")
-    home.in_flight = 3                      # the others have 0: more than the slack of 2
+    home.in_flight = 3  # the others have 0: more than the slack of 2
     other, matched = r.choose(SYSTEM + "q1")
     assert other is not home and matched == 0
-    other.healthy = False                    # (it holds the prefix now too)
-    home.in_flight = 2                       # within the slack: the prefix wins
+    other.healthy = False  # (it holds the prefix now too)
+    home.in_flight = 2  # within the slack: the prefix wins
     assert r.choose(SYSTEM + "q2") == (home, len(SYSTEM) // BLOCK_CHARS)
 
 
@@ -77,7 +78,7 @@ def test_the_slack_grows_with_the_load():
     home, _ = r.choose(SYSTEM + "q0")
     for rep in r.replicas:
         rep.in_flight = 20
-    home.in_flight = 25                      # 20 + max(1, 5): still home
+    home.in_flight = 25  # 20 + max(1, 5): still home
     assert r.choose(SYSTEM + "q1")[0] is home
     home.in_flight = 26
     assert r.choose(SYSTEM + "q2")[0] is not home
@@ -86,7 +87,7 @@ def test_the_slack_grows_with_the_load():
 def test_a_prefix_everyone_shares_does_not_pull_every_request_to_one_replica():
     r = make(urls=(A, B))
     homes = []
-    for i in range(8):                       # four conversations at a time
+    for i in range(8):  # four conversations at a time
         rep, _ = r.choose(SYSTEM + f"conversation {i}")
         rep.in_flight += 1
         homes.append(rep.url)
@@ -103,7 +104,7 @@ def test_least_loaded_and_random_ignore_prefixes():
         rep, matched = r.choose(SYSTEM)
         assert matched == 0
         seen.add(rep.url)
-    assert seen == {A, B, C}                 # equal load: round robin
+    assert seen == {A, B, C}  # equal load: round robin
     rnd = make("random")
     assert {rnd.choose(SYSTEM)[0].url for _ in range(60)} == {A, B, C}
 
@@ -125,7 +126,12 @@ def test_bad_configurations_are_refused():
 
 
 def test_routing_keys():
-    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ]
+    }
     assert routing_key("/v1/chat/completions", chat) == "<system>S<user>hi"
     assert routing_key("/v1/completions", {"prompt": "abc"}) == "abc"
     assert routing_key("/v1/completions", {"prompt": ["abc", "def"]}) == "abc"
@@ -134,9 +140,15 @@ def test_routing_keys():
     assert routing_key("/v1/chat/completions", {"messages": "nope"}) == ""
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=20))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+        ),
+        max_leaves=20,
+    )
+)
 def test_any_json_body_gives_a_key_and_a_choice(value):
     r = make()
     for path in ("/v1/completions", "/v1/chat/completions"):

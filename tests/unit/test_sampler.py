@@ -1,4 +1,5 @@
 """Sampler: greedy, temperature, min_p/top_k/top_p, penalties, min_tokens, seeds, logprobs."""
+
 from __future__ import annotations
 
 import math
@@ -14,13 +15,17 @@ from kvserve.sampling_params import SamplingParams
 sampler = Sampler()
 
 
-def row(params: SamplingParams | None = None, prompt=(), output=(), seed=None, eos=()) -> SamplingRow:
+def row(
+    params: SamplingParams | None = None, prompt=(), output=(), seed=None, eos=()
+) -> SamplingRow:
     params = params or SamplingParams()
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     return SamplingRow(params, list(prompt), list(output), gen, set(eos))
 
 
-def frequencies(logits: torch.Tensor, params: SamplingParams, draws: int, seeded: bool = False) -> torch.Tensor:
+def frequencies(
+    logits: torch.Tensor, params: SamplingParams, draws: int, seeded: bool = False
+) -> torch.Tensor:
     """Empirical token frequencies of `draws` independent rows sharing `logits`."""
     rows = [row(params, seed=s if seeded else None) for s in range(draws)]
     out = sampler(logits.expand(draws, -1), rows)
@@ -51,8 +56,12 @@ def test_greedy_equals_argmax():
 def test_greedy_rows_in_mixed_batch_and_input_untouched():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=5),
-              SamplingParams(temperature=0, repetition_penalty=1.0), SamplingParams(temperature=0.5)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0, repetition_penalty=1.0),
+        SamplingParams(temperature=0.5),
+    ]
     rows = [row(p, prompt=[1, 2, 3]) for p in params]
     rows[1].params.repetition_penalty = 1.3  # a penalty on another row must not touch greedy rows
     out = sampler(logits, rows)
@@ -95,7 +104,9 @@ def test_top_p_keeps_the_nucleus(top_p, nucleus):
 def test_min_p_drops_unlikely_tokens():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    freq = frequencies(probs.log(), SamplingParams(temperature=1.0, min_p=0.35), 6000)  # cut at 0.175
+    freq = frequencies(
+        probs.log(), SamplingParams(temperature=1.0, min_p=0.35), 6000
+    )  # cut at 0.175
     assert freq.nonzero().flatten().tolist() == [0, 1]
     assert abs(freq[0].item() - 0.5 / 0.8) < 0.03
 
@@ -105,16 +116,21 @@ def test_min_p_drops_unlikely_tokens():
 
 def test_repetition_penalty_changes_exactly_the_seen_logits():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0])
-    lp = full_logprobs(logits, SamplingParams(temperature=0, repetition_penalty=2.0),
-                       prompt=[0, 1, 0], output=[3])
+    lp = full_logprobs(
+        logits, SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0, 1, 0], output=[3]
+    )
     expected = torch.tensor([1.0, -4.0, 1.0, -2.0, 0.5, 3.0])
     assert torch.allclose(lp, expected.log_softmax(-1), atol=1e-5)
 
 
 def test_presence_and_frequency_penalties_use_output_counts_only():
     logits = torch.zeros(6)
-    lp = full_logprobs(logits, SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
-                       prompt=[0, 1], output=[2, 2, 4])
+    lp = full_logprobs(
+        logits,
+        SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+        prompt=[0, 1],
+        output=[2, 2, 4],
+    )
     expected = torch.tensor([0.0, 0.0, -2.0, 0.0, -1.5, 0.0])
     assert torch.allclose(lp, expected.log_softmax(-1), atol=1e-5)
 
@@ -135,8 +151,12 @@ def run_steps(seed: int, batch_of: int, position: int, steps: int = 20) -> list[
     """Sample `steps` tokens for one seeded row, placed at `position` among `batch_of` rows."""
     data = torch.Generator().manual_seed(99)
     target = row(SamplingParams(temperature=0.9, top_p=0.9, seed=seed), prompt=[1, 2], seed=seed)
-    others = [row(SamplingParams(temperature=1.0, top_k=4)), row(SamplingParams(seed=7), seed=7),
-              row(SamplingParams(temperature=0)), row(SamplingParams(min_p=0.1, presence_penalty=0.5))]
+    others = [
+        row(SamplingParams(temperature=1.0, top_k=4)),
+        row(SamplingParams(seed=7), seed=7),
+        row(SamplingParams(temperature=0)),
+        row(SamplingParams(min_p=0.1, presence_penalty=0.5)),
+    ]
     tokens = []
     for step in range(steps):
         logits = torch.randn(1, 50, generator=data) * 2
@@ -166,8 +186,11 @@ def test_different_seeds_differ():
 
 def test_logprobs_top_n_sorted_and_consistent():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0.5, logprobs=3),
-              SamplingParams(temperature=1.0)]
+    params = [
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=0.5, logprobs=3),
+        SamplingParams(temperature=1.0),
+    ]
     out = sampler(logits, [row(p) for p in params])
     assert out.logprobs[2] is None
     for i, temp in [(0, 1.0), (1, 0.5)]:
@@ -195,17 +218,20 @@ def test_logprobs_zero_gives_chosen_token_only():
 # ---------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"n": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 2}, "min_p"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ],
+)
 def test_sampling_params_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
@@ -213,20 +239,32 @@ def test_sampling_params_validation_names_the_field(kwargs, field):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.sampled_from([-2.0, -1.0, 0.0, 1.0, 2.0, float("inf"), float("-inf"), float("nan")]),
-                         min_size=1, max_size=40), min_size=1, max_size=6).filter(lambda rows: len({len(r) for r in rows}) == 1))
+@given(
+    st.lists(
+        st.lists(
+            st.sampled_from([-2.0, -1.0, 0.0, 1.0, 2.0, float("inf"), float("-inf"), float("nan")]),
+            min_size=1,
+            max_size=40,
+        ),
+        min_size=1,
+        max_size=6,
+    ).filter(lambda rows: len({len(r) for r in rows}) == 1)
+)
 def test_argmax_rows_is_torch_argmax(rows):
-    """The numpy path gives torch's index on ties (the first), infinities and NaNs (the first NaN)."""
+    """The numpy path gives torch's index on ties (the first), infinities and NaNs (the first
+    NaN)."""
     x = torch.tensor(rows, dtype=torch.float32)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-    assert torch.equal(argmax_rows(x[0]), x[0].argmax(dim=-1))            # a 1-d row: a 0-d index
+    assert torch.equal(argmax_rows(x[0]), x[0].argmax(dim=-1))  # a 1-d row: a 0-d index
     assert torch.equal(argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # a strided view
-    assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))   # other dtypes: torch itself
+    assert torch.equal(
+        argmax_rows(x.double()), x.double().argmax(dim=-1)
+    )  # other dtypes: torch itself
 
 
 def test_take_rows_copies_only_a_real_selection():
     x = torch.arange(12.0).view(4, 3)
-    assert take_rows(x, [0, 1, 2, 3]) is x                  # every row in order: no copy
+    assert take_rows(x, [0, 1, 2, 3]) is x  # every row in order: no copy
     sub = take_rows(x, [2, 0])
     assert torch.equal(sub, x[[2, 0]]) and sub.data_ptr() != x.data_ptr()
     assert torch.equal(take_rows(x, [0, 1, 3, 2]), x[[0, 1, 3, 2]])

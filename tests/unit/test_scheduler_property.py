@@ -6,6 +6,7 @@ instead of vectors): copies first, then every chunk's writes, then each chunk's 
 must read back as the request's own tokens, which catches a wrong prefix hit, a missing
 copy-on-write or a block reused while still in use. At the end everything is free.
 """
+
 import random
 from collections import Counter
 
@@ -13,21 +14,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import CacheConfig, SchedulerConfig
-from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import QueueFullError, Scheduler
+from kvserve.core.sequence import Sequence, SequenceStatus
 from kvserve.sampling_params import SamplingParams
 
 BS = 4
 EOS = 1
 BASES = [[random.Random(i).randrange(2, 50) for _ in range(64)] for i in range(3)]
 
-add_op = st.tuples(st.just("add"), st.integers(1, 40), st.integers(0, 2), st.integers(0, 6),
-                   st.integers(1, 24), st.integers(0, 2), st.integers(1, 3), st.booleans())
+add_op = st.tuples(
+    st.just("add"),
+    st.integers(1, 40),
+    st.integers(0, 2),
+    st.integers(0, 6),
+    st.integers(1, 24),
+    st.integers(0, 2),
+    st.integers(1, 3),
+    st.booleans(),
+)
 step_op = st.tuples(st.just("step"), st.integers(0, 2**16))
 abort_op = st.tuples(st.just("abort"), st.integers(0, 50))
 finish_op = st.tuples(st.just("finish"), st.integers(0, 50))
-ops = st.lists(st.one_of(add_op, add_op, step_op, step_op, step_op, abort_op, finish_op),
-               min_size=5, max_size=60)
+ops = st.lists(
+    st.one_of(add_op, add_op, step_op, step_op, step_op, abort_op, finish_op),
+    min_size=5,
+    max_size=60,
+)
 
 
 def add_requests(s: Scheduler, op: tuple, ids: list[str]) -> None:
@@ -37,13 +49,19 @@ def add_requests(s: Scheduler, op: tuple, ids: list[str]) -> None:
     prompt = BASES[base][:length] + [60 + i for i in range(suffix)]
     rid = f"r{len(ids)}"
     for i in range(n):
-        req = Request(f"{rid}-{i}" if i else rid, prompt,
-                      SamplingParams(max_tokens=max_tokens, min_tokens=min(2, max_tokens)),
-                      eos_token_ids={EOS}, priority=priority, arrival_time=float(len(ids)),
-                      cache_salt="salt" if salted else None, fork_of=rid if i else None)
+        req = Sequence(
+            f"{rid}-{i}" if i else rid,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, min_tokens=min(2, max_tokens)),
+            eos_token_ids={EOS},
+            priority=priority,
+            arrival_time=float(len(ids)),
+            cache_salt="salt" if salted else None,
+            fork_of=rid if i else None,
+        )
         try:
-            s.add_request(req)
-            ids.append(req.request_id)
+            s.add_sequence(req)
+            ids.append(req.seq_id)
         except (ValueError, QueueFullError):
             pass
 
@@ -60,9 +78,9 @@ def run_ops(s: Scheduler, ops: list[tuple], step, check) -> None:
         elif ids:
             rid = ids[op[1] % len(ids)]
             if op[0] == "abort":
-                s.abort_request(rid)
+                s.abort_sequence(rid)
             else:
-                s.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                s.finish_sequence(rid, SequenceStatus.FINISHED_STOPPED)
         check()
 
 
@@ -80,9 +98,9 @@ def check_blocks(s: Scheduler) -> None:
         for h, b in pool.cached.items():
             assert b.block_hash == h
     for rid in kv.tables:
-        assert s.requests[rid].status == RequestStatus.RUNNING
+        assert s.sequences[rid].status == SequenceStatus.RUNNING
     for r in s.waiting:
-        assert r.num_computed_tokens == 0 and r.request_id not in kv.tables
+        assert r.num_computed_tokens == 0 and r.seq_id not in kv.tables
     assert s.num_running <= s.sched.max_num_seqs
 
 
@@ -90,7 +108,7 @@ def run_step(s: Scheduler, store: dict[int, list], rng: random.Random) -> None:
     out = s.schedule()
     assert out.num_batched_tokens == sum(len(c.token_ids) for c in out.chunks)
     assert out.num_batched_tokens <= s.sched.max_num_batched_tokens
-    assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
+    assert len({c.seq.seq_id for c in out.chunks}) == len(out.chunks)
     for g, src, dst in out.copy_blocks:
         assert g == 0
         store[dst] = list(store.get(src, [None] * BS))
@@ -102,20 +120,30 @@ def run_step(s: Scheduler, store: dict[int, list], rng: random.Random) -> None:
     for c in out.chunks:
         (table,) = c.block_tables
         seen = [store[table[p // BS]][p % BS] for p in range(c.start_pos + len(c.token_ids))]
-        assert seen == c.request.all_token_ids[:len(seen)], c.request
-        assert c.sample == (c.start_pos + len(c.token_ids) == c.request.num_tokens)
-    sampled = {c.request.request_id: [rng.choice([EOS] + list(range(2, 32)))]
-               for c in out.chunks if c.sample}
+        assert seen == c.seq.all_token_ids[: len(seen)], c.seq
+        assert c.sample == (c.start_pos + len(c.token_ids) == c.seq.num_tokens)
+    sampled = {
+        c.seq.seq_id: [rng.choice([EOS] + list(range(2, 32)))] for c in out.chunks if c.sample
+    }
     for r in s.update_from_output(out, sampled):
-        assert r.is_finished and r.request_id not in s.requests
+        assert r.is_finished and r.seq_id not in s.sequences
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(12, 30), budget=st.integers(4, 40),
-       max_seqs=st.integers(1, 6), caching=st.booleans())
+@given(
+    ops=ops,
+    num_blocks=st.integers(12, 30),
+    budget=st.integers(4, 40),
+    max_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+)
 def test_random_workloads_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, caching):
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_waiting=12),
-                  CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks, max_model_len=64)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_waiting=12),
+        CacheConfig(block_size=BS, enable_prefix_caching=caching),
+        num_blocks,
+        max_model_len=64,
+    )
     store: dict[int, list] = {}
     run_ops(s, ops, lambda rng: run_step(s, store, rng), lambda: check_blocks(s))
 

@@ -14,23 +14,34 @@ after every step:
   - refcounts equal the number of tables holding each block, free exactly when unheld;
 and at the end every block of every pool is free (nothing leaked).
 """
+
 import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvserve.config import (CacheConfig, KVGroup, KVShape, SchedulerConfig, blocks_held, cdiv,
-                            first_needed_block, group_layers_by_window, kv_group_blocks, sliding_group_cap)
-from kvserve.core.kv_cache import KVCacheManager
-from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler
-from kvserve.sampling_params import SamplingParams
 from test_scheduler_property import BASES, BS, EOS, check_blocks, run_ops
+
+from kvserve.config import (
+    CacheConfig,
+    KVGroup,
+    KVShape,
+    SchedulerConfig,
+    blocks_held,
+    cdiv,
+    first_needed_block,
+    group_layers_by_window,
+    kv_group_blocks,
+    sliding_group_cap,
+)
+from kvserve.core.kv_cache import KVCacheManager
+from kvserve.core.scheduler import Scheduler
+from kvserve.core.sequence import Sequence, SequenceStatus
+from kvserve.sampling_params import SamplingParams
 
 
 def make_req(rid, tokens, max_tokens=8, **kw):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), **kw)
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens), **kw)
 
 
 def two_groups(window, full_blocks, window_blocks):
@@ -38,6 +49,7 @@ def two_groups(window, full_blocks, window_blocks):
 
 
 # ---- the manager, step by step -------------------------------------------------------------
+
 
 def step_decode(kv, req, token=7):
     """Schedule one decode (as the scheduler does) and compute it."""
@@ -49,22 +61,22 @@ def step_decode(kv, req, token=7):
 
 def test_decoding_frees_blocks_behind_the_window():
     kv = KVCacheManager(two_groups(8, 32, 32), BS)
-    req = make_req("a", range(10, 30), max_tokens=40)            # 20 tokens
+    req = make_req("a", range(10, 30), max_tokens=40)  # 20 tokens
     assert kv.allocate_slots(req, 20, [])
     req.num_computed_tokens = 20
     req.append_output_token(5)
     kv.cache_blocks(req, 20)
-    assert kv.num_held_blocks("a") == [5, 5]                      # the prefill holds every block
+    assert kv.num_held_blocks("a") == [5, 5]  # the prefill holds every block
     for _ in range(30):
         step_decode(kv, req)
-        p = req.num_computed_tokens - 1                           # position of the decode just computed
+        p = req.num_computed_tokens - 1  # position of the decode just computed
         full, window = kv.tables["a"]
         assert all(b is not None for b in full) and len(full) == cdiv(p + 1, BS)
         first = first_needed_block(p, 8, BS)
         assert window[:first] == [None] * first and all(b is not None for b in window[first:])
         assert kv.num_held_blocks("a")[1] == blocks_held(p + 1, 8, BS) <= cdiv(8, BS) + 1
-    assert kv.pools[1].num_free_blocks == 32 - kv.num_held_blocks("a")[1]      # really given back
-    assert kv.block_ids("a")[1][0] == 0                           # freed entries keep their place
+    assert kv.pools[1].num_free_blocks == 32 - kv.num_held_blocks("a")[1]  # really given back
+    assert kv.block_ids("a")[1][0] == 0  # freed entries keep their place
     kv.free(req)
     assert kv.num_free_blocks == 64 and not kv.tables
 
@@ -75,7 +87,7 @@ def test_a_chunk_keeps_the_keys_its_first_query_needs():
     for start, n in [(0, 10), (10, 13), (23, 17)]:
         assert kv.allocate_slots(req, n, [])
         window = kv.tables["a"][1]
-        first = first_needed_block(start, 8, BS)            # the chunk's first query reads from here
+        first = first_needed_block(start, 8, BS)  # the chunk's first query reads from here
         assert all(b is not None for b in window[first:]) and window[:first] == [None] * first
         assert len(window) - first <= cdiv(8 + n - 2, BS) + 1
         req.num_computed_tokens += n
@@ -84,7 +96,7 @@ def test_a_chunk_keeps_the_keys_its_first_query_needs():
 
 def test_prefix_hit_is_cut_back_to_what_the_window_group_still_holds():
     kv = KVCacheManager(two_groups(8, 64, 64), BS)
-    prompt = list(range(200, 240))                                # 40 tokens: 10 blocks
+    prompt = list(range(200, 240))  # 40 tokens: 10 blocks
     a = make_req("a", prompt, max_tokens=30)
     assert kv.allocate_slots(a, 40, [])
     a.num_computed_tokens = 40
@@ -92,7 +104,7 @@ def test_prefix_hit_is_cut_back_to_what_the_window_group_still_holds():
     # Both groups hold every block: a hit of 9 full blocks (the last token is recomputed).
     hits, n = kv.get_computed_blocks(make_req("b", prompt + [1, 2, 3]))
     assert n == 40 and len(hits[0]) == 10
-    assert hits[1][:first_needed_block(40, 8, BS)] == [None] * first_needed_block(40, 8, BS)
+    assert hits[1][: first_needed_block(40, 8, BS)] == [None] * first_needed_block(40, 8, BS)
     # Evict the window group's cached blocks 6..9 (block 5 stays): a query at 24 reads blocks 4, 5.
     for i in range(6, 10):
         kv.pools[1]._evict_hash(kv.tables["a"][1][i])
@@ -107,19 +119,21 @@ def test_prefix_hit_is_cut_back_to_what_the_window_group_still_holds():
 
 def test_fork_shares_only_the_window_and_falls_back_when_the_parent_freed_it():
     kv = KVCacheManager(two_groups(8, 64, 64), BS)
-    parent = make_req("p", range(300, 318), max_tokens=40)        # 18 tokens
+    parent = make_req("p", range(300, 318), max_tokens=40)  # 18 tokens
     assert kv.allocate_slots(parent, 18, [])
     parent.num_computed_tokens = 18
     kv.cache_blocks(parent, 18)
     child = make_req("c", range(300, 318))
     shared, n = kv.get_fork_blocks(parent, child)
-    first = first_needed_block(17, 8, BS)                         # the child's first query is at 17
+    first = first_needed_block(17, 8, BS)  # the child's first query is at 17
     assert n == 17 and shared[0] == kv.tables["p"][0][:5]
     assert shared[1] == [None] * first + kv.tables["p"][1][first:5]
     copies = []
     assert kv.allocate_slots(child, 1, copies, shared, n)
-    assert copies == [(0, kv.tables["p"][0][4].block_id, kv.tables["c"][0][4].block_id),
-                      (1, kv.tables["p"][1][4].block_id, kv.tables["c"][1][4].block_id)]
+    assert copies == [
+        (0, kv.tables["p"][0][4].block_id, kv.tables["c"][0][4].block_id),
+        (1, kv.tables["p"][1][4].block_id, kv.tables["c"][1][4].block_id),
+    ]
     # The parent decodes on; its window drops blocks a second child would need.
     parent.append_output_token(9)
     for _ in range(12):
@@ -128,29 +142,45 @@ def test_fork_shares_only_the_window_and_falls_back_when_the_parent_freed_it():
 
 
 def test_preemption_and_abort_give_every_group_back():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4),
-                  CacheConfig(block_size=BS), two_groups(8, 12, 8), max_model_len=64)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4),
+        CacheConfig(block_size=BS),
+        two_groups(8, 12, 8),
+        max_model_len=64,
+    )
     for i in range(3):
-        s.add_request(make_req(f"r{i}", range(10 * i, 10 * i + 12), max_tokens=30, arrival_time=float(i)))
+        s.add_sequence(
+            make_req(f"r{i}", range(10 * i, 10 * i + 12), max_tokens=30, arrival_time=float(i))
+        )
     preempted = 0
     for _ in range(40):
         out = s.schedule()
         preempted += len(out.preempted_ids)
-        s.update_from_output(out, {c.request.request_id: [3] for c in out.chunks if c.sample})
+        s.update_from_output(out, {c.seq.seq_id: [3] for c in out.chunks if c.sample})
     assert preempted > 0
-    for rid in list(s.requests):
-        s.abort_request(rid)
+    for rid in list(s.sequences):
+        s.abort_sequence(rid)
     assert s.num_used_blocks == 0 and s.num_free_blocks == 20 and s.kv_cache_usage == 0.0
 
 
 def test_a_request_whose_window_chunk_cannot_fit_is_refused_at_admission():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=16), CacheConfig(block_size=BS),
-                  two_groups(8, 64, 4), max_model_len=64)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16),
+        CacheConfig(block_size=BS),
+        two_groups(8, 64, 4),
+        max_model_len=64,
+    )
     with pytest.raises(ValueError, match="KV blocks"):
-        s.add_request(make_req("a", range(30), max_tokens=10))   # a 16-token chunk needs 7 window blocks
-    s2 = Scheduler(SchedulerConfig(max_num_batched_tokens=4), CacheConfig(block_size=BS),
-                   two_groups(8, 64, 4), max_model_len=64)
-    s2.add_request(make_req("a", range(30), max_tokens=10))      # 4-token chunks: at most 4 blocks
+        s.add_sequence(
+            make_req("a", range(30), max_tokens=10)
+        )  # a 16-token chunk needs 7 window blocks
+    s2 = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=4),
+        CacheConfig(block_size=BS),
+        two_groups(8, 64, 4),
+        max_model_len=64,
+    )
+    s2.add_sequence(make_req("a", range(30), max_tokens=10))  # 4-token chunks: at most 4 blocks
 
 
 # ---- sizing: the budget split and the 8k figure ------------------------------------------
@@ -186,15 +216,19 @@ def test_budget_split_caps_window_groups_at_what_they_can_need():
 def test_gemma3_270m_holds_under_a_quarter_of_full_attention_at_8k(dtype_bytes, scale_bytes):
     """The manager's own block counts for one 8k-token sequence, Gemma 3 270M's shape."""
     groups = [replace_blocks(g, 600) for g in group_layers_by_window(GEMMA3_270M_WINDOWS)]
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=512), CacheConfig(block_size=16), groups,
-                  max_model_len=8193)
-    s.add_request(make_req("a", [5] * 8000, max_tokens=193))      # decodes up to position 8191
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=512),
+        CacheConfig(block_size=16),
+        groups,
+        max_model_len=8193,
+    )
+    s.add_sequence(make_req("a", [5] * 8000, max_tokens=193))  # decodes up to position 8191
     held = None
     while s.has_unfinished_requests():
         out = s.schedule()
         held = s.kv_cache_manager.num_held_blocks("a")
         s.update_from_output(out, {"a": [3]} if out.chunks[0].sample else {})
-    assert held == [512, 32]       # 8192 tokens: 512 blocks; the window's 512 keys fill 32 whole blocks
+    assert held == [512, 32]  # 8192 tokens: 512 blocks; the window's 512 keys fill 32 whole blocks
     layer_block = 2 * 1 * (256 * dtype_bytes + scale_bytes) * 16
     held_bytes = sum(n * len(g.layers) * layer_block for n, g in zip(held, groups))
     full_bytes = 18 * cdiv(8192, 16) * layer_block
@@ -208,13 +242,24 @@ def replace_blocks(group, n):
 
 # ---- the property test ---------------------------------------------------------------------
 
-add_op = st.tuples(st.just("add"), st.integers(1, 40), st.integers(0, 2), st.integers(0, 6),
-                   st.integers(1, 24), st.integers(0, 2), st.integers(1, 3), st.booleans())
+add_op = st.tuples(
+    st.just("add"),
+    st.integers(1, 40),
+    st.integers(0, 2),
+    st.integers(0, 6),
+    st.integers(1, 24),
+    st.integers(0, 2),
+    st.integers(1, 3),
+    st.booleans(),
+)
 step_op = st.tuples(st.just("step"), st.integers(0, 2**16))
 abort_op = st.tuples(st.just("abort"), st.integers(0, 50))
 finish_op = st.tuples(st.just("finish"), st.integers(0, 50))
-ops = st.lists(st.one_of(add_op, add_op, step_op, step_op, step_op, step_op, abort_op, finish_op),
-               min_size=5, max_size=60)
+ops = st.lists(
+    st.one_of(add_op, add_op, step_op, step_op, step_op, step_op, abort_op, finish_op),
+    min_size=5,
+    max_size=60,
+)
 
 
 class Checker:
@@ -223,17 +268,17 @@ class Checker:
     def __init__(self, s: Scheduler, window: int, drafts: bool):
         self.s, self.window, self.drafts = s, window, drafts
         self.stores = [dict() for _ in s.kv_cache_manager.groups]
-        self.alloc_end: dict[str, int] = {}       # request -> furthest position + 1 given slots
-        self.freed = 0                            # window blocks seen freed behind a window
+        self.alloc_end: dict[str, int] = {}  # request -> furthest position + 1 given slots
+        self.freed = 0  # window blocks seen freed behind a window
 
     def check_blocks(self) -> None:
         s, kv = self.s, self.s.kv_cache_manager
         check_blocks(s)
         for rid in kv.tables:
-            assert s.requests[rid].status == RequestStatus.RUNNING
+            assert s.sequences[rid].status == SequenceStatus.RUNNING
         for r in s.waiting:
-            assert r.num_computed_tokens == 0 and r.request_id not in kv.tables
-            self.alloc_end.pop(r.request_id, None)
+            assert r.num_computed_tokens == 0 and r.seq_id not in kv.tables
+            self.alloc_end.pop(r.seq_id, None)
 
     def run_step(self, rng: random.Random) -> None:
         s, kv, W = self.s, self.s.kv_cache_manager, self.window
@@ -248,18 +293,18 @@ class Checker:
                     pos = c.start_pos + i
                     self.stores[g].setdefault(table[pos // BS], [None] * BS)[pos % BS] = tok
         for c in out.chunks:
-            rid, end, n = c.request.request_id, c.start_pos + len(c.token_ids), len(c.token_ids)
-            known = c.request.all_token_ids[:c.start_pos] + c.token_ids
+            rid, end, n = c.seq.seq_id, c.start_pos + len(c.token_ids), len(c.token_ids)
+            known = c.seq.all_token_ids[: c.start_pos] + c.token_ids
             full, win = c.block_tables
             assert [self.stores[0][full[p // BS]][p % BS] for p in range(end)] == known
-            lo = max(0, c.start_pos - W + 1)        # the first key the chunk's first query sees
+            lo = max(0, c.start_pos - W + 1)  # the first key the chunk's first query sees
             assert [self.stores[1][win[p // BS]][p % BS] for p in range(lo, end)] == known[lo:]
             # The window table: None before the first needed block, held from there to its end.
             table = kv.tables[rid][1]
             first = first_needed_block(c.start_pos, W, BS)
             assert table[:first] == [None] * first and all(b is not None for b in table[first:])
             self.alloc_end[rid] = max(self.alloc_end.get(rid, 0), end)
-            leftover = cdiv(self.alloc_end[rid], BS) - cdiv(end, BS)   # blocks of rolled-back drafts
+            leftover = cdiv(self.alloc_end[rid], BS) - cdiv(end, BS)  # blocks of rolled-back drafts
             held = kv.num_held_blocks(rid)[1]
             assert held <= cdiv(W + n - 2, BS) + 1 + leftover
             if n == 1 and leftover == 0:
@@ -270,25 +315,37 @@ class Checker:
         for c in out.chunks:
             if not c.sample:
                 continue
-            accepted = c.draft_token_ids[:rng.randint(0, len(c.draft_token_ids))]
-            sampled[c.request.request_id] = accepted + [rng.choice([EOS] + list(range(2, 32)))]
+            accepted = c.draft_token_ids[: rng.randint(0, len(c.draft_token_ids))]
+            sampled[c.seq.seq_id] = accepted + [rng.choice([EOS] + list(range(2, 32)))]
         for r in s.update_from_output(out, sampled):
-            assert r.is_finished and r.request_id not in s.requests
-        if self.drafts:      # as the engine's drafter: propose for every request that just sampled
+            assert r.is_finished and r.seq_id not in s.sequences
+        if self.drafts:  # as the engine's drafter: propose for every request that just sampled
             for c in out.chunks:
-                r = c.request
-                if c.sample and r.status == RequestStatus.RUNNING:
+                r = c.seq
+                if c.sample and r.status == SequenceStatus.RUNNING:
                     r.spec_token_ids = [rng.randrange(2, 32) for _ in range(rng.randint(0, 5))]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, full_blocks=st.integers(12, 30), window_blocks=st.integers(8, 30), window=st.integers(3, 13),
-       budget=st.integers(4, 24), max_seqs=st.integers(1, 6), caching=st.booleans(), drafts=st.booleans())
+@given(
+    ops=ops,
+    full_blocks=st.integers(12, 30),
+    window_blocks=st.integers(8, 30),
+    window=st.integers(3, 13),
+    budget=st.integers(4, 24),
+    max_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+    drafts=st.booleans(),
+)
 def test_random_schedules_keep_window_groups_tight_correct_and_leak_free(
-        ops, full_blocks, window_blocks, window, budget, max_seqs, caching, drafts):
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_waiting=12),
-                  CacheConfig(block_size=BS, enable_prefix_caching=caching),
-                  two_groups(window, full_blocks, window_blocks), max_model_len=64)
+    ops, full_blocks, window_blocks, window, budget, max_seqs, caching, drafts
+):
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_waiting=12),
+        CacheConfig(block_size=BS, enable_prefix_caching=caching),
+        two_groups(window, full_blocks, window_blocks),
+        max_model_len=64,
+    )
     check = Checker(s, window, drafts)
     run_ops(s, ops, check.run_step, check.check_blocks)
 
@@ -300,19 +357,32 @@ def test_random_schedules_keep_window_groups_tight_correct_and_leak_free(
         check.check_blocks()
     assert not s.has_unfinished_requests(), "requests never finished"
     kv = s.kv_cache_manager
-    assert s.num_free_blocks == s.num_total_blocks == full_blocks + window_blocks and s.kv_cache_usage == 0.0
+    assert (
+        s.num_free_blocks == s.num_total_blocks == full_blocks + window_blocks
+        and s.kv_cache_usage == 0.0
+    )
     assert all(b.ref_cnt == 0 for pool in kv.pools for b in pool.blocks)
     assert not kv.tables and not kv.num_dropped
 
 
 def test_the_property_test_sees_blocks_freed_and_drafts_rolled_back():
     """The schedules above do exercise freeing: a fixed one with long decodes frees blocks."""
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3),
-                  CacheConfig(block_size=BS), two_groups(5, 40, 20), max_model_len=64)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3),
+        CacheConfig(block_size=BS),
+        two_groups(5, 40, 20),
+        max_model_len=64,
+    )
     check = Checker(s, 5, drafts=True)
     for i in range(3):
-        s.add_request(Request(f"r{i}", BASES[i][:20], SamplingParams(max_tokens=30, ignore_eos=True),
-                              arrival_time=float(i)))
+        s.add_sequence(
+            Sequence(
+                f"r{i}",
+                BASES[i][:20],
+                SamplingParams(max_tokens=30, ignore_eos=True),
+                arrival_time=float(i),
+            )
+        )
     rng = random.Random(1)
     while s.has_unfinished_requests():
         check.run_step(rng)

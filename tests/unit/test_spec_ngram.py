@@ -1,16 +1,17 @@
 """Prompt-lookup proposer (kvserve/spec/ngram.py), adaptive draft length (spec/adaptive.py),
 step cost (spec/step_cost.py) and the Drafter (spec/drafter.py)."""
+
 import random
 
 import pytest
 
 from kvserve.config import SpeculativeConfig
-from kvserve.core.request import Request
+from kvserve.core.sequence import Sequence
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec.adaptive import MAX_COOLDOWN, AdaptiveDraftLength
-from kvserve.spec.step_cost import MIN_SHARE, PRIOR_SHARE, StepCostModel
 from kvserve.spec.drafter import Drafter
 from kvserve.spec.ngram import CANDIDATES, MATCH_CAP, NgramIndex, NgramProposer
+from kvserve.spec.step_cost import MIN_SHARE, PRIOR_SHARE, StepCostModel
 
 
 def brute_force(tokens, k, min_n, max_n):
@@ -23,14 +24,20 @@ def brute_force(tokens, k, min_n, max_n):
     for n in range(max_n, min_n - 1, -1):
         if n >= length:
             continue
-        suffix = tokens[length - n:]
-        starts = [s for s in range(length - n - 1, -1, -1) if tokens[s:s + n] == suffix][:CANDIDATES]
+        suffix = tokens[length - n :]
+        starts = [s for s in range(length - n - 1, -1, -1) if tokens[s : s + n] == suffix][
+            :CANDIDATES
+        ]
         if not starts:
             continue
 
         def match(start):
             end = start + n
-            return max(m for m in range(n, min(MATCH_CAP, end) + 1) if tokens[end - m:end] == tokens[length - m:])
+            return max(
+                m
+                for m in range(n, min(MATCH_CAP, end) + 1)
+                if tokens[end - m : end] == tokens[length - m :]
+            )
 
         best = max(match(s) for s in starts)
         tied = [s for s in starts if match(s) == best]
@@ -50,14 +57,14 @@ def test_finds_the_longest_most_recent_match():
     # suffix [2, 3]: 3-gram [5, 2, 3] never occurred; [2, 3] occurred at 1 (-> 9) and 5 (-> 8), each
     # a 2-token match (1 before both, 5 before the suffix): equal evidence for 9 and for 8, no draft
     assert index.propose(tokens, 3) == []
-    tokens = tokens + [8]          # suffix [2, 3, 8] occurred at 5 -> 5, 2, 3 (3 matched)
+    tokens = tokens + [8]  # suffix [2, 3, 8] occurred at 5 -> 5, 2, 3 (3 matched)
     assert index.propose(tokens, 4) == [5, 2, 3]
 
 
 def test_the_occurrence_that_agrees_longest_is_followed():
     """Not the latest occurrence of the n-gram, but the one whose earlier tokens match the context
     further back: `for start, end in merged(` was followed by `x`, `for ... in sorted(` by `y`."""
-    a, b = [20, 21, 22, 23], [30, 31, 32, 33]       # two texts after which [7, 8] recurs
+    a, b = [20, 21, 22, 23], [30, 31, 32, 33]  # two texts after which [7, 8] recurs
     tokens = a + [7, 8, 100, 101] + b + [7, 8, 200, 201] + [50] + a + [7, 8]
     # [7, 8] last occurred after b (-> 200), but after a (-> 100) it matches 6 tokens
     assert NgramIndex(2, 2).propose(tokens, 8) == [100, 101, 30, 31, 32, 33]
@@ -76,7 +83,9 @@ def test_no_draft_when_equally_good_occurrences_disagree():
 def test_only_the_latest_candidates_are_compared():
     """An n-gram's older occurrences beyond CANDIDATES are forgotten: bounded memory and work per
     lookup on repetitive text."""
-    filler = [[90 + i, 5, 6, 70 + i] for i in range(CANDIDATES)]    # [5, 6] CANDIDATES times, 1 match each
+    filler = [
+        [90 + i, 5, 6, 70 + i] for i in range(CANDIDATES)
+    ]  # [5, 6] CANDIDATES times, 1 match each
     tokens = [1, 2, 5, 6, 3] + sum(filler, []) + [1, 2, 5, 6]
     # the old occurrence after [1, 2] (-> 3) would match 4 tokens but is no longer a candidate;
     # the candidates' 2-token matches disagree
@@ -132,6 +141,7 @@ def test_a_shorter_sequence_rebuilds_the_index():
 def test_long_contexts_are_cheap_per_step():
     """8k tokens fed one at a time: the work per step is the new tokens, not the context."""
     import time
+
     rng = random.Random(0)
     proposer = NgramProposer(2, 4)
     tokens = [rng.randrange(50) for _ in range(8000)]
@@ -140,7 +150,7 @@ def test_long_contexts_are_cheap_per_step():
     for _ in range(500):
         tokens.append(rng.randrange(50))
         proposer.propose("r", tokens, 4)
-    assert time.perf_counter() - t0 < 1.0      # a rescan would be ~500 x 8000 x 3 tuple builds
+    assert time.perf_counter() - t0 < 1.0  # a rescan would be ~500 x 8000 x 3 tuple builds
     proposer.free("r")
     assert len(proposer) == 0
 
@@ -155,7 +165,7 @@ def test_sizes_are_validated():
 # ---------------------------------------------------------------- adaptive draft length
 
 
-SHARE = 0.25     # a row costs a quarter of a one-row step's throughput
+SHARE = 0.25  # a row costs a quarter of a one-row step's throughput
 
 
 def test_full_length_while_accepted():
@@ -168,13 +178,13 @@ def test_full_length_while_accepted():
 def test_length_is_the_last_draft_that_pays_for_its_row():
     """alpha^k > share: the same acceptance drafts fewer tokens where rows are dear."""
     a = AdaptiveDraftLength(8)
-    for _ in range(30):                  # two accepted, then a rejection: alpha -> 2/3
+    for _ in range(30):  # two accepted, then a rejection: alpha -> 2/3
         a.record(3, 2)
     assert abs(a.alpha - 2 / 3) < 0.01
-    assert a.next_length(0.16) == 4      # (2/3)^4 = 0.198 > 0.16 > (2/3)^5 = 0.132
-    assert a.next_length(0.33) == 2      # (2/3)^2 = 0.444 > 0.33 > (2/3)^3 = 0.296
-    assert a.next_length(0.0) == 8       # free rows: the whole length
-    assert a.worth(0.7) == 0             # nothing pays a row that costs more than alpha
+    assert a.next_length(0.16) == 4  # (2/3)^4 = 0.198 > 0.16 > (2/3)^5 = 0.132
+    assert a.next_length(0.33) == 2  # (2/3)^2 = 0.444 > 0.33 > (2/3)^3 = 0.296
+    assert a.next_length(0.0) == 8  # free rows: the whole length
+    assert a.worth(0.7) == 0  # nothing pays a row that costs more than alpha
 
 
 def test_shrinks_to_plain_decoding_then_probes_and_backs_off():
@@ -231,25 +241,25 @@ def test_never_drafts_when_a_draft_costs_a_step_or_more():
 
 def test_step_cost_fits_the_fixed_and_the_per_row_time():
     m = StepCostModel()
-    assert m.fit() is None and m.row_share(1) == PRIOR_SHARE    # nothing seen: the prior
+    assert m.fit() is None and m.row_share(1) == PRIOR_SHARE  # nothing seen: the prior
     for rows in [1, 5, 1, 3, 1, 5, 2, 1] * 5:
         m.observe(rows, 0.003 + 0.0015 * rows)
     a, b = m.fit()
     assert abs(a - 0.003) < 1e-9 and abs(b - 0.0015) < 1e-9
     assert abs(m.row_share(1) - 0.0015 / 0.0045) < 1e-6
-    assert m.row_share(64) > 0.95                                 # a large batch: compute-bound
+    assert m.row_share(64) > 0.95  # a large batch: compute-bound
 
 
 def test_step_cost_needs_spread_rows_and_never_calls_a_row_free():
     m = StepCostModel()
     for _ in range(50):
-        m.observe(1, 0.004)              # one row count only: the slope is unknown
+        m.observe(1, 0.004)  # one row count only: the slope is unknown
     assert m.fit() is None and m.row_share(1) == PRIOR_SHARE
     for rows in [1, 4] * 20:
-        m.observe(rows, 0.004)           # rows that cost nothing (noise): still a minimum price
+        m.observe(rows, 0.004)  # rows that cost nothing (noise): still a minimum price
     assert m.row_share(1) == MIN_SHARE
     m.observe(0, 1.0)
-    m.observe(3, float("nan"))           # ignored
+    m.observe(3, float("nan"))  # ignored
     assert m.row_share(1) == MIN_SHARE
 
 
@@ -257,16 +267,18 @@ def test_step_cost_needs_spread_rows_and_never_calls_a_row_free():
 
 
 def make_request(prompt, max_tokens=50):
-    return Request("r", prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+    return Sequence("r", prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
 
 
 def test_drafter_caps_drafts_to_the_tokens_left():
-    d = Drafter(SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=2))
+    d = Drafter(
+        SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=2)
+    )
     req = make_request([1, 2, 3, 4, 1, 2], max_tokens=3)
-    assert d.propose(req) == [3, 4]              # 3 tokens left: 2 drafts + the token after them
+    assert d.propose(req) == [3, 4]  # 3 tokens left: 2 drafts + the token after them
     req.append_output_token(3)
     req.append_output_token(4)
-    assert d.propose(req) == []                  # one token left: nothing to draft
+    assert d.propose(req) == []  # one token left: nothing to draft
 
 
 def test_drafter_counts_acceptance_by_position():
@@ -283,10 +295,10 @@ def test_step_cost_predicts_seconds():
     m = StepCostModel()
     assert m.seconds(1) is None
     m.observe(2, 0.004)
-    assert m.seconds(7) == 0.004                  # one row count seen: the mean step
+    assert m.seconds(7) == 0.004  # one row count seen: the mean step
     for rows in [1, 5, 1, 3] * 5:
         m.observe(rows, 0.003 + 0.0015 * rows)
-    assert abs(m.seconds(4) - 0.009) < 1e-4     # the fit, the first step weighing in
+    assert abs(m.seconds(4) - 0.009) < 1e-4  # the fit, the first step weighing in
 
 
 class _ModelProposer:
@@ -307,19 +319,20 @@ def test_a_draft_models_rounds_raise_the_price_of_a_draft():
     for rows in [1, 2, 1, 3] * 10:
         d.observe_step(rows, 0.004 + 0.001 * rows, verified=False)
     row_share = d.step_cost.row_share(1)
-    assert d.token_price(1) == row_share          # no round measured yet: the row alone
+    assert d.token_price(1) == row_share  # no round measured yet: the row alone
     for _ in range(10):
-        proposer.round_cost.observe(1, 0.004)      # a round costs 0.8 of a one-row step
+        proposer.round_cost.observe(1, 0.004)  # a round costs 0.8 of a one-row step
     assert abs(d.token_price(1) - (row_share + 0.8)) < 1e-6
     assert d.propose_batch([make_request([1, 2, 3])]) == [[]]
     # alpha 0.8 (the prior) does not pay for a price of 1.0: the request decodes plainly
     assert proposer.asked[-1] == [0]
     cheap = Drafter(SpeculativeConfig(num_speculative_tokens=4), _ModelProposer())
-    assert cheap.propose_batch([make_request([1, 2, 3])]) == [[7] * 4]     # rows at the prior price
+    assert cheap.propose_batch([make_request([1, 2, 3])]) == [[7] * 4]  # rows at the prior price
 
 
 def test_a_draft_models_cache_takes_its_share_of_the_budget():
     from kvserve.config import CacheConfig
+
     c = CacheConfig(kv_cache_memory=1000)
     assert c.share(0.6).kv_cache_memory == 600 and c.kv_cache_memory == 1000
     assert CacheConfig(kv_cache_fraction=0.5).share(0.5).kv_cache_fraction == 0.25
@@ -342,7 +355,7 @@ class _CatchUpProposer(_ModelProposer):
 
 def _drafter_with_steps(proposer):
     d = Drafter(SpeculativeConfig(num_speculative_tokens=4), proposer)
-    for rows in [1, 2, 1, 3] * 10:                 # a one-row step: 5 ms, a row 1 ms (share 0.2)
+    for rows in [1, 2, 1, 3] * 10:  # a one-row step: 5 ms, a row 1 ms (share 0.2)
         d.observe_step(rows, 0.004 + 0.001 * rows, verified=False)
     return d
 
@@ -364,15 +377,15 @@ def test_a_catch_up_that_costs_more_than_drafting_saves_is_not_made():
 
 def test_a_catch_up_of_unknown_cost_or_of_one_or_two_tokens_is_made():
     unknown = _drafter_with_steps(_CatchUpProposer(pending=300, per_token=None))
-    assert unknown.propose(make_request(list(range(10)))) == [7] * 4      # the first feed measures it
+    assert unknown.propose(make_request(list(range(10)))) == [7] * 4  # the first feed measures it
     continuing = _drafter_with_steps(_CatchUpProposer(pending=2, per_token=1.0))
-    assert continuing.propose(make_request(list(range(10)))) == [7] * 4   # part of a round's price
+    assert continuing.propose(make_request(list(range(10)))) == [7] * 4  # part of a round's price
 
 
 def test_gain_per_step_counts_the_drafts_that_pay():
-    a = AdaptiveDraftLength(4)                      # alpha 0.8 (the prior)
+    a = AdaptiveDraftLength(4)  # alpha 0.8 (the prior)
     assert abs(a.gain_per_step(0.2) - (0.6 + 0.44 + 0.312 + 0.2096)) < 1e-9
-    assert a.gain_per_step(0.8) == 0.0              # nothing pays at the prior's own rate
+    assert a.gain_per_step(0.8) == 0.0  # nothing pays at the prior's own rate
     for _ in range(20):
-        a.record(4, 4)                              # alpha near 1: the rate it reached counts
+        a.record(4, 4)  # alpha near 1: the rate it reached counts
     assert a.gain_per_step(0.8) > 0.5

@@ -1,10 +1,18 @@
 """The token bitmask layout: bit j % 32 of word j // 32 set = token j allowed."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from kvserve.structured.bitmask import (allocate_bitmask, allowed_token_ids, apply_bitmask_numpy, bitmask_words,
-                                        forbid_ids_from, is_token_allowed, unpack_bitmask)
+from kvserve.structured.bitmask import (
+    allocate_bitmask,
+    allowed_token_ids,
+    apply_bitmask_numpy,
+    bitmask_words,
+    forbid_ids_from,
+    is_token_allowed,
+    unpack_bitmask,
+)
 
 
 def bitmask_of(allowed: list[set[int]], vocab: int) -> np.ndarray:
@@ -26,7 +34,7 @@ def test_layout_bit_j_of_word_j_over_32():
     vocab = 100
     allowed = [{0, 31, 32, 63, 99}, {5}, set()]
     mask = bitmask_of(allowed, vocab)
-    assert mask[0, 0] == np.int32(-2**31 + 1)      # bits 0 and 31 of word 0
+    assert mask[0, 0] == np.int32(-(2**31) + 1)  # bits 0 and 31 of word 0
     for row, ids in enumerate(allowed):
         assert set(allowed_token_ids(mask, row, vocab).tolist()) == ids
         assert all(is_token_allowed(mask, row, j) == (j in ids) for j in range(vocab))

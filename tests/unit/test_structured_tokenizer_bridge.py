@@ -1,6 +1,7 @@
 """The llguidance tokenizer of the default model: every id's bytes are the detokenizer's, byte for
 byte (byte-level BPE pieces of multi-byte characters compared as bytes), special tokens included;
 ids past the tokenizer's vocabulary are never allowed."""
+
 from __future__ import annotations
 
 import random
@@ -17,7 +18,11 @@ from kvserve.structured.tokenizer_bridge import ll_tokenizer
 
 def gpt2_char_to_byte() -> dict[str, int]:
     """Byte-level BPE's alphabet: the printable character standing for each byte (GPT-2's map)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -32,6 +37,7 @@ def gpt2_char_to_byte() -> dict[str, int]:
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     from tests.conftest import default_model_or_skip
+
     return Tokenizer.from_gguf(default_model_or_skip())
 
 
@@ -59,19 +65,25 @@ def test_every_id_has_the_detokenizers_bytes(tokenizer, bridged):
             mismatched.append((token_id, got, want, text))
         multibyte_pieces += "\ufffd" in text
     assert not mismatched, mismatched[:10]
-    assert multibyte_pieces > 100      # the vocabulary's partial UTF-8 pieces were compared as bytes
+    assert multibyte_pieces > 100  # the vocabulary's partial UTF-8 pieces were compared as bytes
 
 
 def test_token_sequences_decode_to_the_detokenizers_text(tokenizer, bridged):
     """Pieces of multi-byte characters join up as the detokenizer joins them."""
     rng = random.Random(0)
-    texts = ["naïve café — 日本語のテキスト 🙂👍🏽", "Ünïcödé\tand\nnewlines",
-             "{\"key\": [1, 2.5e-3, null]}"]
+    texts = [
+        "naïve café — 日本語のテキスト 🙂👍🏽",
+        "Ünïcödé\tand\nnewlines",
+        '{"key": [1, 2.5e-3, null]}',
+    ]
     sequences = [tokenizer.encode(t) for t in texts]
-    sequences += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(300)]
+    sequences += [
+        [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(300)
+    ]
     for ids in sequences:
-        assert bridged.decode_bytes(ids).decode("utf-8", errors="replace") == \
-            tokenizer.decode(ids, skip_special_tokens=False), ids
+        assert bridged.decode_bytes(ids).decode("utf-8", errors="replace") == tokenizer.decode(
+            ids, skip_special_tokens=False
+        ), ids
     for text in texts:
         assert bridged.decode_bytes(tokenizer.encode(text)) == text.encode("utf-8")
 

@@ -1,5 +1,6 @@
 """How tensor parallelism splits a model (kvserve/runner/tensor_parallel.py): KV heads in
 contiguous runs, uneven where they must be, every head and row exactly once."""
+
 import pytest
 
 from kvserve.config import make_engine_config

@@ -5,7 +5,7 @@ per format:
            dequantized to fp32)
     int8   (int8.py) per-output-channel symmetric int8 weights, LM head included; weight-only kernel
            (_weight_int8pack_mm, bf16 activations) by default, fbgemm's dynamic int8 linear with
-           KVSERVE_INT8_KERNEL=fbgemm (fastest; activations quantized per token, at some cost in
+           KVSERVE_INT8_KERNEL=fbgemm (faster; activations quantized per token, at some cost in
            top-1 agreement: see Int8Method)
     int4   (int4.py) group-32 asymmetric int4 weights, run by torch's int4pack CPU kernel (bf16
            activations: its float32 path is a slow reference loop). GGUF Q4_0/Q4_1 blocks are taken
@@ -13,8 +13,9 @@ per format:
            The LM head is int8.
     gguf   (gguf.py) the file's own blocks: Q4_0/Q4_1/Q8_0 (the default model's layers and its tied
            Q8_0 LM head), Q5_0, Q5_1, IQ4_NL, IQ4_XS and the K-quants Q3_K/Q4_K/Q5_K/Q6_K,
-           decoded without changing a value and interleaved 16 rows at a time (kvserve.ops.gguf_blocks) and run by our C
-           kernels (ops/csrc/gguf_gemv*.c: AVX-512 VNNI, AVX2, AVX-VNNI, Arm NEON or portable C,
+           decoded without changing a value and interleaved 16 rows at a time
+           (kvserve.ops.gguf_blocks) and run by kvserve's C kernels (ops/csrc/gguf_gemv*.c:
+           AVX-512 VNNI, AVX2, AVX-VNNI, Arm NEON or portable C,
            the same bits on each; activations as two 8-bit parts per block of 32) at every batch
            size (GgufMethod). Other GGUF types (Q2_K, Q5_1, IQ*) are dequantized to float32.
            Without a C compiler: Q4 blocks in int4pack for 1-2 rows, fbgemm fp16 above, and a
@@ -22,48 +23,74 @@ per format:
            torch has fbgemm (x86); dense float32 weights where it has not (Arm).
     gguf-a8 gguf with the activations as one 8-bit part per block of 32 (llama.cpp's precision)
            instead of two: half the integer work per token, and prompt tokens take the integer
-           GEMV too; outside eval-quality's bound on the default model (docs/benchmarks-notes.md),
-           so never the default. Without the C kernels it falls back as gguf does.
+           GEMV too; outside eval-quality's bound on the default model, so never the default.
+           Without the C kernels it falls back as gguf does.
     gguf-mixed  (the default for GGUF files) gguf with the activations as one 8-bit part per
            block, except the blocks whose second part carries at least 2^-13 of the block's
-           energy (an outlier's block; about 7% on the default model): near gguf-a8's work,
+           energy (an outlier's block): near gguf-a8's work,
            prompt tokens on the integer GEMV too, and inside eval-quality's bound. Falls back as
            gguf does.
 
 blocks.py holds BlockTensor (GGUF blocks not dequantized), base.py the shard staging all packed
 formats share. The default for GGUF models is the fastest format within the quality bound of
 `kvserve eval-quality` (DEFAULT_GGUF below). Kernel timings and quality figures of the formats:
-docs/benchmarks-notes.md, "Weight formats in kvserve.model.quant".
+docs/benchmarks.md.
 """
+
 from __future__ import annotations
 
 from torch import nn
 
 from kvserve.model.layers import Linear
-from kvserve.model.quant.base import _PackedMethod
 from kvserve.model.quant.blocks import GROUP, BlockTensor, _packable_types, _q4_types, is_q4
 from kvserve.model.quant.fp16 import Fp16Method, fp16_prepack
 from kvserve.model.quant.gguf import GgufMethod
 from kvserve.model.quant.int4 import Int4Method, quantize_int4_rows
-from kvserve.model.quant.int8 import Int8Method, _has_vnni, quantize_int8_rows
+from kvserve.model.quant.int8 import Int8Method, quantize_int8_rows
 from kvserve.ops import cpu_kernels
-# The block packing lives next to its kernel; re-exported for callers of the old kvserve.model.quant.
+
+# The block packing lives next to its kernel (kvserve.ops.gguf_blocks); re-exported here.
 from kvserve.ops.gguf_blocks import pack_gguf_parts, pack_gguf_rows, unpack_gguf_rows
 
-__all__ = ["FORMATS", "GGUF_FORMATS", "GROUP", "KEEP_BLOCKS", "DEFAULT_GGUF", "DESCRIPTION", "BlockTensor", "is_q4",
-           "Int8Method", "quantize_int8_rows", "Int4Method", "quantize_int4_rows", "Fp16Method",
-           "fp16_prepack", "GgufMethod", "pack_gguf_parts", "pack_gguf_rows", "unpack_gguf_rows",
-           "method_for", "head_method_for", "apply_quantization"]
+__all__ = [
+    "FORMATS",
+    "GGUF_FORMATS",
+    "GROUP",
+    "KEEP_BLOCKS",
+    "DEFAULT_GGUF",
+    "DESCRIPTION",
+    "BlockTensor",
+    "is_q4",
+    "Int8Method",
+    "quantize_int8_rows",
+    "Int4Method",
+    "quantize_int4_rows",
+    "Fp16Method",
+    "fp16_prepack",
+    "GgufMethod",
+    "pack_gguf_parts",
+    "pack_gguf_rows",
+    "unpack_gguf_rows",
+    "method_for",
+    "head_method_for",
+    "apply_quantization",
+]
 
 FORMATS = ("none", "int8", "int4", "gguf", "gguf-a8", "gguf-mixed")
-GGUF_FORMATS = {"gguf": "two", "gguf-a8": "one", "gguf-mixed": "mixed"}   # format -> the activations' parts
+GGUF_FORMATS = {
+    "gguf": "two",
+    "gguf-a8": "one",
+    "gguf-mixed": "mixed",
+}  # format -> the activations' parts
 
 
 # ---------------------------------------------------------------- choosing methods
 
+
 def has_fbgemm() -> bool:
     """Whether this torch has fbgemm's quantized kernels (x86 builds; Arm builds have not)."""
     import torch
+
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
@@ -76,7 +103,7 @@ def method_for(fmt: str, in_features: int, out_features: int):
     if fmt in GGUF_FORMATS and cpu_kernels.available():
         return GgufMethod(parts=GGUF_FORMATS[fmt]) if in_features % GROUP == 0 else None
     if fmt in GGUF_FORMATS and not has_fbgemm():
-        return None            # no C kernels and no fbgemm (Arm without a compiler): dense float32
+        return None  # no C kernels and no fbgemm (Arm without a compiler): dense float32
     if fmt == "int4" or fmt in GGUF_FORMATS:
         return Int4Method(batch_fp16=fmt != "int4") if Int4Method.supports(in_features) else None
     raise ValueError(f"quantization {fmt!r} is not supported (choose from {list(FORMATS)})")
@@ -86,8 +113,7 @@ def head_method_for(fmt: str, in_features: int, out_features: int):
     """The LM head's method: gguf keeps the file's Q8_0 blocks for the C kernel (without C kernels:
     the same values as fbgemm fp16 weights with fp32 activations where torch has fbgemm, not an
     int8-activation head; dense float32 where it has not); int4 uses int8 for the head (an int4
-    head loses too much quality; the figures: docs/benchmarks-notes.md, "Weight formats in
-    kvserve.model.quant")."""
+    head loses too much quality; the figures: docs/benchmarks.md)."""
     if fmt in GGUF_FORMATS:
         if cpu_kernels.available() and in_features % GROUP == 0:
             return GgufMethod(parts=GGUF_FORMATS[fmt])
@@ -115,22 +141,28 @@ def apply_quantization(model: nn.Module, fmt: str) -> None:
     if model.lm_head is None and arch.tie_word_embeddings:
         method = head_method_for(fmt, arch.hidden_size, arch.vocab_size)
         if method is not None:
-            model.tie_quantized_head(Linear(arch.hidden_size, arch.vocab_size, dtype=model.dtype,
-                                            quant_method=method))
+            model.tie_quantized_head(
+                Linear(arch.hidden_size, arch.vocab_size, dtype=model.dtype, quant_method=method)
+            )
 
 
 # GGUF qtypes the loader hands over as blocks (not dequantized), per format.
 KEEP_BLOCKS = {"int4": _q4_types(), **{fmt: _packable_types() for fmt in GGUF_FORMATS}}
 
 # The default for GGUF models: the fastest format within the quality bound of `kvserve eval-quality`
-# (the figures: docs/benchmarks-notes.md, "Weight formats in kvserve.model.quant").
-DEFAULT_GGUF = "gguf-mixed"     # 98.25% top-1, +0.14% ppl; gguf: 99.98%, +0.00%, slower batches and prompts
+# (the figures: docs/benchmarks.md).
+DEFAULT_GGUF = "gguf-mixed"
 
 DESCRIPTION = {
     "none": "dense weights in the model dtype, GGUF blocks dequantized",
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
-    "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, LM head included",
-    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL/IQ4_XS and Q3_K/Q4_K/Q5_K/Q6_K blocks run by kvserve's C kernels (the build for this CPU's instruction set) at every batch size, activations as two 8-bit parts per block (the most accurate)",
-    "gguf-a8": "gguf with activations as one 8-bit part per block (llama.cpp's precision): faster batches and prompts, less accurate",
-    "gguf-mixed": "gguf with activations as one 8-bit part per block except where an outlier needs the second: near gguf-a8's speed, within the quality bound",
+    "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, "
+    "LM head included",
+    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL/IQ4_XS and Q3_K/Q4_K/Q5_K/Q6_K blocks run by "
+    "kvserve's C kernels (the build for this CPU's instruction set) at every batch size, "
+    "activations as two 8-bit parts per block (the most accurate)",
+    "gguf-a8": "gguf with activations as one 8-bit part per block (llama.cpp's precision): "
+    "faster batches and prompts, less accurate",
+    "gguf-mixed": "gguf with activations as one 8-bit part per block except where an outlier "
+    "needs the second: near gguf-a8's speed, within the quality bound",
 }

@@ -1,4 +1,5 @@
 """Staging of fused shards: the base of the packed weight formats."""
+
 from __future__ import annotations
 
 import torch
@@ -11,13 +12,15 @@ class _PackedMethod:
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         layer.weight = None
-        layer._staged = {}      # offset -> (parts, rows) of a shard not yet packed
+        layer._staged = {}  # offset -> (parts, rows) of a shard not yet packed
         layer._dtype = dtype
 
     def load(self, layer, w, offset: int, whole: bool) -> None:
         parts = self._stage(layer, offset, self.rows(w), w.shape[0])
         if parts is not None:
-            self.pack(layer, *(torch.cat(xs, 0) if xs[0] is not None else None for xs in zip(*parts)))
+            self.pack(
+                layer, *(torch.cat(xs, 0) if xs[0] is not None else None for xs in zip(*parts))
+            )
 
     @staticmethod
     def _stage(layer, offset: int, part, rows: int) -> list | None:
@@ -38,7 +41,8 @@ class _PackedMethod:
 
     @staticmethod
     def _run_2d(layer, x: torch.Tensor, kernel) -> torch.Tensor:
-        """kernel(x as [rows, in_features]) -> [rows, out]; back to x's shape and dtype, plus the bias."""
+        """kernel(x as [rows, in_features]) -> [rows, out]; back to x's shape and dtype, plus the
+        bias."""
         shape = x.shape
         y = kernel(x.reshape(-1, shape[-1])).to(x.dtype).reshape(*shape[:-1], layer.out_features)
         return y + layer.bias if layer.bias is not None else y

@@ -1,11 +1,13 @@
 """GGUF tensors handed over still in their quantized blocks (BlockTensor), and which GGUF types
 the packed formats take as they are."""
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from kvserve.ops.gguf_blocks import GROUP, packable_types  # GROUP: weights per GGUF block = the int4 group
+# GROUP: weights per GGUF block = the int4 group (re-exported)
+from kvserve.ops.gguf_blocks import GROUP, packable_types  # noqa: F401
 from kvserve.ops.gguf_types import GGMLQuantizationType as Q
 
 
@@ -19,6 +21,7 @@ class BlockTensor:
 
     def dequantize(self) -> torch.Tensor:
         from kvserve.model.gguf_loader import dequantize_rows
+
         return dequantize_rows(self.raw, self.qtype).reshape(self.shape)
 
     def int4_parts(self):
@@ -28,8 +31,12 @@ class BlockTensor:
         b = torch.from_numpy(self.raw).view(-1, 18 if self.qtype == Q.Q4_0 else 20)
         d = b[:, 0:2].contiguous().view(torch.float16).float().view(rows, -1)
         qs = b[:, -16:]
-        q = torch.stack((qs & 0xF, qs >> 4), dim=1).reshape(rows, -1)    # low nibbles first
-        m = b[:, 2:4].contiguous().view(torch.float16).float().view(rows, -1) if self.qtype == Q.Q4_1 else None
+        q = torch.stack((qs & 0xF, qs >> 4), dim=1).reshape(rows, -1)  # low nibbles first
+        m = (
+            b[:, 2:4].contiguous().view(torch.float16).float().view(rows, -1)
+            if self.qtype == Q.Q4_1
+            else None
+        )
         return q, d, m
 
 

@@ -1,5 +1,6 @@
 """gguf: the file's own blocks (Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants Q3_K, Q4_K, Q5_K, Q6_K), run
 by the C kernel (ops/csrc/gguf_gemv.c)."""
+
 from __future__ import annotations
 
 import torch
@@ -37,17 +38,17 @@ class GgufMethod(_PackedMethod):
     def __init__(self, parts: str = "two"):
         if parts not in cpu_kernels.ACT_PARTS:
             raise ValueError(f"parts must be one of {sorted(cpu_kernels.ACT_PARTS)}, got {parts!r}")
-        self.isa = cpu_kernels.selected_isa()       # the kernel build, fixed for the layer's life
+        self.isa = cpu_kernels.selected_isa()  # the kernel build, fixed for the layer's life
         self.parts = parts
 
     def load(self, layer, w, offset: int, whole: bool) -> None:
-        parts = self._stage(layer, offset, w, w.shape[0])      # blocks stay blocks until pack
+        parts = self._stage(layer, offset, w, w.shape[0])  # blocks stay blocks until pack
         if parts is not None:
             self.pack(layer, parts)
 
     def pack(self, layer, parts):
         kinds = [packed_kind(p.qtype) if isinstance(p, BlockTensor) else None for p in parts]
-        runs: list[list] = []                 # consecutive shards of one kind pack together
+        runs: list[list] = []  # consecutive shards of one kind pack together
         for part, kind in zip(parts, kinds):
             if runs and runs[-1][0] == kind:
                 runs[-1][1].append(part)
@@ -78,9 +79,12 @@ class GgufMethod(_PackedMethod):
 
         def kernel(x2):
             x2 = x2.float().contiguous()
-            outs = [cpu_kernels.gguf_gemv(w, kind, rows, x2, isa=self.isa, parts=self.parts)
-                    for w, kind, rows in layer.gguf_parts]
+            outs = [
+                cpu_kernels.gguf_gemv(w, kind, rows, x2, isa=self.isa, parts=self.parts)
+                for w, kind, rows in layer.gguf_parts
+            ]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
         return self._run_2d(layer, x, kernel)
 
     def row_reader(self, layer):
@@ -89,9 +93,14 @@ class GgufMethod(_PackedMethod):
         if not getattr(layer, "gguf_parts", None):
             return None
         if layer.gguf_packed is not None:
-            return lambda ids: cpu_kernels.gguf_rows(layer.gguf_packed, layer.gguf_kind,
-                                                     layer.out_features, layer.in_features, ids,
-                                                     isa=self.isa)
+            return lambda ids: cpu_kernels.gguf_rows(
+                layer.gguf_packed,
+                layer.gguf_kind,
+                layer.out_features,
+                layer.in_features,
+                ids,
+                isa=self.isa,
+            )
 
         def read(ids):
             ids = ids.reshape(-1).to(torch.int64)
@@ -102,17 +111,23 @@ class GgufMethod(_PackedMethod):
             for w, kind, rows in layer.gguf_parts:
                 sel = ((ids >= start) & (ids < start + rows)).nonzero().reshape(-1)
                 if sel.numel():
-                    out[sel] = cpu_kernels.gguf_rows(w, kind, rows, layer.in_features,
-                                                     ids[sel] - start, isa=self.isa)
+                    out[sel] = cpu_kernels.gguf_rows(
+                        w, kind, rows, layer.in_features, ids[sel] - start, isa=self.isa
+                    )
                 start += rows
             return out
+
         return read
 
     def dequantized(self, layer) -> torch.Tensor:
         if layer.dense_weight is not None:
             return layer.dense_weight
-        return torch.cat([unpack_gguf_rows(w, kind, (rows, layer.in_features))
-                          for w, kind, rows in layer.gguf_parts])
+        return torch.cat(
+            [
+                unpack_gguf_rows(w, kind, (rows, layer.in_features))
+                for w, kind, rows in layer.gguf_parts
+            ]
+        )
 
 
 def _dense_reason(parts, kinds, runs) -> str | None:
@@ -120,10 +135,15 @@ def _dense_reason(parts, kinds, runs) -> str | None:
     by its index ("part 2: ...")."""
     for i, (part, kind) in enumerate(zip(parts, kinds)):
         if kind is None:
-            qtype = part.qtype if isinstance(part, BlockTensor) else getattr(part, "gguf_qtype", None)
-            qtype = getattr(qtype, "name", None)       # gguf_qtype: the loader dequantized it
-            why = (f"GGUF type {qtype} has no packed kind" if qtype else
-                   "its weights are not GGUF blocks")
+            qtype = (
+                part.qtype if isinstance(part, BlockTensor) else getattr(part, "gguf_qtype", None)
+            )
+            qtype = getattr(qtype, "name", None)  # gguf_qtype: the loader dequantized it
+            why = (
+                f"GGUF type {qtype} has no packed kind"
+                if qtype
+                else "its weights are not GGUF blocks"
+            )
             return f"part {i}: {why}" if len(parts) > 1 else why
     if len(runs) > 1:
         if len(runs) > cpu_kernels.STACK_MAX_PARTS:

@@ -1,9 +1,11 @@
-"""int4: group-32 asymmetric int4 weights in torch's int4pack layout (GGUF Q4_0/Q4_1 blocks as they are).
+"""int4: group-32 asymmetric int4 weights in torch's int4pack layout (GGUF Q4_0/Q4_1 blocks as
+they are).
 
 int4pack's convention (checked against the kernel): w = (q - 8) * scale + zero, q in 0..15, with
 scale/zero laid out as [K / group, N, 2]. GGUF Q4_1 is w = d * q + m, so scale = d and
 zero = m + 8 d; Q4_0 is w = d * (q - 8), so scale = d and zero = 0.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,16 +29,17 @@ def quantize_int4_rows(w: torch.Tensor, group: int = GROUP):
 
 class Int4Method(_PackedMethod):
     """Group-32 int4 weights in torch's int4pack layout; GGUF Q4_0/Q4_1 blocks load directly.
-    Activations go through the kernel in `compute_dtype` (bf16: the fp32 path is ~40x slower).
+    Activations go through the kernel in `compute_dtype` (bf16: its fp32 path is a slow
+    reference loop).
 
-    int4pack is the fastest kernel here for 1-2 rows (decode of one or two requests), but it
-    scales badly with rows (no native bf16 on this CPU): at 64 rows it is 2x slower than fp32.
-    With `batch_fp16`, the layer also keeps its int4 values, dequantized exactly, as an fbgemm
-    fp16 weight, and calls with more than SMALL_BATCH rows run fbgemm's fp16 GEMM (fp32
-    activations and accumulation), 2-4x faster than int4pack from 3 rows up. Both paths compute
-    with the same weights (fp16 rounding of d*q+m: 2^-11 relative)."""
+    int4pack is the fastest kernel here for one or two rows (decode of one or two requests), but
+    it scales badly with rows on CPUs without native bf16. With `batch_fp16`, the layer also
+    keeps its int4 values, dequantized exactly, as an fbgemm fp16 weight, and calls with more
+    than SMALL_BATCH rows run fbgemm's fp16 GEMM (fp32 activations and accumulation). Both paths
+    compute with the same weights (fp16 rounding of d*q+m: 2^-11 relative). Timings:
+    docs/benchmarks.md."""
 
-    SMALL_BATCH = 2     # measured crossover: int4pack wins at 1-2 rows, fbgemm fp16 from 3
+    SMALL_BATCH = 2  # the crossover: int4pack up to this many rows, fbgemm fp16 above
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16, batch_fp16: bool = False):
         self.compute_dtype = compute_dtype
@@ -55,22 +58,27 @@ class Int4Method(_PackedMethod):
         layer.register_buffer("d4", d, persistent=False)
         layer.register_buffer("m4", m, persistent=False)
         zero = m + 8 * d if m is not None else torch.zeros_like(d)
-        layer.register_buffer("packed4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1),
-                              persistent=False)
-        sz = torch.stack((d.t(), zero.t()), dim=-1).contiguous()          # [K/g, N, 2]
+        layer.register_buffer(
+            "packed4",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1),
+            persistent=False,
+        )
+        sz = torch.stack((d.t(), zero.t()), dim=-1).contiguous()  # [K/g, N, 2]
         layer.register_buffer("scale_zero4", sz.to(self.compute_dtype), persistent=False)
         if self.batch_fp16:
             w = self._dequantize(q, d, m)
             layer._fp16 = fp16_prepack(w)
             layer.fp16_nbytes = w.numel() * 2
-        del layer.q4     # the packed copy is enough at run time; dequantized() unpacks on demand
+        del layer.q4  # the packed copy is enough at run time; dequantized() unpacks on demand
 
     def apply(self, layer, x):
         def kernel(x2):
             if self.batch_fp16 and x2.shape[0] > self.SMALL_BATCH:
                 return torch.ops.quantized.linear_dynamic_fp16(x2.float(), layer._fp16)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.compute_dtype), layer.packed4,
-                                                             GROUP, layer.scale_zero4)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(self.compute_dtype), layer.packed4, GROUP, layer.scale_zero4
+            )
+
         return self._run_2d(layer, x, kernel)
 
     def dequantized(self, layer) -> torch.Tensor:
@@ -89,6 +97,10 @@ class Int4Method(_PackedMethod):
         # small integers that bf16 holds exactly.
         K, N = layer.in_features, layer.out_features
         sz = torch.stack((torch.ones(K // GROUP, N), torch.full((K // GROUP, N), 8.0)), -1)
-        q = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(K, dtype=torch.bfloat16), layer.packed4,
-                                                       GROUP, sz.to(torch.bfloat16).contiguous())
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.eye(K, dtype=torch.bfloat16),
+            layer.packed4,
+            GROUP,
+            sz.to(torch.bfloat16).contiguous(),
+        )
         return q.t().float().round().to(torch.uint8)

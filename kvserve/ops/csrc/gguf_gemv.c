@@ -125,7 +125,7 @@ static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, 
     *dx = amax / (127.f * 256.f);
     /* One part: the m term takes the sum of the quantized values, as the d q term does (llama.cpp's
      * Q8_1 s), so their rounding errors cancel; the exact sum beside sum q x~ (q in 0..15, not
-     * centered) leaves the d q term's error whole (docs/benchmarks-notes.md, gguf-a8). Two parts:
+     * centered) leaves the d q term's error whole (docs/benchmarks.md, gguf-a8). Two parts:
      * the exact sum (their rounding is ~2^-15 of the block's max). */
     *sx = one ? *dx * (float)t : sum;
     *sq = t;

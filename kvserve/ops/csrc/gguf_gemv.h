@@ -36,7 +36,7 @@
  * that skips the xb products of a block whose xb are all zero (every block with one part, any
  * block with mixed parts; gguf_xb_zero) gives the bits of one that multiplies the zeros. One part
  * is just outside eval-quality's top-1 bound on the default model, so it is opt-in; mixed parts
- * are inside it (figures: docs/benchmarks-notes.md).
+ * are inside it (figures: docs/benchmarks.md).
  *
  * What every kernel computes, exactly (the same bits on every ISA; tests compare them):
  *   for each of the 16 rows i and each activation row r < R:
@@ -89,7 +89,7 @@ static inline int64_t gguf_packed_block_bytes(int64_t kind) {
 /* Every kernel prefetches the block GGUF_PREFETCH blocks ahead of the one it multiplies (all its
  * cache lines; a prefetch past the end of the weights never faults). Batch-1 decode streams each
  * matrix once from memory, and the hardware prefetcher alone ramps up too slowly on these short
- * streams (docs/benchmarks-notes.md: 12-20% faster decode with it). */
+ * streams (timings: docs/benchmarks.md). */
 #define GGUF_PREFETCH 16
 static inline __attribute__((always_inline)) void gguf_prefetch_block(const uint8_t *wg, int64_t pb) {
     const uint8_t *p = wg + GGUF_PREFETCH * pb;
@@ -122,8 +122,8 @@ static inline int gguf_xb_zero(const gguf_acts_t *a, int64_t r, int64_t nb, int6
  * block b's bytes; R, P constants). With mixed parts (P == 2) the blocks go in runs: those where
  * ONE_PART(a, R, nb, b) says every row of the pass has a zero xb through BODY with P = 1 (the xa
  * products only: the same integers), in one loop, and each other block through BODY with P = 2.
- * One loop per body: a branch between the two bodies inside one loop held the registers of both
- * (the AVX2 mixed GEMV ran 35% slower than one part on blocks that all had one). */
+ * One loop per body: a branch between the two bodies inside one loop holds the registers of
+ * both, which slows the mixed GEMV on blocks that all have one part. */
 #define GGUF_BLOCK_RUNS(BODY, ONE_PART, wg, kind, nb, a, R, P, acc)                              \
     do {                                                                                         \
         const int64_t pb_ = gguf_packed_block_bytes(kind);                                       \

@@ -94,8 +94,8 @@ static inline __attribute__((always_inline)) float row_scale(const uint8_t *row,
  * (b + 1) bs) clipped to [start, len)) is requested, K and V rows alike, when the K pass enters
  * block b - AHEAD; the V pass then finds its rows in cache. Into L2 (prefetcht1), not L1: a
  * prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and with
- * 2 blocks of rows in flight those ran out (docs/benchmarks-notes.md: a decode step of 64 rows
- * over 216 tokens of context took about twice as long with per-row L1 prefetches). A task's
+ * 2 blocks of rows in flight those run out (per-row L1 prefetches make decode steps much
+ * slower; timings: docs/benchmarks.md). A task's
  * first AHEAD blocks are requested by the task before it (the next (row, kv head) in the loop's
  * order), between its K and V passes, so no task starts on a cold context. */
 #define AHEAD 2
@@ -197,8 +197,8 @@ static inline __attribute__((always_inline)) float row_dot8(const v8f *x, const 
  * a7)), taken across the 8 keys' partials by shuffles, so each score has row_dot8's bits. The 8
  * keys' sums are independent chains (row_dot8 alone is one chain of C dependent additions and
  * a horizontal tree per key). Returns the 8 scores in key order. Taken where 8-float vectors are
- * registers (x86 AVX2 and AVX-512 builds); elsewhere the shuffles cost more than they save (the
- * portable build ran 40% slower with them) and keys go one by one, with the same bits. */
+ * registers (x86 AVX2 and AVX-512 builds); elsewhere the shuffles cost more than they save, and
+ * keys go one by one, with the same bits. */
 #if defined(__AVX2__)
 #define KEYS8 1
 #else
@@ -243,7 +243,7 @@ static inline __attribute__((always_inline)) v8f dot8_keys(const v8f *x, const v
  * accumulators a pass holds the G weights and the V chunk (the fused multiply-add needs no
  * register for a product): with 32 vector registers (AVX-512) 24 accumulators fit (3 lanes of 64
  * in one pass), with 16 (AVX2, NEON, portable) 12 do (3 lanes of 32), for a single row's group
- * and a run's lanes alike (for runs, 12 measured faster than 8: docs/benchmarks-notes.md). The
+ * and a run's lanes alike (for runs, 12 is faster than 8: docs/benchmarks.md). The
  * K pass fetched the V rows ahead (prefetch_block), so every pass finds them in cache.
  * Every output element gets the same additions in the same order whatever the passes. */
 #if defined(__AVX512F__)

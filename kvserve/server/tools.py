@@ -1,4 +1,5 @@
-"""OpenAI tool calling (`tools`, `tool_choice`) in the tool-call format of SmolLM2, the default model.
+"""OpenAI tool calling (`tools`, `tool_choice`) in the tool-call format of SmolLM2, the default
+model.
 
 SmolLM2's GGUF chat template has no tools section. Its instruct models were tuned for function
 calling with the tools listed as JSON inside `<tools>...</tools>` in the system prompt, and the
@@ -17,32 +18,55 @@ of Ollama's smollm2 template, which carries it over from the model's tuning data
   as text for a chat template without tool support;
 - parse_tool_calls / ToolCallStreamParser (tool_parser.py): the calls read back out of the text.
 """
+
 from __future__ import annotations
 
 import json
 
-from kvserve.sampling_params import (MAX_SCHEMA_DEPTH, ParamError, StructuredOutputs, check_schema_text,
-                                     json_value_depth)
-from kvserve.structured.constraints import closed_objects
-from kvserve.structured.tool_parser import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallStreamParser,
-                                            parse_tool_calls)
+from kvserve.sampling_params import (
+    MAX_SCHEMA_DEPTH,
+    ParamError,
+    StructuredOutputs,
+    check_schema_text,
+    closed_objects,
+    json_value_depth,
+)
+from kvserve.server.tool_parser import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ToolCall,
+    ToolCallStreamParser,
+    parse_tool_calls,
+)
 
-__all__ = ["TOOL_CALL_OPEN", "TOOL_CALL_CLOSE", "ToolCall", "ToolCallStreamParser", "parse_tool_calls",
-           "tool_choice_constraint", "tool_functions", "render_tools_system_prompt", "messages_for_template"]
+__all__ = [
+    "TOOL_CALL_OPEN",
+    "TOOL_CALL_CLOSE",
+    "ToolCall",
+    "ToolCallStreamParser",
+    "parse_tool_calls",
+    "tool_choice_constraint",
+    "tool_functions",
+    "render_tools_system_prompt",
+    "messages_for_template",
+]
 
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
-TOOLS_SYSTEM_PROMPT = """You can call functions to answer the user's question. These are the functions you have:
-<tools>{tools}</tools>
-
-To call functions, answer with only a JSON list of calls inside <tool_call> tags,
-giving each argument a value of its parameter's type:
-<tool_call>[
-{{"name": "function_name", "arguments": {{"argument_name": "value"}}}}
-]</tool_call>
-If no function fits the question, say so. If the question lacks arguments a function needs, ask for them."""
+TOOLS_SYSTEM_PROMPT = (
+    "You can call functions to answer the user's question. These are the functions you have:\n"
+    "<tools>{tools}</tools>\n"
+    "\n"
+    "To call functions, answer with only a JSON list of calls inside <tool_call> tags,\n"
+    "giving each argument a value of its parameter's type:\n"
+    "<tool_call>[\n"
+    '{{"name": "function_name", "arguments": {{"argument_name": "value"}}}}\n'
+    "]</tool_call>\n"
+    "If no function fits the question, say so. "
+    "If the question lacks arguments a function needs, ask for them."
+)
 
 
 def tool_functions(tools: list | None) -> list[dict]:
@@ -50,19 +74,27 @@ def tool_functions(tools: list | None) -> list[dict]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise ParamError("tools", "tools must be a list of {\"type\": \"function\", \"function\": {...}}")
+        raise ParamError("tools", 'tools must be a list of {"type": "function", "function": {...}}')
     functions, names = [], set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise ParamError("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise ParamError(
+                "tools", f'tools[{i}] must be {{"type": "function", "function": {{...}}}}'
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise ParamError("tools", f"tools[{i}].function.name must be a non-empty string")
         if name in names:
             raise ParamError("tools", f"tools[{i}]: function {name!r} is defined twice")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise ParamError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+            raise ParamError(
+                "tools", f"tools[{i}].function.parameters must be a JSON schema object"
+            )
         if fn.get("parameters") is not None:
             _check_parameters(fn["parameters"], f"tools[{i}].function.parameters")
         names.add(name)
@@ -72,8 +104,10 @@ def tool_functions(tools: list | None) -> list[dict]:
 
 def _check_parameters(schema: dict, where: str) -> None:
     """A tool's parameters schema within the structured-output limits (ParamError("tools"))."""
+
     def bad(message: str):
         raise ParamError("tools", message)
+
     if json_value_depth(schema) > MAX_SCHEMA_DEPTH:
         bad(f"{where} nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays")
     try:
@@ -83,9 +117,12 @@ def _check_parameters(schema: dict, where: str) -> None:
     check_schema_text(text, where, bad)
 
 
-def tool_choice_constraint(tools: list | None, tool_choice: str | dict | None,
-                           parallel_tool_calls: bool = True,
-                           disable_any_whitespace: bool = False) -> StructuredOutputs | None:
+def tool_choice_constraint(
+    tools: list | None,
+    tool_choice: str | dict | None,
+    parallel_tool_calls: bool = True,
+    disable_any_whitespace: bool = False,
+) -> StructuredOutputs | None:
     """The grammar that `tool_choice` imposes, or None when the model may answer freely
     (`none`, `auto`; no tool_choice means `auto` with tools, `none` without). `required`: one or
     more calls of any of the tools (one only without parallel_tool_calls); a named function
@@ -97,24 +134,37 @@ def tool_choice_constraint(tools: list | None, tool_choice: str | dict | None,
         return None
     if tool_choice == "required":
         if not functions:
-            raise ParamError("tool_choice", "tool_choice \"required\" needs at least one tool in tools")
+            raise ParamError(
+                "tool_choice", 'tool_choice "required" needs at least one tool in tools'
+            )
         chosen, max_calls = functions, None if parallel_tool_calls else 1
     elif isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         chosen = [f for f in functions if f["name"] == name]
         if tool_choice.get("type", "function") != "function" or not chosen:
-            raise ParamError("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
+            raise ParamError(
+                "tool_choice", f"tool_choice names function {name!r}, which is not in tools"
+            )
         max_calls = 1
     else:
-        raise ParamError("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "
-                                        "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        raise ParamError(
+            "tool_choice",
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+        )
     return StructuredOutputs(grammar=tool_calls_lark(chosen, max_calls, disable_any_whitespace))
 
 
-def tool_calls_lark(functions: list[dict], max_calls: int | None, disable_any_whitespace: bool) -> str:
+def tool_calls_lark(
+    functions: list[dict], max_calls: int | None, disable_any_whitespace: bool
+) -> str:
     """A Lark grammar for one tool-call block: a JSON list of 1..max_calls calls of `functions`."""
-    calls = {"type": "array", "minItems": 1, "x-guidance": {"whitespace_flexible": not disable_any_whitespace}}
+    calls = {
+        "type": "array",
+        "minItems": 1,
+        "x-guidance": {"whitespace_flexible": not disable_any_whitespace},
+    }
     if max_calls is not None:
         calls["maxItems"] = max_calls
     definitions = {}
@@ -124,16 +174,25 @@ def tool_calls_lark(functions: list[dict], max_calls: int | None, disable_any_wh
         if _has_ref(parameters):
             # Its refs ("#/$defs/X") point into the parameters schema: move it under the root's
             # $defs and point them there.
-            definitions[f"tool_parameters_{i}"] = _rebase_refs(parameters, f"#/$defs/tool_parameters_{i}")
+            definitions[f"tool_parameters_{i}"] = _rebase_refs(
+                parameters, f"#/$defs/tool_parameters_{i}"
+            )
             parameters = {"$ref": f"#/$defs/tool_parameters_{i}"}
-        call_schemas.append({"type": "object",
-                             "properties": {"name": {"const": fn["name"]}, "arguments": parameters},
-                             "required": ["name", "arguments"], "additionalProperties": False})
+        call_schemas.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     calls["items"] = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": call_schemas}
     if definitions:
         calls["$defs"] = definitions
-    return (f"start: {json.dumps(TOOL_CALL_OPEN)} calls {json.dumps(TOOL_CALL_CLOSE)}\n"
-            f"calls: %json {json.dumps(calls, ensure_ascii=False)}\n")
+    return (
+        f"start: {json.dumps(TOOL_CALL_OPEN)} calls {json.dumps(TOOL_CALL_CLOSE)}\n"
+        f"calls: %json {json.dumps(calls, ensure_ascii=False)}\n"
+    )
 
 
 def _has_ref(schema) -> bool:
@@ -160,8 +219,10 @@ def _rebase_refs(schema, base: str):
 def render_tools_system_prompt(tools: list | None) -> str:
     """The system prompt that lists the tools and the call format (for chat templates without
     tool support)."""
-    listed = [{k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None}
-              for fn in tool_functions(tools)]
+    listed = [
+        {k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None}
+        for fn in tool_functions(tools)
+    ]
     return TOOLS_SYSTEM_PROMPT.format(tools=json.dumps(listed, ensure_ascii=False))
 
 
@@ -176,7 +237,9 @@ def format_tool_calls(tool_calls: list[dict]) -> str:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError:
                 pass
-        calls.append(json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False))
+        calls.append(
+            json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
+        )
     return TOOL_CALL_OPEN + "[\n" + ",\n".join(calls) + "\n]" + TOOL_CALL_CLOSE
 
 
@@ -190,11 +253,23 @@ def messages_for_template(messages: list[dict], tools: list | None) -> list[dict
         role, content = message.get("role"), message.get("content")
         if role == "assistant" and message.get("tool_calls"):
             calls = format_tool_calls(message["tool_calls"])
-            out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+            out.append(
+                {"role": "assistant", "content": f"{content}\n{calls}" if content else calls}
+            )
         elif role == "tool":
-            out.append({"role": "user", "content": f"{TOOL_RESPONSE_OPEN}\n{content or ''}\n{TOOL_RESPONSE_CLOSE}"})
+            out.append(
+                {
+                    "role": "user",
+                    "content": f"{TOOL_RESPONSE_OPEN}\n{content or ''}\n{TOOL_RESPONSE_CLOSE}",
+                }
+            )
         else:
-            out.append({**{k: v for k, v in message.items() if k != "tool_calls"}, "content": content or ""})
+            out.append(
+                {
+                    **{k: v for k, v in message.items() if k != "tool_calls"},
+                    "content": content or "",
+                }
+            )
     if tools:
         prompt = render_tools_system_prompt(tools)
         if out and out[0].get("role") == "system":

@@ -1,6 +1,7 @@
 """Reads tool calls out of generated text, whole or as it streams.
 
-The format (SmolLM2's; see tools.py): `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`.
+The format (SmolLM2's; see tools.py):
+`<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`.
 A block may also hold a single call object instead of a list (the Hermes/Qwen form, one block per
 call), the closing tag may be missing at the end of the text, "parameters" is read as "arguments",
 and an empty list is no call. Text outside the blocks is the message's content.
@@ -11,6 +12,7 @@ and per call a first delta with its index, id, type and name, then its arguments
 fragments as the model writes it. parse_tool_calls runs the same parser over a whole text, so
 both give the same calls with the same arguments text.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,11 +29,15 @@ JSON_WHITESPACE = " \t\n\r"
 class ToolCall:
     id: str
     name: str
-    arguments: str      # JSON text of the arguments object, as the model wrote it
+    arguments: str  # JSON text of the arguments object, as the model wrote it
 
     def to_openai(self) -> dict:
         """As a chat completion message's `tool_calls` entry."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def new_tool_call_id() -> str:
@@ -61,7 +67,7 @@ class _CallObject:
         self.depth = 0
         self.in_string = False
         self.escaped = False
-        self.phase = "key"            # key | colon | value | after_value (at depth 1)
+        self.phase = "key"  # key | colon | value | after_value (at depth 1)
         self.key_start = 0
         self.key: str | None = None
         self.value_start: int | None = None
@@ -80,7 +86,7 @@ class _CallObject:
         for k, ch in enumerate(chunk):
             self._add(ch, base + k)
             if self.complete or self.malformed:
-                self.text = self.text[:base + k + 1]
+                self.text = self.text[: base + k + 1]
                 return k + 1
         return len(chunk)
 
@@ -93,14 +99,14 @@ class _CallObject:
             elif ch == '"':
                 self.in_string = False
                 if self.depth == 1 and self.phase == "key":
-                    self.key = _loads(self.text[self.key_start:i + 1])
+                    self.key = _loads(self.text[self.key_start : i + 1])
                     self.phase = "colon"
                 elif self.depth == 1 and self.phase == "value":
                     self._value_end(i + 1)
             return
         if ch in JSON_WHITESPACE:
             return
-        if self.depth == 0:              # the object's opening brace
+        if self.depth == 0:  # the object's opening brace
             self.depth = 1
             self.malformed = ch != "{"
             return
@@ -132,17 +138,17 @@ class _CallObject:
                 self.value_start = i
                 if self.key in ARGUMENT_KEYS and self.args_key is None:
                     self.args_key, self.args_start = self.key, i
-            elif ch in ",}" and self.text[self.value_start] not in '"{[':   # the end of a scalar
+            elif ch in ",}" and self.text[self.value_start] not in '"{[':  # the end of a scalar
                 self._value_end(i)
                 if ch == ",":
                     self.phase = "key"
-        elif ch == ",":                  # after_value
+        elif ch == ",":  # after_value
             self.phase = "key"
         elif ch != "}":
             self.malformed = True
 
     def _value_end(self, end: int) -> None:
-        raw = self.text[self.value_start:end].rstrip(JSON_WHITESPACE)
+        raw = self.text[self.value_start : end].rstrip(JSON_WHITESPACE)
         if self.key == "name" and self.name is None:
             name = _loads(raw)
             self.name = name if isinstance(name, str) and name else None
@@ -158,19 +164,22 @@ class _CallObject:
     def args_text_so_far(self) -> str:
         if self.args_start is None:
             return ""
-        return self.text[self.args_start:self.args_end if self.args_end is not None else len(self.text)]
+        return self.text[
+            self.args_start : self.args_end if self.args_end is not None else len(self.text)
+        ]
 
     def final_arguments(self) -> str | None:
-        """The arguments' JSON text once the object is complete and well-formed; None if it is not."""
+        """The arguments' JSON text once the object is complete and well-formed; None if it is
+        not."""
         obj = _loads(self.text) if self.complete and not self.malformed else None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return None
         if self.args_key is None:
             return "{}"
         value = obj[self.args_key]
-        if isinstance(value, str):       # arguments given as a JSON string
+        if isinstance(value, str):  # arguments given as a JSON string
             return value
-        return self.text[self.args_start:self.args_end]
+        return self.text[self.args_start : self.args_end]
 
 
 class ToolCallStreamParser:
@@ -184,15 +193,15 @@ class ToolCallStreamParser:
     def __init__(self):
         self.tool_calls: list[ToolCall] = []
         self.broken_calls = 0
-        self._pending = ""             # text not yet consumed
-        self._held_space = ""          # whitespace of the content, held until text follows it
-        self._state = "text"           # text | block_start | block_items | call | block_next | block_close
+        self._pending = ""  # text not yet consumed
+        self._held_space = ""  # whitespace of the content, held until text follows it
+        self._state = "text"  # text | block_start | block_items | call | block_next | block_close
         self._in_list = False
-        self._block_calls = 0          # complete calls in the current block
-        self._block_text = ""          # the current block's text since its last complete call
+        self._block_calls = 0  # complete calls in the current block
+        self._block_text = ""  # the current block's text since its last complete call
         self._call: _CallObject | None = None
-        self._announced_calls = 0      # calls whose first delta went out
-        self._ended_calls = 0          # of those, the ones complete or found broken
+        self._announced_calls = 0  # calls whose first delta went out
+        self._ended_calls = 0  # of those, the ones complete or found broken
         self._call_id = ""
         self._args_sent = 0
         self._out: list[dict] = []
@@ -225,7 +234,7 @@ class ToolCallStreamParser:
     def _emit_content(self, text: str, hold_space: bool = True) -> None:
         text = self._held_space + text
         kept = text.rstrip() if hold_space else text
-        self._held_space = text[len(kept):]
+        self._held_space = text[len(kept) :]
         if kept:
             if self._out and "content" in self._out[-1]:
                 self._out[-1]["content"] += kept
@@ -235,11 +244,15 @@ class ToolCallStreamParser:
     def _emit_arguments(self, fragment: str) -> None:
         if not fragment:
             return
-        last = self._out[-1]["tool_calls"][0] if self._out and "tool_calls" in self._out[-1] else None
+        last = (
+            self._out[-1]["tool_calls"][0] if self._out and "tool_calls" in self._out[-1] else None
+        )
         if last is not None and last["index"] == self._call_index and "id" not in last:
             last["function"]["arguments"] += fragment
         else:
-            self._out.append({"tool_calls": [{"index": self._call_index, "function": {"arguments": fragment}}]})
+            self._out.append(
+                {"tool_calls": [{"index": self._call_index, "function": {"arguments": fragment}}]}
+            )
 
     # ---- the state machine
     def _run(self, final: bool) -> None:
@@ -264,14 +277,14 @@ class ToolCallStreamParser:
         at = self._pending.find(TOOL_CALL_OPEN)
         if at >= 0:
             self._emit_content(self._pending[:at])
-            self._pending = self._pending[at + len(TOOL_CALL_OPEN):]
+            self._pending = self._pending[at + len(TOOL_CALL_OPEN) :]
             # The whitespace before the tag goes with the block: content again if it is no call.
             self._block_text, self._held_space = self._held_space + TOOL_CALL_OPEN, ""
             self._state, self._in_list, self._block_calls = "block_start", False, 0
             return True
         keep = 0 if final else _partial_tag_length(self._pending, TOOL_CALL_OPEN)
-        self._emit_content(self._pending[:len(self._pending) - keep])
-        self._pending = self._pending[len(self._pending) - keep:]
+        self._emit_content(self._pending[: len(self._pending) - keep])
+        self._pending = self._pending[len(self._pending) - keep :]
         return False
 
     def _scan_close(self, final: bool) -> bool:
@@ -279,7 +292,7 @@ class ToolCallStreamParser:
         again; a closing tag cut off by the end of the text is dropped). False when waiting."""
         stripped = self._pending.lstrip()
         if stripped.startswith(TOOL_CALL_CLOSE):
-            self._pending = stripped[len(TOOL_CALL_CLOSE):]
+            self._pending = stripped[len(TOOL_CALL_CLOSE) :]
             self._state = "text"
             return True
         if not stripped or TOOL_CALL_CLOSE.startswith(stripped):
@@ -300,8 +313,8 @@ class ToolCallStreamParser:
             self._pending = ""
             return
         ch = pending[i]
-        self._block_text += pending[:i + 1]
-        self._pending = pending[i + 1:]
+        self._block_text += pending[: i + 1]
+        self._pending = pending[i + 1 :]
         state = self._state
         if state == "block_start" and ch == "[":
             self._in_list, self._state = True, "block_items"
@@ -309,7 +322,9 @@ class ToolCallStreamParser:
             self._call = _CallObject()
             self._call.feed("{")
             self._state = "call"
-        elif (state == "block_items" and ch == "]" and not self._block_calls) or (state == "block_next" and ch == "]"):
+        elif (state == "block_items" and ch == "]" and not self._block_calls) or (
+            state == "block_next" and ch == "]"
+        ):
             self._state = "block_close"
         elif state == "block_next" and ch == ",":
             self._state = "block_items"
@@ -323,11 +338,21 @@ class ToolCallStreamParser:
             self._announced_calls += 1
             self._call_id = new_tool_call_id()
             self._args_sent = 0
-            self._out.append({"tool_calls": [{"index": self._call_index, "id": self._call_id, "type": "function",
-                                              "function": {"name": call.name, "arguments": ""}}]})
+            self._out.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": self._call_index,
+                            "id": self._call_id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": ""},
+                        }
+                    ]
+                }
+            )
         if self._announced() and call.args_streamable:
             so_far = call.args_text_so_far()
-            self._emit_arguments(so_far[self._args_sent:])
+            self._emit_arguments(so_far[self._args_sent :])
             self._args_sent = len(so_far)
 
     def _announced(self) -> bool:
@@ -340,12 +365,12 @@ class ToolCallStreamParser:
             if self._announced():
                 self.broken_calls += 1
                 self._ended_calls += 1
-                self._call, self._state, self._block_text = None, "text", ""   # the rest is content
+                self._call, self._state, self._block_text = None, "text", ""  # the rest is content
             else:
                 self._abandon_block()
             return
         self._stream_call()
-        self._emit_arguments(arguments[self._args_sent:] if call.args_streamable else arguments)
+        self._emit_arguments(arguments[self._args_sent :] if call.args_streamable else arguments)
         self.tool_calls.append(ToolCall(self._call_id, call.name, arguments))
         self._ended_calls += 1
         self._call, self._block_text = None, ""

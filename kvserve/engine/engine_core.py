@@ -1,0 +1,345 @@
+"""EngineCore: the step loop. Each step: schedule, execute, update, hand the outputs on.
+
+Not thread-safe: one thread owns it (the offline LLM's caller, or AsyncEngine's engine thread).
+What it was built from (model, KV cache, ranks, runner, drafter) comes from builder.py; what the
+user sees (text, stop strings, logprobs) from output_processor.py; one request's fan-out into
+samples or beams from parallel_sampling.py.
+
+Fault isolation: `add_request` validates everything a request carries, so that nothing in it
+can make a step raise. If a step raises anyway, only the requests responsible fail: the
+scheduler fails a sequence whose own data breaks its scheduling, and a model step that raises
+is run again on halves of its batch until the chunks that raise are found (a step's KV writes
+are idempotent, and the runner restores seeded generators on failure).
+
+Speculative decoding: after each step the drafter puts draft tokens on the sequences that
+sampled; the scheduler feeds them next step and the runner verifies them (kvserve/spec/).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+from kvserve.config import EngineConfig
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.core.sequence import SequenceStatus
+from kvserve.engine.builder import build_engine
+from kvserve.engine.errors import CONSTRAINT_FAILED
+from kvserve.engine.grammar import GrammarManager
+from kvserve.engine.input_processor import check_max_tokens, check_prompt, check_request
+from kvserve.engine.output_processor import OutputProcessor, RequestState, SampleState
+from kvserve.engine.parallel_sampling import BeamGroups, beam_run, sample_sequences
+from kvserve.outputs import RequestOutput
+from kvserve.runner.model_runner import SampledToken, StepOutput
+from kvserve.runner.ranks import RankLost
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve")
+
+
+def run_rank(config: EngineConfig) -> int:
+    """A process whose rank is not 0: execute rank 0's steps until it stops; the exit code."""
+    from kvserve.runner.worker import serve_rank
+
+    return serve_rank(config)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.parts = parts = build_engine(config)
+        self.config = parts.config
+        self.arch, self.tokenizer = parts.arch, parts.tokenizer
+        self.model_path, self.model_name = parts.model_path, parts.model_name
+        self.quantization, self.load_seconds = parts.quantization, parts.load_seconds
+        self.max_model_len, self.kv_shape = parts.max_model_len, parts.kv_shape
+        self.kv_groups, self.num_blocks = parts.kv_groups, parts.num_blocks
+        self.runner, self.drafter, self.ranks = parts.runner, parts.drafter, parts.ranks
+        self.eos_token_ids = parts.eos_token_ids
+        self.scheduler = self._new_scheduler()
+        overlap = self.config.num_threads < len(os.sched_getaffinity(0))
+        self.grammar = GrammarManager(self.tokenizer, self.arch.vocab_size, overlap=overlap)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.beams = BeamGroups()
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.last_step_tokens = 0  # tokens the last step scheduled (for /metrics)
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(
+            self.config.scheduler, self.config.cache, self.kv_groups, self.max_model_len
+        )
+
+    def close(self) -> None:
+        """Stop the tensor- or pipeline-parallel ranks (nothing to do without them)."""
+        if self.ranks is not None:
+            self.ranks.shutdown()
+            self.ranks = None
+
+    @property
+    def kv_token_capacity(self) -> int:
+        return self.parts.kv_token_capacity
+
+    @property
+    def step_path(self) -> str:
+        """How the runner runs a step, e.g. "C layer stack, avx2 kernels" (benchmarks record it)."""
+        return self.runner.step_path
+
+    def describe(self) -> str:
+        return self.parts.describe()
+
+    @property
+    def prompt_tokens_total(self) -> int:
+        return self.processor.prompt_tokens_total
+
+    @property
+    def generation_tokens_total(self) -> int:
+        return self.processor.generation_tokens_total
+
+    # ---- requests in ----
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate a request (ParamError naming the field) and queue its sequences."""
+        if not isinstance(request_id, str) or request_id in self.processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use or not a string")
+        prompt = check_prompt(prompt_token_ids, self.arch.vocab_size)
+        check_request(params, priority, cache_salt, self.config.scheduler.max_waiting)
+        max_tokens = check_max_tokens(params, len(prompt), self.max_model_len)
+        self.grammar.check(params)  # ParamError with the matcher's message
+        common = dict(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        if params.use_beam_search:
+            run = beam_run(request_id, prompt, params, self.eos_token_ids, max_tokens, **common)
+            self.scheduler.add_sequence(run.seqs[0])
+            state = self.processor.add(
+                request_id, prompt, params, common["arrival_time"], run.seqs, beam=run
+            )
+            self.beams.add(state)
+            return
+        seqs = sample_sequences(
+            request_id, prompt, params, self.eos_token_ids, max_tokens=max_tokens, **common
+        )
+        self.scheduler.add_sequences(seqs)
+        self.processor.add(request_id, prompt, params, common["arrival_time"], seqs)
+        if params.structured_outputs is not None:
+            for seq in seqs:
+                self.grammar.add(seq.seq_id, params.structured_outputs)
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.processor.requests.get(request_id)
+        if state is None:
+            return
+        if state.beam is not None:
+            self.beams.drop(state, self.scheduler)
+        else:
+            for s in state.samples:
+                if not s.out.finished:
+                    self.scheduler.abort_sequence(s.seq_id)
+        self.processor.abort(state)
+        self._pending.append(self._emit(state))
+
+    def reset(self) -> None:
+        """Drop every request at once, after a crash of the loop driving this core: a fresh
+        scheduler (every KV block free, the prefix cache empty), no per-sequence runner state.
+        The model and the KV tensors stay; nothing is reloaded."""
+        self.scheduler = self._new_scheduler()
+        self.runner.forget_sequences()
+        if self.drafter is not None:
+            self.drafter.forget_sequences()
+        self.grammar.clear()
+        self.processor.clear()
+        self.beams.clear()
+        self._pending.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.processor.requests) or bool(self._pending)
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update; the outputs of every request that changed."""
+        outputs, self._pending = self._pending, []
+        self.last_step_tokens = 0
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.num_batched_tokens
+        self._fail_scheduler_rejects()
+        self._mark_scheduled(sched)
+        sample_ids = [c.seq.seq_id for c in sched.chunks if c.sample]
+        grammar = self.grammar.start_bitmask(sample_ids)
+        t_step = time.perf_counter()
+        step = self._execute(sched, grammar)
+        if self.drafter is not None:
+            self.drafter.observe(sched, time.perf_counter() - t_step, step.sampled)
+        for seq_id, plp in step.prompt_logprobs.items():
+            self.processor.record_prompt_logprobs(seq_id, plp)
+        touched = self._update(sched, step.sampled)
+        for state in touched.values():
+            if state.request_id in self.processor.requests:
+                outputs.append(self._emit(state))
+        outputs.extend(self._pending)
+        self._pending = []
+        self._propose_drafts(sched)
+        return outputs
+
+    def _mark_scheduled(self, sched: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for c in sched.chunks:
+            state = self._request_of(c.seq.seq_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+
+    def _update(
+        self, sched: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> dict[str, RequestState]:
+        """The scheduler takes the sampled tokens (its stop checks may cut them); the outputs
+        take the tokens it kept; finished sequences finish their samples."""
+        before = {c.seq.seq_id: c.seq.num_output_tokens for c in sched.chunks}
+        ours = {
+            k: [t.token_id for t in v]
+            for k, v in sampled.items()
+            if k in self.processor.samples or k in self.beams
+        }
+        finished = self.scheduler.update_from_output(sched, ours)
+        self._fail_scheduler_rejects()
+        now = time.monotonic()
+        touched = {
+            s.request_id: s
+            for s in self.beams.advance(
+                sampled, self.scheduler, self.processor, self._forget_sequence, now
+            )
+        }
+        for seq_id, toks in sampled.items():
+            entry = self.processor.sample_of(seq_id)
+            if entry is None:
+                continue
+            state, sample = entry
+            seq = sample.seq
+            kept = seq.num_output_tokens - before.get(seq_id, seq.num_output_tokens)
+            for tok in toks[:kept]:
+                if self.processor.append_token(state, sample, tok, now):
+                    self.scheduler.finish_sequence(seq_id, SequenceStatus.FINISHED_STOPPED)
+                    self._forget_sequence(seq_id)
+                if self.grammar.constrained(seq_id):
+                    self._advance_grammar(state, sample, tok.token_id)
+            touched[state.request_id] = state
+        for seq in finished:
+            entry = self.processor.sample_of(seq.seq_id)
+            if entry is None:
+                continue
+            state, sample = entry
+            if not sample.out.finished:
+                self.processor.finish_sample(sample, seq)
+                self._forget_sequence(seq.seq_id)
+            touched[state.request_id] = state
+        return touched
+
+    def _emit(self, state: RequestState) -> RequestOutput:
+        """The request's output; a finished one frees its sequences' state everywhere."""
+        out = self.processor.emit(state)
+        if out.finished and state.beam is None:  # beam samples are no sequences
+            for s in state.samples:
+                self._forget_sequence(s.seq_id)
+                self.grammar.remove(s.seq_id)
+        return out
+
+    def _request_of(self, seq_id: str) -> RequestState | None:
+        """The user request a scheduler sequence (a sample or a beam) belongs to."""
+        entry = self.processor.sample_of(seq_id)
+        return entry[0] if entry is not None else self.beams.get(seq_id)
+
+    def _forget_sequence(self, seq_id: str) -> None:
+        """Per-sequence state outside the scheduler: the runner's generator, the drafter's."""
+        self.runner.free_sequence(seq_id)
+        if self.drafter is not None:
+            self.drafter.free(seq_id)
+
+    def _propose_drafts(self, sched: SchedulerOutput) -> None:
+        """Drafts for every sequence that sampled this step and still runs (none under a
+        grammar): a draft is only a guess, so a drafter that fails leaves none."""
+        if self.drafter is None:
+            return
+        seqs = [
+            c.seq
+            for c in sched.chunks
+            if c.sample
+            and c.seq.status == SequenceStatus.RUNNING
+            and c.seq.seq_id in self.processor.samples
+            and not self.grammar.constrained(c.seq.seq_id)
+        ]
+        self.drafter.propose_for(seqs, sum(1 for c in sched.chunks if c.sample))
+
+    # ---- fault isolation ----
+    def _advance_grammar(self, state: RequestState, sample: SampleState, token_id: int) -> None:
+        """Advance the sample's matcher; a complete grammar stops the sample (even with
+        ignore_eos), a token the grammar refuses fails the request."""
+        terminated, error = self.grammar.accept(sample.seq_id, token_id)
+        if error is not None:  # the request's own constraint: a warning, not ours
+            log.warning("request %s: %s", state.request_id, error)
+            self._fail_sequence(sample.seq_id, CONSTRAINT_FAILED + error)
+        elif terminated and not sample.out.finished:
+            self.scheduler.finish_sequence(sample.seq_id, SequenceStatus.FINISHED_STOPPED)
+            self.processor.finish_sample(sample, sample.seq, reason="stop")
+            self._forget_sequence(sample.seq_id)
+
+    def _execute(self, sched: SchedulerOutput, grammar=None) -> StepOutput:
+        """The runner's step; if it raises, the chunks responsible fail alone."""
+        try:
+            return self.runner.execute(sched, grammar)
+        except RankLost:
+            raise  # no step can run: not a request's fault
+        except Exception as e:
+            log.error(
+                "model step of %d chunks failed; isolating the request(s) responsible:\n%s",
+                len(sched.chunks),
+                traceback.format_exc(),
+            )
+            return self._isolate(sched.chunks, sched.copy_blocks, e, grammar)
+
+    def _isolate(self, chunks, copy_blocks, err: Exception, grammar=None) -> StepOutput:
+        """Bisect: run each half of `chunks` alone; a single chunk that raises fails its request."""
+        if len(chunks) == 1:
+            self._fail_sequence(chunks[0].seq.seq_id, f"{type(err).__name__}: {err}")
+            return StepOutput()
+        sampled = StepOutput()
+        mid = len(chunks) // 2
+        for half in (chunks[:mid], chunks[mid:]):
+            part = SchedulerOutput(half, copy_blocks, [], sum(len(c.token_ids) for c in half))
+            try:  # copy-on-write copies are idempotent
+                sampled.update(self.runner.execute(part, grammar))
+            except Exception as e:
+                sampled.update(self._isolate(half, copy_blocks, e, grammar))
+        return sampled
+
+    def _fail_scheduler_rejects(self) -> None:
+        for seq_id, cause in self.scheduler.pop_failed():
+            log.error("request %s failed while being scheduled: %s", seq_id, cause)
+            self._fail_sequence(seq_id, cause)
+
+    def _fail_sequence(self, seq_id: str, cause: str) -> None:
+        """Fail the user request that `seq_id` belongs to (all its samples), with `cause`."""
+        state = self._request_of(seq_id)
+        if state is not None:
+            state.error = cause
+            self.abort_request(state.request_id)
+
+    # ---- numbers for /metrics and the bench ----
+    def stats(self) -> dict:
+        return {
+            **self.scheduler.metrics(),
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "structured_mask_seconds": self.grammar.mask_seconds,
+            "structured_masks": self.grammar.masks_filled,
+            **(self.drafter.metrics() if self.drafter is not None else {}),
+        }

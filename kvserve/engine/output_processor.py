@@ -1,0 +1,238 @@
+"""What the user sees of a request: its sequences' tokens turned into RequestOutputs.
+
+A user request (RequestState) has n samples (SampleState), each the output of one scheduler
+sequence. This module owns detokenizing, stop strings, logprobs (generated and prompt), timings
+and the snapshots handed to the caller: only what changed since the last snapshot goes out as
+the delta. It never touches the scheduler or the runner: where a stop string ends a sample, it
+says so and the engine finishes the sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvserve.core.sequence import Sequence
+from kvserve.engine.beam_search import BeamRun
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.runner.model_runner import PromptLogprobs, SampledToken
+from kvserve.runner.sampler import TokenLogprobs
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleState:
+    """One of a request's n outputs and the scheduler sequence that produces it."""
+
+    seq_id: str
+    index: int
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    out: CompletionOutput
+    changed: bool = False
+
+
+@dataclass
+class RequestState:
+    """A user request: its prompt, its n samples, its timings, its prompt logprobs."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: list[SampleState] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt_logprobs: list[Logprob | None] | None = None  # by prompt position; [0] stays None
+    prompt_logprobs_missing: int = 0  # positions still to come
+    beam: BeamRun | None = None  # beam search: its beams (the samples fill at the end)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.out.finished for s in self.samples)
+
+
+class OutputProcessor:
+    """Every unfinished request's state, by request id and by sequence id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.samples: dict[str, tuple[RequestState, SampleState]] = {}  # by sequence id
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival: float,
+        seqs: list[Sequence],
+        beam: BeamRun | None = None,
+    ) -> RequestState:
+        """Track a request whose sequences (or first beam) the scheduler just took."""
+        state = RequestState(request_id, list(prompt), params, RequestMetrics(arrival), beam=beam)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt)
+            state.prompt_logprobs_missing = len(prompt) - 1
+        for i in range(params.n):
+            seq = seqs[0] if beam is not None else seqs[i]
+            seq_id = f"{request_id}#{i}" if beam is not None else seq.seq_id
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt, seq.sampling_params if beam is None else params
+            )
+            logprobs = [] if params.logprobs is not None and beam is None else None
+            sample = SampleState(
+                seq_id, i, seq, detok, CompletionOutput(index=i, logprobs=logprobs)
+            )
+            state.samples.append(sample)
+            if beam is None:
+                self.samples[seq_id] = (state, sample)
+        self.requests[request_id] = state
+        self.prompt_tokens_total += len(prompt)
+        return state
+
+    def sample_of(self, seq_id: str) -> tuple[RequestState, SampleState] | None:
+        return self.samples.get(seq_id)
+
+    def record_prompt_logprobs(self, seq_id: str, plp: PromptLogprobs) -> None:
+        """Keep the first value of each position (a preempted sequence computes them again)."""
+        entry = self.samples.get(seq_id)
+        if entry is None:
+            return
+        state = entry[0]
+        for pos, lp in enumerate(plp.entries, plp.start):
+            if state.prompt_logprobs[pos] is None:
+                state.prompt_logprobs[pos] = self.to_logprob(lp)
+                state.prompt_logprobs_missing -= 1
+
+    def first_token(self, state: RequestState, now: float, cached: int | None = None) -> None:
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+            if cached is not None:
+                state.num_cached_tokens = cached
+        state.metrics.last_token_time = now
+
+    def append_token(
+        self, state: RequestState, sample: SampleState, tok: SampledToken, now: float
+    ) -> bool:
+        """Add one generated token; True when a stop string ended the sample with it."""
+        out = sample.out
+        if out.finished:
+            return False
+        out.token_ids.append(tok.token_id)
+        out.delta_token_ids.append(tok.token_id)
+        self.generation_tokens_total += 1
+        self.first_token(state, now, sample.seq.num_cached_tokens)
+        metrics = state.metrics
+        metrics.num_generation_tokens = max(metrics.num_generation_tokens, len(out.token_ids))
+        if tok.logprobs is not None and out.logprobs is not None:
+            lp = self.to_logprob(tok.logprobs)
+            out.logprobs.append(lp)
+            out.delta_logprobs = (out.delta_logprobs or []) + [lp]
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp.logprob
+        delta, stopped = sample.detok.add_tokens([tok.token_id])
+        out.text += delta
+        out.delta_text += delta
+        sample.changed = True
+        if stopped:
+            out.finish_reason = "stop"
+            out.stop_reason = getattr(sample.detok, "stop_reason", None)
+        return stopped
+
+    def finish_sample(self, sample: SampleState, seq: Sequence, reason: str | None = None) -> None:
+        """The sequence finished (a stop token, length, a grammar's end): flush held text."""
+        tail = sample.detok.flush()
+        sample.out.text += tail
+        sample.out.delta_text += tail
+        sample.out.finish_reason = reason or seq.finish_reason
+        stops = seq.sampling_params.stop_token_ids
+        if (
+            sample.out.finish_reason == "stop"
+            and seq.output_token_ids
+            and seq.output_token_ids[-1] in stops
+        ):
+            sample.out.stop_reason = seq.output_token_ids[-1]
+        sample.changed = True
+
+    def finish_beams(self, state: RequestState) -> None:
+        """The search's best n hypotheses become the request's completions."""
+        for sample, hyp in zip(state.samples, state.beam.results(state.params.n)):
+            out = sample.out
+            out.token_ids = list(hyp.tokens)
+            out.delta_token_ids = list(hyp.tokens)
+            delta, _ = sample.detok.add_tokens(hyp.tokens)
+            out.text = out.delta_text = delta + sample.detok.flush()
+            out.cumulative_logprob = hyp.logprob
+            out.finish_reason = hyp.finish_reason
+            last_is_stop = hyp.tokens and hyp.tokens[-1] in state.params.stop_token_ids
+            if hyp.finish_reason == "stop" and last_is_stop:
+                out.stop_reason = hyp.tokens[-1]
+            sample.changed = True
+            self.generation_tokens_total += len(hyp.tokens)
+            metrics = state.metrics
+            metrics.num_generation_tokens = max(metrics.num_generation_tokens, len(hyp.tokens))
+
+    def abort(self, state: RequestState) -> None:
+        """Every unfinished sample ends with finish_reason "abort"."""
+        for s in state.samples:
+            if not s.out.finished:
+                s.out.finish_reason = "abort"
+                s.changed = True
+
+    def to_logprob(self, lp: TokenLogprobs) -> Logprob:
+        dec = self.tokenizer.decode
+        return Logprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            rank=lp.rank,
+            token=dec([lp.token_id], skip_special_tokens=False),
+            top=[(t, dec([t], skip_special_tokens=False), v) for t, v in lp.top],
+        )
+
+    def emit(self, state: RequestState) -> RequestOutput:
+        """Snapshot the samples that changed; a finished request is forgotten here (the engine
+        frees its sequences' state when the output says finished)."""
+        changed = [self._snapshot(s) for s in state.samples if s.changed]
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time = time.monotonic()
+            self.requests.pop(state.request_id, None)
+            for s in state.samples:
+                self.samples.pop(s.seq_id, None)
+        complete = state.prompt_logprobs is not None and state.prompt_logprobs_missing == 0
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=changed,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+            error=state.error,
+            prompt_logprobs=state.prompt_logprobs if complete else None,
+        )
+
+    @staticmethod
+    def _snapshot(sample: SampleState) -> CompletionOutput:
+        o = sample.out
+        snap = CompletionOutput(
+            index=o.index,
+            text=o.text,
+            token_ids=list(o.token_ids),
+            delta_text=o.delta_text,
+            delta_token_ids=o.delta_token_ids,
+            logprobs=None if o.logprobs is None else list(o.logprobs),
+            delta_logprobs=o.delta_logprobs,
+            cumulative_logprob=o.cumulative_logprob,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
+        )
+        o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], None
+        sample.changed = False
+        return snap
+
+    def clear(self) -> None:
+        self.requests.clear()
+        self.samples.clear()
