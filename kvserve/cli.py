@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -157,6 +158,9 @@ def cmd_chat(argv: list[str]) -> int:
     args = parse_args_with_config(p, argv)
     llm = _load(args)
     params = _params(args)
+    # Ctrl-C stops a reply even when this process started with SIGINT ignored (as everything
+    # a non-interactive shell starts in the background does: Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:

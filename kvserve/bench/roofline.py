@@ -218,12 +218,23 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
     peak_kernel = max((k for k in peaks if k.startswith(prefix)), key=lambda k: peaks[k]["gflops"])
     peak = peaks[peak_kernel]["gflops"]
     res: dict = {"facts": f, "mfu_peak": {"kernel": peak_kernel, "gflops": peak}}
+    res["decode_batch1"] = _decode_batch1(args, gen, prompt, probe, f, bw, peak)
+    res["prefill"] = _prefill(args, gen, prompt, f, peak)
+    res["batch_decode"] = _batch_decode(args, gen, prompt, f, bw, peak)
+    res["model"] = llm.engine.model_path
+    res["dtype"] = llm.engine.config.model.dtype
+    res["quantization"] = llm.engine.quantization
+    llm = None  # free the model before the peer runs
+    gc.collect()
+    return res
 
-    # Decode, batch 1: prompt P, O tokens; step time from the first to the last token, the median
-    # of DECODE_REPEATS requests (one request is short, and a single one moves on a shared VM).
-    # The read bandwidth is measured again right before and right after each request: a shared
-    # VM's bandwidth moves from one minute to the next, so each request's MBU is taken against
-    # the higher of its two neighbours, and the MBU is the median of those.
+
+def _decode_batch1(args, gen, prompt, probe, f: dict, bw: dict, peak: float) -> dict:
+    """Decode, batch 1: prompt P, O tokens; step time from the first to the last token, the median
+    of DECODE_REPEATS requests (one request is short, and a single one moves on a shared VM).
+    The read bandwidth is measured again right before and right after each request: a shared
+    VM's bandwidth moves from one minute to the next, so each request's MBU is taken against
+    the higher of its two neighbours, and the MBU is the median of those."""
     p, o = args.decode_prompt_len, args.decode_len
     mean_ctx = p + o / 2
     bytes_step = f["weight_bytes_per_step"] + f["kv_bytes_per_token"] * mean_ctx
@@ -236,7 +247,7 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
         reads.append([before, after])
         mbus.append(bytes_step / steps[-1] / 1e9 / max(before, after))
     step = statistics.median(steps)
-    res["decode_batch1"] = {
+    return {
         "prompt_len": p,
         "output_len": o,
         "step_s": step,
@@ -251,13 +262,15 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
         "mfu": decode_flops(f, int(mean_ctx)) / step / 1e9 / peak,
     }
 
-    # Prefill: one prompt of T tokens, one output token.
+
+def _prefill(args, gen, prompt, f: dict, peak: float) -> dict:
+    """Prefill: one prompt of T tokens, one output token."""
     t = args.prefill_len
     (out,), _ = gen([prompt(t, 2)], 1)
     pt = out.metrics.first_token_time - (
         out.metrics.first_scheduled_time or out.metrics.arrival_time
     )
-    res["prefill"] = {
+    return {
         "tokens": t,
         "seconds": pt,
         "tokens_per_s": t / pt,
@@ -265,11 +278,14 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
         "mfu": prefill_flops(f, t) / pt / 1e9 / peak,
     }
 
-    # Large batch: B concurrent requests, short prompts, O tokens each; FLOPs over the whole run.
+
+def _batch_decode(args, gen, prompt, f: dict, bw: dict, peak: float) -> dict:
+    """Large batch: B concurrent requests, short prompts, O tokens each; FLOPs over the whole
+    run."""
     b, bp, bo = args.batch, 16, args.decode_len
     outs, wall = gen([prompt(bp, 100 + i) for i in range(b)], bo)
     total = b * (prefill_flops(f, bp) + sum(decode_flops(f, bp + j) for j in range(1, bo)))
-    res["batch_decode"] = {
+    return {
         "batch": b,
         "prompt_len": bp,
         "output_len": bo,
@@ -279,12 +295,6 @@ def measure_model(args, peaks: dict, bw: dict) -> dict:
         "mfu": total / wall / 1e9 / peak,
         "mbu_weights_only": f["weight_bytes_per_step"] * (bo - 1) / wall / 1e9 / bw["read_gbs"],
     }
-    res["model"] = llm.engine.model_path
-    res["dtype"] = llm.engine.config.model.dtype
-    res["quantization"] = llm.engine.quantization
-    llm = None  # free the model before the peer runs
-    gc.collect()
-    return res
 
 
 def bandwidth_beside_decode(d: dict) -> str:

@@ -295,14 +295,47 @@ def plot_sweep(runs: list[dict], knob: str, path: Path, title: str) -> None:
     print(f"plot written to {path}")
 
 
-def main(args, argv: list[str]) -> int:
-    from kvserve.bench.servers import (
-        LLAMACPP_INSTALL,
-        kvserve_server,
-        llamacpp_available,
-        llamacpp_request_kwargs,
-        llamacpp_server,
+def kvserve_run(args, reqs, points, slo, text_kwargs) -> dict:
+    """kvserve's run: the server at --base-url, or one started here."""
+    from kvserve.bench.servers import kvserve_server
+
+    server = (
+        contextlib.nullcontext(args.base_url)
+        if args.base_url
+        else kvserve_server(args.model, shlex.split(args.server_args), args.api_key)
     )
+    with server as url:
+        return {
+            "engine": "kvserve",
+            "base_url": args.base_url,
+            "config": {"server_args": args.server_args},
+            "points": load_engine(args, url, reqs, points, slo, text_kwargs, args.api_key),
+        }
+
+
+def llamacpp_run(args, gguf, reqs, points, slo) -> dict:
+    """llama.cpp's run: llama-server started here on the same GGUF."""
+    from kvserve.bench.servers import llamacpp_request_kwargs, llamacpp_server
+
+    server = llamacpp_server(
+        gguf,
+        threads(args),
+        args.llamacpp_slots,
+        args.llamacpp_ctx,
+        args.llamacpp_bin,
+        shlex.split(args.llamacpp_args),
+    )
+    with server as url:
+        kw = llamacpp_request_kwargs(gguf, args.llamacpp_bin, reqs)
+        return {
+            "engine": "llamacpp",
+            "config": llamacpp_config(args),
+            "points": load_engine(args, url, reqs, points, slo, kw),
+        }
+
+
+def main(args, argv: list[str]) -> int:
+    from kvserve.bench.servers import LLAMACPP_INSTALL, llamacpp_available
 
     if "hf" in args.peer:
         return common.die(
@@ -340,38 +373,9 @@ def main(args, argv: list[str]) -> int:
         text_kwargs = {"prompt_texts": [decode(r.prompt_ids) for r in reqs]}
 
     if not args.only_peers:
-        server = (
-            contextlib.nullcontext(args.base_url)
-            if args.base_url
-            else kvserve_server(args.model, shlex.split(args.server_args), args.api_key)
-        )
-        with server as url:
-            result["runs"].append(
-                {
-                    "engine": "kvserve",
-                    "base_url": args.base_url,
-                    "config": {"server_args": args.server_args},
-                    "points": load_engine(args, url, reqs, points, slo, text_kwargs, args.api_key),
-                }
-            )
+        result["runs"].append(kvserve_run(args, reqs, points, slo, text_kwargs))
     if "llamacpp" in args.peer:
-        server = llamacpp_server(
-            gguf,
-            threads(args),
-            args.llamacpp_slots,
-            args.llamacpp_ctx,
-            args.llamacpp_bin,
-            shlex.split(args.llamacpp_args),
-        )
-        with server as url:
-            kw = llamacpp_request_kwargs(gguf, args.llamacpp_bin, reqs)
-            result["runs"].append(
-                {
-                    "engine": "llamacpp",
-                    "config": llamacpp_config(args),
-                    "points": load_engine(args, url, reqs, points, slo, kw),
-                }
-            )
+        result["runs"].append(llamacpp_run(args, gguf, reqs, points, slo))
     print_tables(result["runs"])
     name = f"serve-{args.dataset}" + (f"-{knob.replace('_', '-')}-sweep" if knob else "")
     if knob:

@@ -1083,7 +1083,12 @@ def print_summary(run: dict) -> None:
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("server")
+    _add_server_args(p.add_argument_group("server"))
+    _add_soak_args(p.add_argument_group("soak"))
+    add_output_args(p)
+
+
+def _add_server_args(g) -> None:
     g.add_argument(
         "--url",
         "--base-url",
@@ -1120,7 +1125,9 @@ def add_args(p) -> None:
         help="the server's body size limit, for the oversized bodies (default: --max-body-bytes "
         "of --server-args, else 2MiB)",
     )
-    g = p.add_argument_group("soak")
+
+
+def _add_soak_args(g) -> None:
     g.add_argument(
         "--num-requests", type=int, default=10_000, help="requests in all (default: %(default)s)"
     )
@@ -1171,7 +1178,6 @@ def add_args(p) -> None:
         help="seconds to wait for the server to go idle at the end (default: %(default)s)",
     )
     g.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    add_output_args(p)
 
 
 def body_limit(args) -> int:

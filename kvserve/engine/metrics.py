@@ -121,23 +121,33 @@ class EngineMetrics:
 
     def __init__(self, model_name: str):
         self.registry = reg = CollectorRegistry(auto_describe=True)
-        label = ["model_name"]
-
-        def hist(name: str, doc: str, buckets: list[float]):
-            return Histogram(f"kvserve:{name}", doc, label, registry=reg, buckets=buckets).labels(
-                model_name
-            )
-
-        def counter(name: str, doc: str):
-            return Counter(f"kvserve:{name}", doc, label, registry=reg).labels(model_name)
-
-        def gauge(name: str, doc: str):
-            return Gauge(f"kvserve:{name}", doc, label, registry=reg).labels(model_name)
-
-        ProcessCollector(
-            registry=reg
-        )  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self._model_name = model_name
+        ProcessCollector(registry=reg)  # process_cpu_seconds_total, process_resident_memory_bytes
         PlatformCollector(registry=reg)
+        # Registration order is the order of /metrics.
+        self._init_latency_histograms()
+        self._init_token_counters()
+        self._init_spec_decode_counters()
+        self._init_request_states()
+        self._last_stats: dict[str, float] = {}
+
+    def _hist(self, name: str, doc: str, buckets: list[float]):
+        return Histogram(
+            f"kvserve:{name}", doc, ["model_name"], registry=self.registry, buckets=buckets
+        ).labels(self._model_name)
+
+    def _counter(self, name: str, doc: str):
+        return Counter(f"kvserve:{name}", doc, ["model_name"], registry=self.registry).labels(
+            self._model_name
+        )
+
+    def _gauge(self, name: str, doc: str):
+        return Gauge(f"kvserve:{name}", doc, ["model_name"], registry=self.registry).labels(
+            self._model_name
+        )
+
+    def _init_latency_histograms(self) -> None:
+        hist = self._hist
         self.ttft = hist(
             "time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS
         )
@@ -185,6 +195,8 @@ class EngineMetrics:
             REQUEST_BUCKETS,
         )
 
+    def _init_token_counters(self) -> None:
+        counter = self._counter
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
@@ -201,6 +213,9 @@ class EngineMetrics:
         self.structured_masks = counter(
             "structured_masks", "Grammar token masks filled (one per constrained token)."
         )
+
+    def _init_spec_decode_counters(self) -> None:
+        counter = self._counter
         self.spec_decode_num_drafts = counter(
             "spec_decode_num_drafts",
             "Speculative verifications (steps of a request with draft tokens).",
@@ -221,17 +236,19 @@ class EngineMetrics:
             "kvserve:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0 = first).",
             ["model_name", "position"],
-            registry=reg,
+            registry=self.registry,
         )
-        self._model_name = model_name
+
+    def _init_request_states(self) -> None:
+        """Finished requests by reason, the scheduler's and KV pool's gauges, engine failures."""
         success = Counter(
             "kvserve:request_success",
             "Finished requests by finish reason.",
             ["model_name", "finished_reason"],
-            registry=reg,
+            registry=self.registry,
         )
-        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-
+        self.success = {r: success.labels(self._model_name, r) for r in FINISH_REASONS}
+        gauge = self._gauge
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
@@ -240,14 +257,13 @@ class EngineMetrics:
             "KV cache blocks referenced by requests (cached free blocks not counted).",
         )
         self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
-        self.engine_restarts = counter(
+        self.engine_restarts = self._counter(
             "engine_restarts", "Times the engine loop died and was restarted."
         )
-        self.failed_requests = counter(
+        self.failed_requests = self._counter(
             "request_failures",
             "Requests failed alone by the engine (a step raised because of them).",
         )
-        self._last_stats: dict[str, float] = {}
 
     def record_finished(
         self, m: RequestMetrics | None, finish_reason: str | None, prompt_tokens: int | None = None

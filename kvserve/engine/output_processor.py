@@ -200,7 +200,7 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time = time.monotonic()
             self.requests.pop(state.request_id, None)
-            for s in state.samples:
+            for s in state.samples if state.beam is None else ():  # beam samples: no sequences
                 self.samples.pop(s.seq_id, None)
         complete = state.prompt_logprobs is not None and state.prompt_logprobs_missing == 0
         return RequestOutput(

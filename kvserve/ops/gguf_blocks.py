@@ -6,20 +6,23 @@ packed kinds (pack_gguf_parts / pack_gguf_rows); back to float32 with unpack_ggu
     4     Q4_0, Q4_1      fp16 d, fp16 m, 4-bit q (0..15)            w = d q + m               320
     8     Q8_0, Q5_0,     fp16 d, 8-bit q (stored q + 128)           w = d q                   544
           IQ4_NL
-    14    Q4_K            fp32 d, fp32 m, 4-bit q (0..15)            w = d q + m               384
-    18    Q5_K, Q6_K,     fp32 d0 (weights 0..15), fp32 d1 (16..31),
-          Q3_K, Q5_1,     fp32 m, 8-bit q (stored q + 128)           w = d_half q + m          704
-          IQ4_XS
+    14    Q4_K            u8 sc, u8 mn, 4-bit q (0..15)              w = D sc q - DMIN mn      288
+    18    Q5_K, Q6_K,     s8 s0 (weights 0..15), s8 s1 (16..31),
+          Q3_K, IQ4_XS    u8 mn, 8-bit q (stored q + 128)            w = D s_half q - DMIN mn  560
+    19    Q5_1            fp32 d0 = d1 = d, fp32 m, 8-bit q          w = d q + m               704
+
+Kinds 14 and 18 keep the file's fp16 super-block scales D, DMIN (per 256 weights) once: after a
+group's blocks, 64 bytes per super-block (16 rows' D, then their DMIN).
 
 Every value is the file's: Q5_0's q - 16 is a signed 8-bit integer with the block's fp16 d; a
 K-quant's sub-block scale (fp16 super-block d times a 4..8-bit sub-scale) and min are exact
-float32 products, and d_half q is exact in float32 (at most 24 significant bits), so the one
-rounding of d q + m is gguf's own (gguf.quants.dequantize). Formats without an offset store
-m = -0.0, which leaves every d q (signed zeros included) unchanged. K-quant sub-blocks of 32
-(Q4_K, Q5_K) have d0 = d1. IQ4_NL and IQ4_XS store indices into a table of 16 signed 8-bit
-values: the value is q (IQ4_XS: d times its 6-bit sub-scale - 32 is d0 = d1, exact). Q5_1 (an
-fp16 min beside its fp16 d) takes kind 18 with d0 = d1 = d. Q2_K (a min per 16 weights) is not
-packed.
+float32 products (the kernels form them from D and the sub-scale), and d_half q is exact in
+float32 (at most 24 significant bits), so the one rounding of d q + m is gguf's own
+(gguf.quants.dequantize). Formats without an offset store mn = 0 (m = -0.0), which leaves every
+d q (signed zeros included) unchanged. K-quant sub-blocks of 32 (Q4_K, Q5_K) have s0 = s1.
+IQ4_NL and IQ4_XS store indices into a table of 16 signed 8-bit values: the value is q (IQ4_XS:
+its 6-bit sub-scale - 32 is s0 = s1). Q5_1 (an fp16 min beside its fp16 d per block, no
+super-block) takes kind 19. Q2_K (a min per 16 weights) is not packed.
 
 `w` is any object with the GGUF tensor's `raw` blocks ([rows, bytes_per_row] uint8), `qtype` and
 `shape` (kvserve.model.quant.BlockTensor). Imports numpy and torch only (GGUF's type codes:
@@ -39,7 +42,14 @@ GROUP = 32  # weights per packed block (and per GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 b
 SUPER = 256  # weights per GGUF K-quant super-block
 
 # Bytes of one block of 32 weights of 16 rows, per kind (gguf_packed_block_bytes in gguf_gemv.h).
-BLOCK_BYTES = {4: 320, 8: 544, 14: 384, 18: 704}
+BLOCK_BYTES = {4: 320, 8: 544, 14: 288, 18: 560, 19: 704}
+SUPER_KINDS = (14, 18)  # kinds with super-block scales after a group's blocks
+SUPER_BYTES = 64  # per super-block of a group: 16 fp16 D, 16 fp16 DMIN
+
+
+def group_bytes(kind: int, nb: int) -> int:
+    """Bytes of one group of 16 rows and nb blocks (gguf_group_bytes in gguf_gemv.h)."""
+    return nb * BLOCK_BYTES[kind] + (nb // 8 * SUPER_BYTES if kind in SUPER_KINDS else 0)
 
 
 def packed_kind(qtype) -> int | None:
@@ -54,7 +64,7 @@ def packed_kind(qtype) -> int | None:
         Q.Q5_K: 18,
         Q.Q6_K: 18,
         Q.Q3_K: 18,
-        Q.Q5_1: 18,
+        Q.Q5_1: 19,
         Q.IQ4_XS: 18,
     }.get(qtype)
 
@@ -75,14 +85,16 @@ class _Decoded:
     """One tensor's blocks of 32, decoded: `ints` [N, nb, 16 | 32] uint8 as the kind stores them
     (4-bit kinds: byte t = q[t] | q[t + 16] << 4; 8-bit kinds: q + 128, or with `signed` the
     file's int8 q, to which packing adds 128), `scales` one [N, nb] array per scale in the kind's
-    order (d, then m, or d0, d1, m; fp16 for kinds 4 / 8, fp32 for 14 / 18). Both may be views
-    of the file's blocks (strided over blocks, each block's bytes contiguous): packing copies
-    them once, straight into place."""
+    order (kinds 4 / 8: fp16 d, m; 14: u8 sc, mn; 18: s8 s0, s1, u8 mn; 19: fp32 d0, d1, m) and,
+    for kinds 14 / 18, `supers` the fp16 D and DMIN [N, nb / 8]. All may be views of the file's
+    blocks (strided over blocks, each block's bytes contiguous): packing copies them once,
+    straight into place."""
 
     kind: int
     scales: list
     ints: np.ndarray
     signed: bool = False
+    supers: list | None = None
 
 
 def _blocks(w, bytes_per_block):
@@ -105,10 +117,11 @@ def _per_32(x, N):
     return x.reshape(N, -1, *x.shape[3:])
 
 
-def _no_offset(d, N):
-    """Scales d [N, nsuper, 8, 2] of a kind-18 type without an offset -> [d0, d1, m = -0.0]."""
-    d = _per_32(d, N)
-    return [d[..., 0], d[..., 1], np.full(d.shape[:-1], -0.0, np.float32)]
+def _halves(sc, N):
+    """Scales [N, nsuper, 8, 2] (int8, one per 16 weights) of a kind-18 type without an offset
+    -> [s0, s1, mn = 0]."""
+    sc = _per_32(sc, N)
+    return [sc[..., 0], sc[..., 1], np.zeros(sc.shape[:-1], np.uint8)]
 
 
 def _k_scale_min(s):
@@ -119,95 +132,148 @@ def _k_scale_min(s):
     return sc, mn
 
 
+def _decode_q4_0_1(w, N) -> _Decoded:
+    """Q4_0, Q4_1: the file's bytes as they are: q[t] | q[t + 16] << 4."""
+    qt = w.qtype
+    b = _blocks(w, 18 if qt == Q.Q4_0 else 20)
+    half = b.view(np.uint16).view(np.float16)  # blocks of 9 or 10 fp16s: d (m) first
+    d = half[..., 0]
+    m = half[..., 1] if qt == Q.Q4_1 else (d.astype(np.float32) * -8).astype(np.float16)
+    return _Decoded(4, [d, m], b[..., -16:])
+
+
+def _decode_q8_0(w, N) -> _Decoded:
+    b = _blocks(w, 34)
+    return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], b[..., 2:], signed=True)
+
+
+def _decode_q5_0(w, N) -> _Decoded:
+    """fp16 d, 32 high bits, 16 bytes of low nibbles; w = d (q - 16)."""
+    b = _blocks(w, 22)
+    qh = b[..., 2:6].copy().view(np.uint32)  # [N, nb, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
+    low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
+    q = (low | (high << 4)).astype(np.int16) - 16
+    return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], (q + 128).astype(np.uint8))
+
+
+def _decode_q5_1(w, N) -> _Decoded:
+    """fp16 d, fp16 m, 32 high bits, low nibbles; w = d q + m."""
+    b = _blocks(w, 24)
+    qh = b[..., 4:8].copy().view(np.uint32)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = np.concatenate([b[..., 8:] & 15, b[..., 8:] >> 4], axis=-1) | (high << 4)
+    d, m = _half(b, 0)[..., 0], _half(b, 2)[..., 0]
+    return _Decoded(19, [d, d, m], (q + 128).astype(np.uint8))
+
+
+def _decode_iq4_nl(w, N) -> _Decoded:
+    """fp16 d, 16 bytes of table indices; w = d value[q]."""
+    b = _blocks(w, 18)
+    idx = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=-1)
+    return _Decoded(
+        8,
+        [b.view(np.uint16).view(np.float16)[..., 0]],
+        (IQ4_VALUES[idx] + 128).astype(np.uint8),
+    )
+
+
+def _decode_iq4_xs(w, N) -> _Decoded:
+    """Super-block: fp16 d, 6-bit sub-scales, table indices."""
+    b = _blocks(w, 136)
+    lo = (b[..., 4:8].reshape(N, -1, 4, 1) >> np.array([0, 4], np.uint8)) & 15  # [N, ns, 4, 2]
+    hi = b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))  # [N, ns, 8]
+    ls = lo.reshape(N, -1, 8).astype(np.int16) | ((hi & 3).astype(np.int16) << 4)
+    s = _per_32((ls - 32).astype(np.int8), N)  # [N, nb]: d0 = d1 = D (ls - 32)
+    qs = b[..., 8:].reshape(N, -1, 8, 16)
+    idx = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, ns, 8, 32]
+    return _Decoded(
+        18,
+        [s, s, np.zeros(s.shape, np.uint8)],
+        _per_32(IQ4_VALUES[idx] + 128, N).astype(np.uint8),
+        supers=_supers(b, 0, None),
+    )
+
+
+def _supers(b, d_at, dmin_at):
+    """The fp16 super-block scales D and DMIN (at those byte offsets of each super-block; None:
+    0) -> two [N, nsuper] fp16 arrays."""
+    d = b[..., d_at : d_at + 2].copy().view(np.float16)[..., 0]
+    if dmin_at is None:
+        return [d, np.zeros(d.shape, np.float16)]
+    return [d, b[..., dmin_at : dmin_at + 2].copy().view(np.float16)[..., 0]]
+
+
+def _decode_q4_5_k(w, N) -> _Decoded:
+    """Q4_K, Q5_K: w = (D sc) q - (DMIN mn) per sub-block of 32."""
+    qt = w.qtype
+    b = _blocks(w, 144 if qt == Q.Q4_K else 176)
+    sc, mn = _k_scale_min(b[..., 4:16])  # [N, ns, 8] 6-bit
+    sc, mn = _per_32(sc, N), _per_32(mn, N)
+    qs = b[..., -128:].reshape(N, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    q = (qs & 15).reshape(N, -1, 8, 32)  # sub-block 2j + h
+    if qt == Q.Q4_K:
+        return _Decoded(14, [sc, mn], _nibbles_of(_per_32(q, N)), supers=_supers(b, 0, 2))
+    qh = b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+    q = q | ((qh & 1) << 4)
+    s = sc.astype(np.int8)  # 0..63
+    return _Decoded(18, [s, s, mn], _per_32(q + 128, N).astype(np.uint8), supers=_supers(b, 0, 2))
+
+
+def _decode_q6_k(w, N) -> _Decoded:
+    """w = (d sc_16) (q - 32), q 6 bits, a scale per 16 weights."""
+    b = _blocks(w, 210)
+    ql = b[..., 0:128].reshape(N, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    qh = b[..., 128:192].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    q = ((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4)).astype(
+        np.int16
+    ) - 32
+    sc = b[..., 192:208].view(np.int8).reshape(N, -1, 8, 2)  # a scale per 16 weights
+    return _Decoded(
+        18, _halves(sc, N), _per_32(q + 128, N).astype(np.uint8), supers=_supers(b, 208, None)
+    )
+
+
+def _decode_q3_k(w, N) -> _Decoded:
+    """w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear)."""
+    b = _blocks(w, 110)
+    s = b[..., 96:108]
+    low = (s[..., 0:8].reshape(N, -1, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
+    high = (s[..., 8:12].reshape(N, -1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    sc = (low.reshape(N, -1, 16) | (high.reshape(N, -1, 16) << 4)).astype(np.int8) - 32
+    sc = sc.reshape(N, -1, 8, 2)
+    ql = (
+        b[..., 32:96].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    ) & 3
+    hm = (b[..., 0:32].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    q = ql.reshape(N, -1, 8, 32).astype(np.int16) - 4 * (1 - hm.astype(np.int16))
+    return _Decoded(
+        18, _halves(sc, N), _per_32(q + 128, N).astype(np.uint8), supers=_supers(b, 108, None)
+    )
+
+
+# GGUF type -> its decoder (w, N rows) -> _Decoded; the same types as packed_kind's.
+_DECODERS = {
+    Q.Q4_0: _decode_q4_0_1,
+    Q.Q4_1: _decode_q4_0_1,
+    Q.Q8_0: _decode_q8_0,
+    Q.Q5_0: _decode_q5_0,
+    Q.Q5_1: _decode_q5_1,
+    Q.IQ4_NL: _decode_iq4_nl,
+    Q.IQ4_XS: _decode_iq4_xs,
+    Q.Q4_K: _decode_q4_5_k,
+    Q.Q5_K: _decode_q4_5_k,
+    Q.Q6_K: _decode_q6_k,
+    Q.Q3_K: _decode_q3_k,
+}
+
+
 def _decode(w) -> _Decoded:
     N, K = w.shape
-    qt = w.qtype
-    if qt in (Q.Q4_0, Q.Q4_1):  # the file's bytes as they are: q[t] | q[t + 16] << 4
-        b = _blocks(w, 18 if qt == Q.Q4_0 else 20)
-        half = b.view(np.uint16).view(np.float16)  # blocks of 9 or 10 fp16s: d (m) first
-        d = half[..., 0]
-        m = half[..., 1] if qt == Q.Q4_1 else (d.astype(np.float32) * -8).astype(np.float16)
-        return _Decoded(4, [d, m], b[..., -16:])
-    if qt == Q.Q8_0:
-        b = _blocks(w, 34)
-        return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], b[..., 2:], signed=True)
-    if qt == Q.Q5_0:  # fp16 d, 32 high bits, 16 bytes of low nibbles; w = d (q - 16)
-        b = _blocks(w, 22)
-        qh = b[..., 2:6].copy().view(np.uint32)  # [N, nb, 1]
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
-        low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
-        q = (low | (high << 4)).astype(np.int16) - 16
-        return _Decoded(8, [b.view(np.uint16).view(np.float16)[..., 0]], (q + 128).astype(np.uint8))
-    if qt == Q.Q5_1:  # fp16 d, fp16 m, 32 high bits, low nibbles; w = d q + m
-        b = _blocks(w, 24)
-        qh = b[..., 4:8].copy().view(np.uint32)
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        q = np.concatenate([b[..., 8:] & 15, b[..., 8:] >> 4], axis=-1) | (high << 4)
-        d, m = _half(b, 0)[..., 0], _half(b, 2)[..., 0]
-        return _Decoded(18, [d, d, m], (q + 128).astype(np.uint8))
-    if qt == Q.IQ4_NL:  # fp16 d, 16 bytes of table indices; w = d value[q]
-        b = _blocks(w, 18)
-        idx = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=-1)
-        return _Decoded(
-            8,
-            [b.view(np.uint16).view(np.float16)[..., 0]],
-            (IQ4_VALUES[idx] + 128).astype(np.uint8),
-        )
-    if qt == Q.IQ4_XS:  # super-block: fp16 d, 6-bit sub-scales, table indices
-        b = _blocks(w, 136)
-        lo = (b[..., 4:8].reshape(N, -1, 4, 1) >> np.array([0, 4], np.uint8)) & 15  # [N, ns, 4, 2]
-        hi = b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))  # [N, ns, 8]
-        ls = lo.reshape(N, -1, 8).astype(np.int16) | ((hi & 3).astype(np.int16) << 4)
-        d = _half(b, 0) * (ls - 32).astype(np.float32)  # [N, ns, 8] exact
-        qs = b[..., 8:].reshape(N, -1, 8, 16)
-        idx = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, ns, 8, 32]
-        return _Decoded(
-            18,
-            [_per_32(d, N)] * 2 + [np.full(_per_32(d, N).shape, -0.0, np.float32)],
-            _per_32(IQ4_VALUES[idx] + 128, N).astype(np.uint8),
-        )
-    if qt in (Q.Q4_K, Q.Q5_K):  # w = (d sc) q - (dmin mn) per sub-block of 32
-        b = _blocks(w, 144 if qt == Q.Q4_K else 176)
-        sc, mn = _k_scale_min(b[..., 4:16])
-        d = _half(b, 0) * sc.astype(np.float32)  # [N, ns, 8] exact
-        m = -(_half(b, 2) * mn.astype(np.float32))
-        qs = b[..., -128:].reshape(N, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
-        q = (qs & 15).reshape(N, -1, 8, 32)  # sub-block 2j + h
-        if qt == Q.Q4_K:
-            return _Decoded(14, [_per_32(d, N), _per_32(m, N)], _nibbles_of(_per_32(q, N)))
-        qh = b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
-        q = q | ((qh & 1) << 4)
-        return _Decoded(
-            18, [_per_32(d, N)] * 2 + [_per_32(m, N)], _per_32(q + 128, N).astype(np.uint8)
-        )
-    if qt == Q.Q6_K:  # w = (d sc_16) (q - 32), q 6 bits, a scale per 16 weights
-        b = _blocks(w, 210)
-        ql = b[..., 0:128].reshape(N, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
-        qh = b[..., 128:192].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
-            4, 1
-        )
-        q = ((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4)).astype(
-            np.int16
-        ) - 32
-        sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(N, -1, 8, 2)
-        d = _half(b, 208)[..., None] * sc  # [N, ns, 8, 2] exact
-        return _Decoded(18, _no_offset(d, N), _per_32(q + 128, N).astype(np.uint8))
-    if qt == Q.Q3_K:  # w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear)
-        b = _blocks(w, 110)
-        s = b[..., 96:108]
-        low = (s[..., 0:8].reshape(N, -1, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
-        high = (
-            s[..., 8:12].reshape(N, -1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-        ) & 3
-        sc = (low.reshape(N, -1, 16) | (high.reshape(N, -1, 16) << 4)).astype(np.float32) - 32
-        d = (_half(b, 108) * sc).reshape(N, -1, 8, 2)
-        ql = (
-            b[..., 32:96].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-        ) & 3
-        hm = (b[..., 0:32].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
-        q = ql.reshape(N, -1, 8, 32).astype(np.int16) - 4 * (1 - hm.astype(np.int16))
-        return _Decoded(18, _no_offset(d, N), _per_32(q + 128, N).astype(np.uint8))
-    raise AssertionError(f"packed_kind and _decode disagree on {qt}")
+    decode = _DECODERS.get(w.qtype)
+    if decode is None:
+        raise AssertionError(f"packed_kind and _decode disagree on {w.qtype}")
+    return decode(w, N)
 
 
 def _check(w):
@@ -244,40 +310,57 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
         dec = [_joined(dec)]
     kind, nb = dec[0].kind, dec[0].ints.shape[1]
     G = sum(-(-d.ints.shape[0] // 16) for d in dec)
-    packed = np.empty((G, nb, BLOCK_BYTES[kind]), np.uint8)
+    packed = np.empty((G, group_bytes(kind, nb)), np.uint8)
+    blocks = packed[:, : nb * BLOCK_BYTES[kind]].reshape(G, nb, BLOCK_BYTES[kind])
+    ns = nb // 8 if kind in SUPER_KINDS else 0
+    supers = packed[:, nb * BLOCK_BYTES[kind] :].reshape(G, ns, SUPER_BYTES)
     g = 0
     for d in dec:  # each part into its own groups of 16 rows
         n = d.ints.shape[0]
         full = n // 16
         if full:
             _place(
-                packed[g : g + full],
+                blocks[g : g + full],
                 [s[: 16 * full] for s in d.scales],
                 d.ints[: 16 * full],
                 d.signed,
             )
+            if d.supers is not None:
+                _place_scales(supers[g : g + full], [s[: 16 * full] for s in d.supers])
         if n % 16:  # its last group, padded with q = 0, scales 0
             pad = 16 - n % 16
-            scales = [
-                np.concatenate([s[16 * full :], np.zeros((pad, nb), s.dtype)]) for s in d.scales
-            ]
+            scales = [_pad_rows(s[16 * full :], pad) for s in d.scales]
             fill = 0 if kind in (4, 14) or d.signed else 128
             ints = np.concatenate(
                 [d.ints[16 * full :], np.full((pad, *d.ints.shape[1:]), fill, np.uint8)]
             )
-            _place(packed[g + full : g + full + 1], scales, ints, d.signed)
+            _place(blocks[g + full : g + full + 1], scales, ints, d.signed)
+            if d.supers is not None:
+                _place_scales(
+                    supers[g + full : g + full + 1],
+                    [_pad_rows(s[16 * full :], pad) for s in d.supers],
+                )
         g += -(-n // 16)
     return torch.from_numpy(packed).reshape(-1), kind
+
+
+def _pad_rows(x, pad):
+    """x [n, ...] with `pad` rows of zeros after it."""
+    return np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
 
 
 def _joined(dec) -> _Decoded:
     """Parts decoded one by one -> one part of all their rows (the integers as the kind stores
     them)."""
     ints = [d.ints ^ np.uint8(0x80) if d.signed else d.ints for d in dec]
+    supers = None
+    if dec[0].supers is not None:
+        supers = [np.concatenate(s) for s in zip(*(d.supers for d in dec))]
     return _Decoded(
         dec[0].kind,
         [np.concatenate(s) for s in zip(*(d.scales for d in dec))],
         np.concatenate(ints),
+        supers=supers,
     )
 
 
@@ -285,12 +368,8 @@ def _place(out, scales, ints, signed) -> None:
     """Whole groups of 16 rows into their packed blocks out [G, nb, bytes], one strided copy per
     array: each scale array as [G, nb, 16 rows], then the integers as [G, nb, chunk, 16 rows] of 4
     weights each (4 bytes moved as one uint32), signed 8-bit ones offset by 128 on the way."""
+    at = _place_scales(out, scales)
     G, nb = out.shape[:2]
-    at = 0
-    for s in scales:
-        size = 16 * s.dtype.itemsize
-        out[..., at : at + size].view(s.dtype)[...] = s.reshape(G, 16, nb).swapaxes(1, 2)
-        at += size
     chunks = ints.shape[-1] // 4  # 4 (4-bit kinds) or 8
     assert at + chunks * 64 == out.shape[-1]
     dst = out[..., at:].view(np.uint32).reshape(G, nb, chunks, 16)  # splits the last axis: a view
@@ -299,6 +378,18 @@ def _place(out, scales, ints, signed) -> None:
         np.bitwise_xor(src, np.uint32(0x80808080), out=dst)
     else:
         dst[...] = src
+
+
+def _place_scales(out, scales) -> int:
+    """Each [16 G, n] scale array as [G, n, 16 rows] at the start of out [G, n, bytes], one after
+    the other; returns the bytes they take."""
+    G, n = out.shape[:2]
+    at = 0
+    for s in scales:
+        size = 16 * s.dtype.itemsize
+        out[..., at : at + size].view(s.dtype)[...] = s.reshape(G, 16, n).swapaxes(1, 2)
+        at += size
+    return at
 
 
 def pack_gguf_rows(w) -> tuple[torch.Tensor, int]:
@@ -313,23 +404,27 @@ def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) ->
         raise ValueError(f"packed kind {kind} is not one of {sorted(BLOCK_BYTES)}")
     N, K = shape
     nb, G = K // GROUP, -(-N // 16)
-    a = packed.numpy().reshape(G, nb, BLOCK_BYTES[kind])
-    ftype, nscales = {
-        4: (np.float16, 2),
-        8: (np.float16, 1),
-        14: (np.float32, 2),
-        18: (np.float32, 3),
+    flat = packed.numpy().reshape(G, group_bytes(kind, nb))
+    a = flat[:, : nb * BLOCK_BYTES[kind]].reshape(G, nb, BLOCK_BYTES[kind])
+    types = {
+        4: [np.float16] * 2,
+        8: [np.float16],
+        14: [np.uint8] * 2,
+        18: [np.int8, np.int8, np.uint8],
+        19: [np.float32] * 3,
     }[kind]
-    sbytes = 16 * np.dtype(ftype).itemsize
-    s = [
-        a[..., i * sbytes : (i + 1) * sbytes]
-        .copy()
-        .view(ftype)
-        .astype(np.float32)
-        .transpose(0, 2, 1)[..., None]
-        for i in range(nscales)
-    ]  # [G, row, nb, 1]
-    ints = a[..., nscales * sbytes :]
+    s, at = [], 0
+    for t in types:
+        size = 16 * np.dtype(t).itemsize
+        v = a[..., at : at + size].copy().view(t).astype(np.float32).transpose(0, 2, 1)
+        s.append(v[..., None])  # [G, row, nb, 1]
+        at += size
+    if kind in SUPER_KINDS:  # d = D s (exact), m = -(DMIN mn)
+        sup = flat[:, nb * BLOCK_BYTES[kind] :].reshape(G, nb // 8, 2, 32).copy()
+        sup = sup.view(np.float16).astype(np.float32)  # [G, ns, 2, 16]
+        d_, dmin = (np.repeat(sup[:, :, i].transpose(0, 2, 1), 8, -1)[..., None] for i in (0, 1))
+        s = [d_ * x for x in s[:-1]] + [-(dmin * s[-1])]
+    ints = a[..., at:]
     if kind in (4, 14):
         qs = ints.reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
         q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)  # j = 0..15, 16..31

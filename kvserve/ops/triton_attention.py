@@ -64,6 +64,90 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _decode_split_range(
+    seq_len,
+    split,
+    window,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """[start, end): the keys split `split` of a sequence of seq_len tokens visits. Each split
+    covers a whole number of BLOCK_N tiles; trailing splits may be empty."""
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    n = tl.maximum(seq_len - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    return start, end
+
+
+@triton.jit
+def _decode_tiles(
+    q,
+    start,
+    end,
+    bt_row,
+    k_ptr,
+    v_ptr,
+    kvh,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    GROUP_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online softmax of the query heads q [GROUP_PAD, D] over keys [start, end) of KV head kvh,
+    BLOCK_N keys a tile: (m, l, acc) in float32."""
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for t in range(start, end, BLOCK_N):
+        tok = t + offs_n
+        n_mask = tok < end
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = tok % BLOCK_SIZE
+        k = tl.load(
+            k_ptr
+            + blk[:, None] * stride_kb
+            + off[:, None] * stride_kt
+            + kvh * stride_kh
+            + offs_d[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + blk[:, None] * stride_vb
+            + off[:, None] * stride_vt
+            + kvh * stride_vh
+            + offs_d[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # log2 domain
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every visited tile has a valid key
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -101,18 +185,10 @@ def _decode_split_kernel(
 
     seq_len = tl.load(lens_ptr + b)
     row = tl.load(qrow_ptr + b).to(tl.int64)
-    lo = seq_len * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    n = tl.maximum(seq_len - lo, 0)
-    # Each split covers a whole number of BLOCK_N tiles; trailing splits may be empty.
-    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _decode_split_range(seq_len, split, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     q = tl.load(
@@ -121,41 +197,28 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for t in range(start, end, BLOCK_N):
-        tok = t + offs_n
-        n_mask = tok < end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = tok % BLOCK_SIZE
-        k = tl.load(
-            k_ptr
-            + blk[:, None] * stride_kb
-            + off[:, None] * stride_kt
-            + kvh * stride_kh
-            + offs_d[None, :],
-            mask=n_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr
-            + blk[:, None] * stride_vb
-            + off[:, None] * stride_vt
-            + kvh * stride_vh
-            + offs_d[None, :],
-            mask=n_mask[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # log2 domain
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every visited tile has a valid key
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-        m_i = m_new
+    m_i, l_i, acc = _decode_tiles(
+        q,
+        start,
+        end,
+        bt_row,
+        k_ptr,
+        v_ptr,
+        kvh,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        GROUP_PAD,
+        D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        DOT_PREC,
+    )
 
     part = (b * HQ + heads) * NUM_SPLITS + split
     tl.store(m_ptr + part, m_i, mask=g_mask)
@@ -271,6 +334,14 @@ def paged_decode_attention(
         num_warps=4,
         num_stages=2,
     )
+    _merge_decode_splits(m, l, acc, qrow, out, v_scale)
+    return out
+
+
+def _merge_decode_splits(m, l, acc, qrow, out, v_scale) -> None:  # noqa: E741
+    """The splits' partial (max, sum, acc) [Bd, Hq, num_splits(, D)] -> out[qrow[b]], times
+    v_scale."""
+    Bd, Hq, num_splits, D = acc.shape
     _decode_merge_kernel[(Bd, Hq)](
         m,
         l,
@@ -286,7 +357,6 @@ def paged_decode_attention(
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=1 if D <= 64 else 2,
     )
-    return out
 
 
 @triton.jit

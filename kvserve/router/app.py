@@ -42,27 +42,63 @@ def _error(
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
-def build_router_app(
-    router: Router,
-    health_interval: float = 2.0,
-    request_timeout: float = 600.0,
-    api_key: str | None = None,
-    prefill: Router | None = None,
-    max_body_bytes: int = forwarding.DEFAULT_MAX_BODY_BYTES,
-    kv_transfer_key: str | None = None,
-) -> FastAPI:
-    """`api_key`: when set, every route but /health needs 'Authorization: Bearer KEY' (checked
-    here, then passed on: replicas may check their own). `prefill`: the prefill replicas of
-    prefill/decode disaggregation (`router` then holds the decode replicas), and
-    `kv_transfer_key` the replicas' --kv-transfer-key, sent with every handover call and with
-    the decode request (which then reads the handover's namespace). `max_body_bytes`:
-    a larger request body is a 413 (kvserve/router/forwarding.py)."""
-    client: httpx.AsyncClient | None = None
-    everyone = router.replicas + (prefill.replicas if prefill is not None else [])
+def _replica_lost(replica: Replica, e: Exception) -> None:
+    """Take a replica that failed a request it was serving out of rotation (its health check
+    brings it back), and say so in the log."""
+    replica.healthy = False
+    replica.failures += 1
+    replica.last_error = f"{type(e).__name__}: {e}"
+    log.error(
+        "replica %s lost a request (%s); out of rotation until its health check passes",
+        replica.url,
+        replica.last_error,
+    )
 
-    async def check(replica: Replica) -> None:
+
+def _lost_message(replica: Replica) -> str:
+    return (
+        f"replica {replica.url} failed while serving this request ({replica.last_error}); "
+        f"it is out of rotation until its health check passes: retry the request"
+    )
+
+
+def _replica_failed(replica: Replica) -> JSONResponse:
+    """The client's 502 when its replica dropped the request."""
+    return _error(502, _lost_message(replica), "server_error", code="replica_failed")
+
+
+class RouterService:
+    """What the router's routes share: the replicas, the HTTP client to them (opened and closed
+    by `lifespan`) and the settings of `build_router_app`, which wires one method per route."""
+
+    def __init__(
+        self,
+        router: Router,
+        health_interval: float,
+        request_timeout: float,
+        api_key: str | None,
+        prefill: Router | None,
+        max_body_bytes: int,
+        kv_transfer_key: str | None,
+    ) -> None:
+        self.router = router
+        self.health_interval = health_interval
+        self.request_timeout = request_timeout
+        self.api_key = api_key
+        self.prefill = prefill
+        self.max_body_bytes = max_body_bytes
+        self.kv_transfer_key = kv_transfer_key
+        self.client: httpx.AsyncClient | None = None
+        self.everyone = router.replicas + (prefill.replicas if prefill is not None else [])
+
+    # -- health ------------------------------------------------------------------------------
+
+    async def check(self, replica: Replica) -> None:
+        """One health check: a replica is in rotation while its /health answers 200."""
         try:
-            r = await client.get(f"{replica.url}/health", timeout=max(1.0, health_interval))
+            r = await self.client.get(
+                f"{replica.url}/health", timeout=max(1.0, self.health_interval)
+            )
             ok = r.status_code == 200
             error = None if ok else f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
@@ -78,35 +114,32 @@ def build_router_app(
         if error:
             replica.last_error = error
 
-    async def health_loop() -> None:
+    async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(check(r) for r in everyone))
-            await asyncio.sleep(health_interval)
+            await asyncio.gather(*(self.check(r) for r in self.everyone))
+            await asyncio.sleep(self.health_interval)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        nonlocal client
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout, connect=5.0),
+    async def lifespan(self, app: FastAPI):
+        """The client to the replicas and the health checks live as long as the app does; every
+        replica is checked once before the first request."""
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.request_timeout, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
-        await asyncio.gather(*(check(r) for r in everyone))
-        task = asyncio.create_task(health_loop())
+        await asyncio.gather(*(self.check(r) for r in self.everyone))
+        task = asyncio.create_task(self.health_loop())
         try:
             yield
         finally:
             task.cancel()
-            await client.aclose()
+            await self.client.aclose()
 
-    app = FastAPI(title="kvserve router", lifespan=lifespan)
-    app.state.router = router
-    install_error_handlers(app)  # every error, 404s and 500s too, is an OpenAI error body
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path != "/health":
+    async def check_key(self, request: Request, call_next):
+        """Middleware: with an API key, every route but /health needs it."""
+        if self.api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return _error(
                     401,
                     "Incorrect API key provided: send 'Authorization: Bearer <key>'",
@@ -115,46 +148,46 @@ def build_router_app(
                 )
         return await call_next(request)
 
-    def replica_lost(replica: Replica, e: Exception) -> None:
-        replica.healthy = False
-        replica.failures += 1
-        replica.last_error = f"{type(e).__name__}: {e}"
-        log.error(
-            "replica %s lost a request (%s); out of rotation until its health check passes",
-            replica.url,
-            replica.last_error,
-        )
+    # -- forwarding --------------------------------------------------------------------------
 
-    def lost_message(replica: Replica) -> str:
-        return (
-            f"replica {replica.url} failed while serving this request ({replica.last_error}); "
-            f"it is out of rotation until its health check passes: retry the request"
-        )
-
-    async def route(request: Request, path: str) -> Response:
+    async def route(self, request: Request, path: str) -> Response:
         """Bad input (headers, body size, JSON) is refused here with a 4xx (forwarding.py); past
         that, only what goes wrong between the router and the replica counts against the replica."""
         headers = forwarding.forward_headers(request.scope["headers"])
         try:
-            raw = await forwarding.read_body(request, max_body_bytes)
+            raw = await forwarding.read_body(request, self.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=499)  # nobody is left to answer
         body = forwarding.parse_json_body(raw)
         key = routing_key(path, body)
         stream = body.get("stream") is True
         handover = (
-            await prefill_elsewhere(path, body, key, headers) if prefill is not None else None
+            await self.prefill_elsewhere(path, body, key, headers)
+            if self.prefill is not None
+            else None
         )
-        if prefill is not None and kv_transfer_key:  # clients' own copies are never forwarded
-            headers[KV_TRANSFER_HEADER] = kv_transfer_key
+        # clients' own copies are never forwarded
+        if self.prefill is not None and self.kv_transfer_key:
+            headers[KV_TRANSFER_HEADER] = self.kv_transfer_key
+        sent = await self.send(path, raw, key, headers, handover)
+        if isinstance(sent, Response):
+            return sent
+        return await self.answer(*sent, stream)
+
+    async def send(
+        self, path: str, raw: bytes, key: str, headers: dict, handover: bytes | None
+    ) -> tuple[Replica, httpx.Response] | Response:
+        """Send the request to the replica the policy picks, and to the next one while none can
+        be reached: the replica and its response (body not read yet, in flight counted), or
+        the client's error (503: no healthy replica left; 502: the replica failed it)."""
         tried: tuple[Replica, ...] = ()
         while True:
-            replica, _ = router.choose(key, exclude=tried)
+            replica, _ = self.router.choose(key, exclude=tried)
             if replica is not None and handover is not None:
-                await hand_over(replica, handover, headers)
+                await self.hand_over(replica, handover, headers)
             if replica is None:
                 down = "; ".join(
-                    f"{r.url}: {r.last_error or 'not checked yet'}" for r in router.replicas
+                    f"{r.url}: {r.last_error or 'not checked yet'}" for r in self.router.replicas
                 )
                 return _error(
                     503,
@@ -162,26 +195,27 @@ def build_router_app(
                     "service_unavailable",
                     code="no_healthy_replica",
                 )
-            upstream = client.build_request(
+            upstream = self.client.build_request(
                 "POST", f"{replica.url}{path}", content=raw, headers=headers
             )
             replica.in_flight += 1
             try:
-                response = await client.send(upstream, stream=True)
+                return replica, await self.client.send(upstream, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing reached the replica:
                 replica.in_flight -= 1  # the next one may take it
-                replica_lost(replica, e)
+                _replica_lost(replica, e)
                 tried += (replica,)
-                continue
             except httpx.LocalProtocolError as e:  # what the client sent cannot go out as HTTP:
                 replica.in_flight -= 1  # its fault, not the replica's
                 log.info("refused to forward a request to %s: %s", replica.url, e)
                 return forwarding.unforwardable(e).response()
             except httpx.HTTPError as e:
                 replica.in_flight -= 1
-                replica_lost(replica, e)
-                return _error(502, lost_message(replica), "server_error", code="replica_failed")
-            break
+                _replica_lost(replica, e)
+                return _replica_failed(replica)
+
+    async def answer(self, replica: Replica, response: httpx.Response, stream: bool) -> Response:
+        """The replica's answer, passed on whole, or relayed as it comes when it is a stream."""
         passed = {
             k: v
             for k, v in response.headers.items()
@@ -192,28 +226,33 @@ def build_router_app(
             try:
                 content = await response.aread()
             except httpx.HTTPError as e:
-                replica_lost(replica, e)
-                return _error(502, lost_message(replica), "server_error", code="replica_failed")
+                _replica_lost(replica, e)
+                return _replica_failed(replica)
             finally:
                 replica.in_flight -= 1
                 await response.aclose()
             return Response(content, status_code=response.status_code, headers=passed)
+        return StreamingResponse(self.relay(replica, response), status_code=200, headers=passed)
 
-        async def relay():
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:
-                replica_lost(replica, e)
-                body = error_body(lost_message(replica), "server_error", code="replica_failed")
-                yield f"data: {json.dumps(body)}\n\n".encode()
-            finally:  # also when the client went away: closing upstream aborts the request there
-                replica.in_flight -= 1
-                await response.aclose()
+    async def relay(self, replica: Replica, response: httpx.Response):
+        """A stream's chunks as they come; a replica that fails mid-stream ends it with an error
+        event."""
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            _replica_lost(replica, e)
+            body = error_body(_lost_message(replica), "server_error", code="replica_failed")
+            yield f"data: {json.dumps(body)}\n\n".encode()
+        finally:  # also when the client went away: closing upstream aborts the request there
+            replica.in_flight -= 1
+            await response.aclose()
 
-        return StreamingResponse(relay(), status_code=200, headers=passed)
+    # -- prefill/decode disaggregation -------------------------------------------------------
 
-    async def prefill_elsewhere(path: str, body: dict, key: str, headers: dict) -> bytes | None:
+    async def prefill_elsewhere(
+        self, path: str, body: dict, key: str, headers: dict
+    ) -> bytes | None:
         """Disaggregation, step 1: a prefill replica tokenizes the prompt as the endpoint would,
         computes it and returns its KV blocks; None when that cannot be done (the decode replica
         then computes the prompt itself: the handover only saves work)."""
@@ -231,7 +270,7 @@ def build_router_app(
             return None
         if body.get("cache_salt") is not None:  # handed-over blocks are not in its namespace
             return None
-        replica, _ = prefill.choose(key)
+        replica, _ = self.prefill.choose(key)
         if replica is None:
             return None
         replica.in_flight += 1
@@ -239,7 +278,7 @@ def build_router_app(
             if ask is None:
                 ids = body["prompt"]
             else:
-                r = await client.post(
+                r = await self.client.post(
                     f"{replica.url}/tokenize",
                     json={"model": body.get("model"), **ask},
                     headers=headers,
@@ -247,10 +286,10 @@ def build_router_app(
                 if r.status_code != 200:
                     return None
                 ids = r.json()["tokens"]
-            r = await client.post(
+            r = await self.client.post(
                 f"{replica.url}/v1/kv/prefill",
                 json={"prompt_token_ids": ids},
-                headers={**headers, KV_TRANSFER_HEADER: kv_transfer_key or ""},
+                headers={**headers, KV_TRANSFER_HEADER: self.kv_transfer_key or ""},
             )
             if r.status_code != 200:
                 log.warning(
@@ -261,25 +300,25 @@ def build_router_app(
                 return None
             return r.content
         except httpx.HTTPError as e:
-            replica_lost(replica, e)
+            _replica_lost(replica, e)
             return None
         finally:
             replica.in_flight -= 1
 
-    async def hand_over(replica: Replica, payload: bytes, headers: dict) -> None:
+    async def hand_over(self, replica: Replica, payload: bytes, headers: dict) -> None:
         """Disaggregation, step 2: the decode replica adopts the blocks into its prefix cache."""
         try:
-            r = await client.post(
+            r = await self.client.post(
                 f"{replica.url}/v1/kv/import",
                 content=payload,
                 headers={
                     **headers,
                     "content-type": "application/octet-stream",
-                    KV_TRANSFER_HEADER: kv_transfer_key or "",
+                    KV_TRANSFER_HEADER: self.kv_transfer_key or "",
                 },
             )
             if r.status_code == 200:
-                router.handed_over_tokens += r.json().get("cached_tokens", 0)
+                self.router.handed_over_tokens += r.json().get("cached_tokens", 0)
             else:
                 log.warning(
                     "KV import on %s answered %d: %s", replica.url, r.status_code, r.text[:200]
@@ -289,22 +328,21 @@ def build_router_app(
                 "KV import on %s failed (%s): it computes the prompt itself", replica.url, e
             )
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await route(request, "/v1/completions")
+    # -- the routes ------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await route(request, "/v1/chat/completions")
+    async def completions(self, request: Request):
+        return await self.route(request, "/v1/completions")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+    async def chat_completions(self, request: Request):
+        return await self.route(request, "/v1/chat/completions")
+
+    async def models(self, request: Request):
         headers = forwarding.forward_headers(request.scope["headers"])
-        for replica in router.healthy():
+        for replica in self.router.healthy():
             try:
-                r = await client.get(f"{replica.url}/v1/models", headers=headers, timeout=10)
+                r = await self.client.get(f"{replica.url}/v1/models", headers=headers, timeout=10)
             except httpx.HTTPError as e:
-                replica_lost(replica, e)
+                _replica_lost(replica, e)
                 continue
             return Response(
                 r.content,
@@ -313,19 +351,46 @@ def build_router_app(
             )
         return _error(503, "no healthy replica", "service_unavailable", code="no_healthy_replica")
 
-    @app.get("/health")
-    async def health():
-        n = len(router.healthy())
+    async def health(self):
+        n = len(self.router.healthy())
         return JSONResponse(
-            {"healthy_replicas": n, "replicas": len(router.replicas)}, status_code=200 if n else 503
+            {"healthy_replicas": n, "replicas": len(self.router.replicas)},
+            status_code=200 if n else 503,
         )
 
-    @app.get("/router/stats")
-    async def stats():
-        out = router.stats()
-        if prefill is not None:
-            out["prefill"] = prefill.stats()["replicas"]
-            out["handed_over_tokens"] = router.handed_over_tokens
+    async def stats(self):
+        out = self.router.stats()
+        if self.prefill is not None:
+            out["prefill"] = self.prefill.stats()["replicas"]
+            out["handed_over_tokens"] = self.router.handed_over_tokens
         return out
 
+
+def build_router_app(
+    router: Router,
+    health_interval: float = 2.0,
+    request_timeout: float = 600.0,
+    api_key: str | None = None,
+    prefill: Router | None = None,
+    max_body_bytes: int = forwarding.DEFAULT_MAX_BODY_BYTES,
+    kv_transfer_key: str | None = None,
+) -> FastAPI:
+    """`api_key`: when set, every route but /health needs 'Authorization: Bearer KEY' (checked
+    here, then passed on: replicas may check their own). `prefill`: the prefill replicas of
+    prefill/decode disaggregation (`router` then holds the decode replicas), and
+    `kv_transfer_key` the replicas' --kv-transfer-key, sent with every handover call and with
+    the decode request (which then reads the handover's namespace). `max_body_bytes`:
+    a larger request body is a 413 (kvserve/router/forwarding.py)."""
+    service = RouterService(
+        router, health_interval, request_timeout, api_key, prefill, max_body_bytes, kv_transfer_key
+    )
+    app = FastAPI(title="kvserve router", lifespan=service.lifespan)
+    app.state.router = router
+    install_error_handlers(app)  # every error, 404s and 500s too, is an OpenAI error body
+    app.middleware("http")(service.check_key)
+    app.post("/v1/completions")(service.completions)
+    app.post("/v1/chat/completions")(service.chat_completions)
+    app.get("/v1/models")(service.models)
+    app.get("/health")(service.health)
+    app.get("/router/stats")(service.stats)
     return app

@@ -29,6 +29,7 @@ log = logging.getLogger("kvserve.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The router's own flags; what it does not know goes to the replicas it starts (main)."""
     p = argparse.ArgumentParser(
         prog="kvserve router",
         description="Route OpenAI API requests over data-parallel kvserve replicas: each request "
@@ -37,6 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Flags after the router's own go to every replica started by --data-parallel-size "
         "(e.g. --max-model-len 4096).",
     )
+    _add_replica_args(p)
+    _add_routing_args(p)
+    _add_access_args(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _add_replica_args(p: argparse.ArgumentParser) -> None:
+    """Which replicas to route over: running ones, started ones, and prefill ones."""
     p.add_argument(
         "--replica",
         action="append",
@@ -61,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="start N `kvserve serve` replicas on 127.0.0.1 "
         "(default: none; give --replica instead)",
     )
+
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Where the router listens, how it picks a replica and how often it checks them."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument(
@@ -90,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds between health checks of every replica (default: %(default)s)",
     )
+
+
+def _add_access_args(p: argparse.ArgumentParser) -> None:
+    """The keys and limits requests meet: API key, body size, KV handover key."""
     p.add_argument(
         "--api-key",
         default=os.environ.get("KVSERVE_API_KEY"),
@@ -112,8 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
         "every KV handover call and decode request (default: "
         "$KVSERVE_KV_TRANSFER_KEY when set)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
 
 
 def _free_port() -> int:

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $KVSERVE_API_KEY when set, else no key)",
     )
     g.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's special tokens and chat template, as "
+        "vLLM's; lm-eval's tokenizer_backend=remote reads it) (default: off)",
+    )
+    g.add_argument(
         "--metrics-public",
         action="store_true",
         help="serve /metrics and /dashboard/data without the API key "

@@ -17,10 +17,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from kvserve.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from kvserve.server.errors import BadRequest
-from kvserve.server.tools import messages_for_template, tool_choice_constraint
+from kvserve.server.tools import tool_choice_constraint, tool_functions
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_CACHE_SALT_CHARS = 1024
+MAX_TEMPERATURE = 2.0  # OpenAI's upper bound for temperature (the offline API takes any)
 
 # Fields of OpenAI or vLLM requests that change what the answer means and that kvserve does not
 # implement (yet): a 400 naming the field, never a silently different answer.
@@ -246,6 +247,12 @@ class _SamplingRequest(_Model):
             "early_stopping": self.early_stopping,
             "best_of": getattr(self, "best_of", None),
         }
+        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+            raise BadRequest(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (OpenAI's range), "
+                f"got {self.temperature:g}",
+                "temperature",
+            )
         kwargs = {k: v for k, v in given.items() if v is not None or k == "max_tokens"}
         try:
             return SamplingParams(**kwargs)
@@ -405,21 +412,19 @@ def check_tool_turns(messages: list[ChatMessage]) -> None:
             )
 
 
-def chat_messages(messages: list[ChatMessage], tools: list[dict] | None = None) -> list[dict]:
-    """Messages as the chat template takes them (string content; developer -> system). With
-    tools, or tool calls and results in the history, in the model's tool-call format
-    (kvserve.server.tools: the default model's template has no tools section)."""
-    out = [
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as OpenAI gives them, with string content (developer -> system), earlier tool
+    calls and the tool_call_id of tool results: serving_chat.render_chat shapes them for the
+    model's template."""
+    return [
         {
             "role": "system" if m.role == "developer" else m.role,
             "content": m.text(),
             **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+            **({"tool_call_id": m.tool_call_id} if m.role == "tool" else {}),
         }
         for m in messages
     ]
-    if tools or any(m.role == "tool" or m.tool_calls for m in messages):
-        out = messages_for_template(out, tools)
-    return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -460,7 +465,12 @@ class ChatCompletionRequest(_SamplingRequest):
         return tool_so, "tool_choice"
 
     def chat_messages(self) -> list[dict]:
-        return chat_messages(self.messages, self.tools if self.uses_tools else None)
+        return chat_messages(self.messages)
+
+    @property
+    def prompt_tools(self) -> list[dict] | None:
+        """The tools the prompt lists (none with tool_choice "none")."""
+        return self.tools if self.uses_tools else None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = (
@@ -486,14 +496,21 @@ class TokenizeRequest(_Model):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[JSONObject] | None = None  # with messages: rendered as a chat request renders them
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise BadRequest("give exactly one of prompt or messages", "prompt")
         if self.messages is not None and not self.messages:
             raise BadRequest("messages must not be empty", "messages")
+        if self.tools is not None and self.messages is None:
+            raise BadRequest("tools apply to messages, not to a prompt", "tools")
         if self.messages:
             check_tool_turns(self.messages)
+        try:
+            tool_functions(self.tools)
+        except ParamError as e:
+            raise BadRequest(str(e), e.param) from None
 
 
 class DetokenizeRequest(_Model):

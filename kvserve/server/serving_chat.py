@@ -26,12 +26,24 @@ from kvserve.server.serving import (
     sse_stream,
     usage,
 )
-from kvserve.server.tools import ToolCallStreamParser, parse_tool_calls
+from kvserve.server.tools import (
+    ToolCallStreamParser,
+    messages_for_template,
+    parse_tool_calls,
+    template_has_tool_role,
+)
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools=None
+) -> list[int]:
     """Chat template + tokenize, as the offline LLM.chat does (the template carries the special
-    tokens)."""
+    tokens). With tools, or tool calls and results in the history: the tools prompt and the calls
+    in the default model's format (kvserve.server.tools), the results in the template's own
+    `tool` role where it has one."""
+    if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        tool_role = template_has_tool_role(getattr(tokenizer, "chat_template", None))
+        messages = messages_for_template(messages, tools, tool_role)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja raise_exception: e.g. roles out of the order the template wants
@@ -42,6 +54,8 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 
 async def create_chat_completion(req: ChatCompletionRequest, state: ServerState):
+    """Validate the request, render its messages through the chat template and submit them
+    (n choices), then answer with one JSON body or, with `stream`, server-sent chunks."""
     check_request(state, req.model)
     req.check()
     params = req.to_sampling_params()
@@ -49,7 +63,9 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
     engine = state.engine
     with reserve_capacity(state, params.n, "n") as held:
         await compile_constraint(state, req, params)
-        prompt_ids = await off_loop(render_chat, engine.tokenizer, req.chat_messages())
+        prompt_ids = await off_loop(
+            render_chat, engine.tokenizer, req.chat_messages(), True, req.prompt_tools
+        )
         check_context(len(prompt_ids), params.max_tokens, engine.max_model_len, "messages")
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -63,19 +79,46 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
             names={"prompt": "messages"},
             reservation=held,
         )
-    choices = [Choice(i) for i in range(params.n)]
-    cached = [0]
-    num_top = req.top_logprobs or 0
-    head = {"id": request_id, "created": int(time.time()), "model": state.model_name}
+    run = _ChatRun(req, state, params.n, constraint_field, request_id, len(prompt_ids))
+    if not req.stream:
+        return await run.full_response(streams)
+    return StreamingResponse(
+        sse_stream(run.stream_chunks(streams)), media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
-    def total_usage() -> dict:
-        return usage(len(prompt_ids), sum(c.num_tokens for c in choices), cached[0])
 
-    def answer(c: Choice) -> dict:
+class _ChatRun:
+    """One submitted chat request: its choices, the cached prompt tokens the engine reported,
+    and the two ways to answer it: `full_response` and the `stream_chunks` generator (which,
+    when the request offered tools, reads tool calls out of the text as it comes)."""
+
+    def __init__(
+        self,
+        req: ChatCompletionRequest,
+        state: ServerState,
+        n: int,
+        constraint_field: str,
+        request_id: str,
+        prompt_tokens: int,
+    ) -> None:
+        self.req = req
+        self.constraint_field = constraint_field
+        self.prompt_tokens = prompt_tokens
+        self.choices = [Choice(i) for i in range(n)]
+        self.cached = 0
+        self.num_top = req.top_logprobs or 0
+        self.head = {"id": request_id, "created": int(time.time()), "model": state.model_name}
+        self.parsers = [ToolCallStreamParser() for _ in self.choices] if req.uses_tools else None
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def total_usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices), self.cached)
+
+    def answer(self, c: Choice) -> dict:
         """The message and finish reason of a finished choice: tool calls read out of the text
         when the request offered tools."""
         message = {"role": "assistant", "content": c.text}
-        if req.uses_tools and c.finish_reason != "length":
+        if self.req.uses_tools and c.finish_reason != "length":
             content, calls = parse_tool_calls(c.text)
             if calls:
                 message = {
@@ -86,54 +129,47 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
                 return {"message": message, "finish_reason": "tool_calls"}
         return {"message": message, "finish_reason": c.finish_reason}
 
-    if not req.stream:
+    async def full_response(self, streams) -> JSONResponse:
+        """Every choice to its end, then one JSON body."""
+        req = self.req
         async for _, out in merge(streams):
-            check_output(out, constraint_field)
-            cached[0] = out.num_cached_tokens
+            check_output(out, self.constraint_field)
+            self.cached = out.num_cached_tokens
             for o in out.outputs:
-                choices[o.index].add(o)
+                self.choices[o.index].add(o)
         body = [
             {
                 "index": c.index,
-                **answer(c),
-                "logprobs": chat_logprobs(c.logprobs, num_top) if req.logprobs else None,
+                **self.answer(c),
+                "logprobs": chat_logprobs(c.logprobs, self.num_top) if req.logprobs else None,
                 "stop_reason": c.stop_reason,
             }
-            for c in choices
+            for c in self.choices
         ]
         return JSONResponse(
-            {**head, "object": "chat.completion", "choices": body, "usage": total_usage()}
+            {**self.head, "object": "chat.completion", "choices": body, "usage": self.total_usage()}
         )
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunk_head = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
-
-    def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
-        return {
-            **chunk_head,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            ],
-            **extra,
+    def chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
         }
+        extra = {"usage": None} if self.include_usage else {}
+        return {**self.head, "object": "chat.completion.chunk", "choices": [choice], **extra}
 
-    parsers = [ToolCallStreamParser() for _ in choices] if req.uses_tools else None
-
-    def deltas(index: int, text: str, finished: bool) -> list[dict]:
+    def deltas(self, index: int, text: str, finished: bool) -> list[dict]:
         """The delta(s) for new text: content as it comes, or, with tools, content and tool-call
         deltas from the stream parser (it holds back text that may open a call)."""
-        if parsers is None:
+        if self.parsers is None:
             return [{"content": text}] if text else []
-        parser = parsers[index]
+        parser = self.parsers[index]
         return parser.feed(text) + (parser.finish() if finished else [])
 
-    def finish_reason(index: int, reason: str | None) -> str | None:
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        parsers = self.parsers
         if (
             reason
             and parsers is not None
@@ -144,26 +180,34 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
             return "tool_calls"
         return reason
 
-    async def chunks() -> AsyncIterator[dict]:
-        for c in choices:  # the role first, once per choice
-            yield chunk(c.index, {"role": "assistant", "content": ""})
+    async def stream_chunks(self, streams) -> AsyncIterator[dict]:
+        """The role first, once per choice; then the deltas of each step (the finish reason and
+        logprobs ride on the step's last one); then, with stream_options.include_usage, the
+        usage."""
+        req = self.req
+        for c in self.choices:
+            yield self.chunk(c.index, {"role": "assistant", "content": ""})
         async for _, out in merge(streams):
-            check_output(out, constraint_field)
-            cached[0] = out.num_cached_tokens
+            check_output(out, self.constraint_field)
+            self.cached = out.num_cached_tokens
             for o in out.outputs:
-                choices[o.index].add(o)
+                self.choices[o.index].add(o)
                 if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
                     continue
-                lp = chat_logprobs(o.delta_logprobs or [], num_top) if req.logprobs else None
-                parts = deltas(o.index, o.delta_text, bool(o.finish_reason))
+                lp = chat_logprobs(o.delta_logprobs or [], self.num_top) if req.logprobs else None
+                parts = self.deltas(o.index, o.delta_text, bool(o.finish_reason))
                 for part in parts[:-1]:
-                    yield chunk(o.index, part)
-                yield chunk(
-                    o.index, parts[-1] if parts else {}, lp, finish_reason(o.index, o.finish_reason)
+                    yield self.chunk(o.index, part)
+                yield self.chunk(
+                    o.index,
+                    parts[-1] if parts else {},
+                    lp,
+                    self.finish_reason(o.index, o.finish_reason),
                 )
-        if include_usage:
-            yield {**chunk_head, "choices": [], "usage": total_usage()}
-
-    return StreamingResponse(
-        sse_stream(chunks()), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+        if self.include_usage:
+            yield {
+                **self.head,
+                "object": "chat.completion.chunk",
+                "choices": [],
+                "usage": self.total_usage(),
+            }

@@ -9,8 +9,10 @@ calls written as a JSON list inside `<tool_call>...</tool_call>`:
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     ]</tool_call>
 
-with tool results handed back in a user turn inside `<tool_response>...</tool_response>` (the format
-of Ollama's smollm2 template, which carries it over from the model's tuning data). This module:
+with tool results handed back after the call. A chat template that names a `tool` role renders
+each result itself (as a `tool` message with its tool_call_id and function name); for one that
+does not (SmolLM2, Gemma 3), the results of one round of calls become one user turn that says, in
+words, what each function returned. This module:
 
 - tool_choice_constraint: `required` and a named function as a grammar: the tag, a JSON list of
   calls whose arguments follow each function's `parameters` schema, the closing tag, then EOS;
@@ -22,6 +24,7 @@ of Ollama's smollm2 template, which carries it over from the model's tuning data
 from __future__ import annotations
 
 import json
+import re
 
 from kvserve.sampling_params import (
     MAX_SCHEMA_DEPTH,
@@ -51,8 +54,6 @@ __all__ = [
     "messages_for_template",
 ]
 
-TOOL_RESPONSE_OPEN = "<tool_response>"
-TOOL_RESPONSE_CLOSE = "</tool_response>"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 TOOLS_SYSTEM_PROMPT = (
@@ -243,26 +244,50 @@ def format_tool_calls(tool_calls: list[dict]) -> str:
     return TOOL_CALL_OPEN + "[\n" + ",\n".join(calls) + "\n]" + TOOL_CALL_CLOSE
 
 
-def messages_for_template(messages: list[dict], tools: list | None) -> list[dict]:
-    """`messages` rewritten for a chat template without tool support: the tools prompt leads the
-    system message (one is added if there is none), an assistant's tool_calls become text in the
-    model's format, `tool` messages become user turns inside <tool_response> tags, and a missing
-    content is empty text."""
-    out = []
+def template_has_tool_role(template: str | None) -> bool:
+    """Whether a chat template renders `tool` messages itself: it names the role."""
+    return bool(template) and re.search(r"""['"]tool['"]""", template) is not None
+
+
+def tool_result_text(name: str | None, content: str) -> str:
+    """A tool result as a user turn says it, for templates without a tool role."""
+    return (
+        f"The function {name} returned:\n{content}" if name else f"A function returned:\n{content}"
+    )
+
+
+def messages_for_template(messages: list[dict], tools: list | None, tool_role: bool = False):
+    """`messages` rewritten for the chat template: the tools prompt leads the system message (one
+    is added if there is none), an assistant's tool_calls become text in the model's format, and
+    a missing content is empty text. `tool` messages stay `tool` messages (with the function's
+    name) when the template has that role (`tool_role`), else consecutive ones become one user
+    turn in words (tool_result_text), so that user and assistant turns still alternate."""
+    out, names = [], {}  # names: tool call id -> function name
     for message in messages:
         role, content = message.get("role"), message.get("content")
         if role == "assistant" and message.get("tool_calls"):
+            for call in message["tool_calls"]:
+                names[call.get("id")] = (call.get("function") or {}).get("name")
             calls = format_tool_calls(message["tool_calls"])
             out.append(
                 {"role": "assistant", "content": f"{content}\n{calls}" if content else calls}
             )
-        elif role == "tool":
+        elif role == "tool" and tool_role:
+            call_id = message.get("tool_call_id")
             out.append(
                 {
-                    "role": "user",
-                    "content": f"{TOOL_RESPONSE_OPEN}\n{content or ''}\n{TOOL_RESPONSE_CLOSE}",
+                    "role": "tool",
+                    "content": content or "",
+                    "tool_call_id": call_id,
+                    "name": names.get(call_id),
                 }
             )
+        elif role == "tool":
+            text = tool_result_text(names.get(message.get("tool_call_id")), content or "")
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n\n" + text
+            else:
+                out.append({"role": "user", "content": text, "tool_results": True})
         else:
             out.append(
                 {
@@ -270,6 +295,8 @@ def messages_for_template(messages: list[dict], tools: list | None) -> list[dict
                     "content": content or "",
                 }
             )
+    for message in out:
+        message.pop("tool_results", None)
     if tools:
         prompt = render_tools_system_prompt(tools)
         if out and out[0].get("role") == "system":

@@ -11,7 +11,7 @@ import threading
 import time
 
 
-def chat(default_gguf: str, *flags: str) -> subprocess.Popen:
+def chat(default_gguf: str, *flags: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
@@ -32,6 +32,7 @@ def chat(default_gguf: str, *flags: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        **popen,
     )
 
 
@@ -46,8 +47,14 @@ def test_quit_commands_and_the_max_tokens_marker(default_gguf):
     assert proc.returncode == 0 and "bot> " not in out
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(default_gguf):
-    proc = chat(default_gguf, "--max-tokens", "400", "--ignore-eos")
+    """Started with SIGINT ignored, as a non-interactive shell starts background jobs (CI, a
+    loaded machine's scripts): the chat still takes Ctrl-C."""
+    proc = chat(default_gguf, "--max-tokens", "400", "--ignore-eos", preexec_fn=_ignore_sigint)
     seen: list[str] = []
 
     def read():

@@ -69,7 +69,7 @@ def test_a_model_step_that_raises_for_one_request_fails_only_that_one(llm, clean
     assert all(o.finish_reason == "abort" for o in final["poison"].outputs)
     assert [tokens[f"ok{i}"] for i in range(len(PROMPTS))] == clean
     assert any(n > 1 for n in calls) and calls.count(1) >= 1  # it bisected down to single chunks
-    assert core.scheduler.num_used_blocks == 0 and not core.scheduler.requests
+    assert core.scheduler.num_used_blocks == 0 and not core.scheduler.sequences
 
 
 def test_a_request_whose_scheduling_raises_fails_alone(llm, clean):
@@ -80,7 +80,7 @@ def test_a_request_whose_scheduling_raises_fails_alone(llm, clean):
     for rid, (x, params) in requests.items():
         core.add_request(rid, x, params)
     # admission refuses such a salt (test_admission_normalizes_and_refuses); here it slips past
-    core.scheduler.requests["bad-salt"].cache_salt = "\ud800"
+    core.scheduler.sequences["bad-salt"].cache_salt = "\ud800"
     final = {}
     while core.has_unfinished_requests():
         for out in core.step():

@@ -35,6 +35,7 @@ SERVER_ARGS = [
     "--max-waiting",
     "256",
     "--no-access-log",
+    "--enable-tokenizer-info-endpoint",
 ]
 
 

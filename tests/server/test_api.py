@@ -333,3 +333,42 @@ def test_prompt_scoring_as_lm_evaluation_harness_sends_it(client, model_name, se
     plp = chunks[0]["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
     assert plp[-1][str(ids[-1])]["logprob"] == pytest.approx(generated, abs=1e-5)
+
+
+def test_tokenizer_info_serves_what_lm_eval_reads(server, auth):
+    """lm-eval's tokenizer_backend=remote: special tokens and the chat template from
+    /tokenizer_info, token ids through /tokenize without special tokens."""
+    assert httpx.get(f"{server}/tokenizer_info").status_code == 401  # the API key applies
+    info = httpx.get(f"{server}/tokenizer_info", headers=auth).json()
+    assert info["tokenizer_class"] and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["chat_template"] and info["eos_token"]
+    body = {"prompt": info["eos_token"], "add_special_tokens": False}
+    (eos,) = httpx.post(f"{server}/tokenize", json=body, headers=auth).json()["tokens"]
+    text = httpx.post(f"{server}/detokenize", json={"tokens": [eos]}, headers=auth).json()
+    assert text["prompt"] == info["eos_token"]
+
+
+def test_tokenize_renders_tools_as_a_chat_request_does(server, auth):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    plain = httpx.post(f"{server}/tokenize", json={"messages": CHAT}, headers=auth).json()
+    body = {"messages": CHAT, "tools": tools}
+    with_tools = httpx.post(f"{server}/tokenize", json=body, headers=auth).json()
+    assert with_tools["count"] > plain["count"]
+    chat = httpx.post(
+        f"{server}/v1/chat/completions", headers=auth, json={**body, "max_tokens": 1}
+    ).json()
+    assert chat["usage"]["prompt_tokens"] == with_tools["count"]
+    bad = httpx.post(f"{server}/tokenize", json={"prompt": "x", "tools": tools}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    bad = httpx.post(
+        f"{server}/tokenize", json={"messages": CHAT, "tools": [{"type": "x"}]}, headers=auth
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"

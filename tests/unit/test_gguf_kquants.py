@@ -1,5 +1,5 @@
 """GGUF Q5_0 and K-quant blocks (Q3_K, Q4_K, Q5_K, Q6_K) kept packed (kvserve/ops/gguf_blocks.py,
-kinds 8, 14 and 18 of kvserve/ops/csrc/gguf_gemv.h): packing keeps gguf's dequantized values bit
+kinds 8, 14, 18 and 19 of kvserve/ops/csrc/gguf_gemv.h): packing keeps gguf's dequantized values bit
 for bit (random blocks of every type, and the real tensors of the Gemma 3 270M Q4_K_M file when
 its package is installed); every ISA build the host runs gives the portable build's bits in the
 integer GEMV and in the float32 GEMM of prompt tokens; both are within their bounds of the
@@ -20,6 +20,7 @@ from kvserve.model.quant import KEEP_BLOCKS, BlockTensor, GgufMethod
 from kvserve.ops import cpu_kernels
 from kvserve.ops.gguf_blocks import (
     BLOCK_BYTES,
+    group_bytes,
     pack_gguf_parts,
     pack_gguf_rows,
     packed_kind,
@@ -36,7 +37,7 @@ KINDS = {
     Q.Q5_K: 18,
     Q.Q6_K: 18,
     Q.Q3_K: 18,
-    Q.Q5_1: 18,
+    Q.Q5_1: 19,
     Q.IQ4_NL: 8,
     Q.IQ4_XS: 18,
 }
@@ -92,10 +93,12 @@ def pieces(packed, kind, shape):
     """|d q| + |m| per weight, bounded by |w| + 2 |m| (m: the weights with every q set to 0)."""
     W = unpack_gguf_rows(packed, kind, shape).double()
     N, K = shape
-    a = packed.clone().numpy().reshape(-1, K // 32, BLOCK_BYTES[kind])
-    scale_bytes = {4: 64, 8: 32, 14: 128, 18: 192}[kind]
+    nb = K // 32
+    g = packed.clone().numpy().reshape(-1, group_bytes(kind, nb))
+    a = g[:, : nb * BLOCK_BYTES[kind]].reshape(-1, nb, BLOCK_BYTES[kind])  # a view of g
+    scale_bytes = {4: 64, 8: 32, 14: 32, 18: 48, 19: 192}[kind]
     a[..., scale_bytes:] = 0 if kind in (4, 14) else 128
-    m = unpack_gguf_rows(torch.from_numpy(a.reshape(-1)), kind, shape).double()
+    m = unpack_gguf_rows(torch.from_numpy(g.reshape(-1)), kind, shape).double()
     return W.abs() + 2 * m.abs()
 
 
@@ -132,7 +135,7 @@ def test_pack_keeps_ggufs_dequantized_bits(qtype, n):
         bt = random_blocks(qtype, n, k, seed=n + k)
         packed, kind = pack_gguf_rows(bt)
         assert kind == KINDS[qtype] == packed_kind(qtype)
-        assert packed.numel() == -(-n // 16) * (k // 32) * BLOCK_BYTES[kind]
+        assert packed.numel() == -(-n // 16) * group_bytes(kind, k // 32)
         got = unpack_gguf_rows(packed, kind, (n, k)).numpy()
         want = reference(bt)
         assert got.dtype == want.dtype == np.float32
@@ -140,10 +143,11 @@ def test_pack_keeps_ggufs_dequantized_bits(qtype, n):
 
 
 def test_bytes_per_weight_of_the_kinds():
-    """The packed kinds' size per weight, scales included: 5 (kind 4), 8.5 (kind 8), 6 (kind 14),
-    11 (kind 18) bits."""
-    bits = {kind: b * 8 / (16 * 32) for kind, b in BLOCK_BYTES.items()}
-    assert bits == {4: 5.0, 8: 8.5, 14: 6.0, 18: 11.0}
+    """The packed kinds' size per weight, scales included (a group of 16 rows and 256 weights):
+    5 (kind 4), 8.5 (kind 8), 4.625 (kind 14: Q4_K is 4.5 in the file), 8.875 (kind 18: Q6_K is
+    6.5625), 11 (kind 19) bits."""
+    bits = {kind: group_bytes(kind, 8) * 8 / (16 * 256) for kind in BLOCK_BYTES}
+    assert bits == {4: 5.0, 8: 8.5, 14: 4.625, 18: 8.875, 19: 11.0}
 
 
 def test_gguf_format_keeps_the_new_types_as_blocks():

@@ -19,7 +19,7 @@ from tests.unit.test_avxvnni_kernel import EXACT, X86_VNNI_EVEX
 CSRC = Path(__file__).resolve().parents[2] / "kvserve" / "ops" / "csrc"
 DRIVER = Path(__file__).resolve().parent / "csrc" / "mixed_runs.c"
 CC = shutil.which("cc") or shutil.which("gcc")
-M_MAX, KINDS = 9, 4
+M_MAX, KINDS = 9, 5
 
 
 def mixed_runs_outputs(

@@ -74,6 +74,7 @@ def test_strict_types(field, value):
     [
         ("n", 0),
         ("temperature", -0.1),
+        ("temperature", 2.5),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("max_tokens", 0),
@@ -93,6 +94,17 @@ def test_ranges_name_the_field(field, value):
     with pytest.raises(BadRequest) as e:
         req.to_sampling_params()
     assert e.value.param == field and e.value.status == 400
+
+
+def test_temperature_takes_openais_range():
+    """0 to 2 inclusive, as OpenAI's API; the offline SamplingParams takes any temperature."""
+    for t in (0.0, 2.0):
+        req = CompletionRequest.model_validate({"prompt": "x", "temperature": t})
+        assert req.to_sampling_params().temperature == t
+    req = ChatCompletionRequest.model_validate({"messages": USER, "temperature": 2.01})
+    with pytest.raises(BadRequest) as e:
+        req.to_sampling_params()
+    assert e.value.param == "temperature" and "[0, 2]" in e.value.message
 
 
 def test_chat_field_names_in_errors():

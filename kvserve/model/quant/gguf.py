@@ -16,7 +16,8 @@ from kvserve.ops.gguf_blocks import pack_gguf_parts, packed_kind, unpack_gguf_ro
 class GgufMethod(_PackedMethod):
     """The file's blocks, decoded without changing a value and interleaved 16 rows at a time
     (kvserve.ops.gguf_blocks: Q4_0/Q4_1 as 4-bit kind 4, Q8_0/Q5_0 as 8-bit kind 8, Q4_K as 4-bit
-    kind 14, Q5_K/Q6_K/Q3_K as 8-bit kind 18) and run by the C kernel kvserve/ops/csrc/gguf_gemv.c
+    kind 14, Q5_K/Q6_K/Q3_K/IQ4_XS as 8-bit kind 18, both with the file's super-block scales,
+    Q5_1 as kind 19) and run by the C kernel kvserve/ops/csrc/gguf_gemv.c
     at every batch size, on every ISA build: integer dot products of the weights with the
     activations as two 8-bit parts per block of 32 (~15 bits), weights read once per call for any
     number of rows. No other copy of the weights exists. Fused shards (q/k/v, gate/up) pack

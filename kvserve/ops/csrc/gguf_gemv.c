@@ -182,7 +182,7 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
                               float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws,
                               int64_t parts) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
-    const int64_t gbytes = nb * gguf_packed_block_bytes(kind);
+    const int64_t gbytes = gguf_group_bytes(kind, nb);
     const quantized_rows_t q = quantized_rows(ws, M, K);
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
@@ -226,7 +226,10 @@ void gguf_gemv_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const 
     gguf_gemv_quantized_team(w, kind, N, K, rows, M, y, ldy, bias, accumulate, ws, parts);
 }
 
-int gguf_gemv_check(int64_t kind, int64_t K) { return !gguf_packed_block_bytes(kind) || K % 32 || K <= 0 ? -1 : 0; }
+int gguf_gemv_check(int64_t kind, int64_t K) {
+    const int64_t block = gguf_has_super(kind) ? 256 : 32;   /* K-quants: whole super-blocks */
+    return !gguf_packed_block_bytes(kind) || K % block || K <= 0 ? -1 : 0;
+}
 
 /* y[r][n] (+)= sum_k x[r][k] W[n][k] (+ bias[n]) for r < M, n < N, with W packed (a kind of
  * gguf_gemv.h).
@@ -250,16 +253,19 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
 
 /* ---- The float32 GEMM for prompt tokens (gguf_gemv.h) ---- */
 
-/* One group's packed blocks -> wt[K][16] float32 (row k at wt + k ld), w = d q + m (8-bit kinds:
+/* Blocks b0 .. b1 - 1 of a group of nb packed blocks (wg: the group) -> wt[k][16] float32 (the
+ * block's first weight at row 0, row k at wt + k ld), w = d q + m (8-bit kinds:
  * q = u - 128; kind 8: no m, kind 18: d per half); the product is exact, so each weight is rounded
  * once (kinds 4, 14, 18) or not at all (kind 8), as gguf's dequantization rounds it. */
-static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, float *wt, int64_t ld) {
+static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_t b0, int64_t b1, float *wt,
+                             int64_t ld) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
     const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4;
-    for (int64_t b = 0; b < nb; b++, wg += pb) {
+    wg += b0 * pb;
+    for (int64_t b = b0; b < b1; b++, wg += pb) {
         float d0[GGUF_ROWS], d1[GGUF_ROWS], m[GGUF_ROWS];
-        for (int i = 0; i < GGUF_ROWS; i++) gguf_row_scales(wg, kind, i, d0 + i, d1 + i, m + i);
-        float *o = wt + b * 32 * ld;
+        for (int i = 0; i < GGUF_ROWS; i++) gguf_row_scales(wg, kind, nb, b, i, d0 + i, d1 + i, m + i);
+        float *o = wt + (b - b0) * 32 * ld;
         const int chunks = nibbles ? 4 : 8;
         for (int c = 0; c < chunks; c++) {
             uint32_t u[GGUF_ROWS];                 /* row i's 4 bytes of the chunk */
@@ -290,10 +296,10 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, float 
 void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, float *out) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind), nb = K / 32;
     const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4, i = (int)(r % GGUF_ROWS);
-    const uint8_t *blk = w + r / GGUF_ROWS * nb * pb;
+    const uint8_t *blk = w + r / GGUF_ROWS * gguf_group_bytes(kind, nb);
     for (int64_t b = 0; b < nb; b++, blk += pb, out += 32) {
         float d0, d1, m;
-        gguf_row_scales(blk, kind, i, &d0, &d1, &m);
+        gguf_row_scales(blk, kind, nb, b, i, &d0, &d1, &m);
         for (int c = 0; c < (nibbles ? 4 : 8); c++) {
             uint32_t u;                            /* the row's 4 bytes of chunk c */
             memcpy(&u, blk + qo + 64 * c + 4 * i, 4);
@@ -338,7 +344,7 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
                         int64_t accumulate, void *ws) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS, pairs = (groups + 1) / 2;
     const int64_t T = gguf_f32_tile_rows(), tiles = (M + T - 1) / T;
-    const int64_t pb = gguf_packed_block_bytes(kind), gbytes = nb * pb;
+    const int64_t gbytes = gguf_group_bytes(kind, nb);
     const int64_t mc = (GGUF_F32_MC + T - 1) / T;                  /* tiles per chunk */
     float *xp = (float *)ws, *acc = xp + tiles * T * K;
 #ifdef _OPENMP
@@ -369,7 +375,8 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
                 for (int64_t h = 0; h < 2; h++) {
                     const int64_t g = 2 * pr + h;
                     if (g < groups)
-                        dequantize_group(w + g * gbytes + k0 / 32 * pb, kind, kc / 32, wt + h * GGUF_ROWS, GGUF_F32_N);
+                        dequantize_group(w + g * gbytes, kind, nb, k0 / 32, (k0 + kc) / 32, wt + h * GGUF_ROWS,
+                                         GGUF_F32_N);
                     else                          /* an odd group count: the last pair's second half */
                         for (int64_t k = 0; k < kc; k++)
                             memset(wt + k * GGUF_F32_N + GGUF_ROWS, 0, sizeof(float) * GGUF_ROWS);

@@ -11,12 +11,19 @@
  *           q in 0..15 (Q4_0: m = -8 d).                                                320 bytes
  *   kind 8  (Q8_0, Q5_0):  d[16] fp16, then 8 chunks of 64 bytes: chunk c holds q[4c + t] + 128
  *           (as u8) of row i at offset 4 i + t, q signed (Q5_0: its 5-bit q - 16).      544 bytes
- *   kind 14 (Q4_K):  d[16] fp32, m[16] fp32 (the sub-block's exact d sc and -dmin mn), then
- *           kind 4's nibble chunks.                                                     384 bytes
- *   kind 18 (Q5_K, Q6_K, Q3_K):  d0[16] fp32 (weights 0..15), d1[16] fp32 (weights 16..31),
- *           m[16] fp32 (Q5_K: -dmin mn, d0 = d1; Q6_K, Q3_K: -0.0, their scales are per 16
- *           weights), then kind 8's chunks of q + 128, q signed (Q6_K: q - 32; Q3_K: -4..3;
- *           Q5_K: 0..31): chunks 0..3 are weights 0..15, chunks 4..7 weights 16..31.    704 bytes
+ *   kind 14 (Q4_K):  sc[16] u8, mn[16] u8 (row i's 6-bit scale and min of the sub-block),
+ *           then kind 4's nibble chunks.                                                288 bytes
+ *   kind 18 (Q5_K, Q6_K, Q3_K):  s0[16] s8 (weights 0..15), s1[16] s8 (weights 16..31),
+ *           mn[16] u8 (Q5_K: its 6-bit min, s0 = s1 its scale; Q6_K, Q3_K: 0, their scales are
+ *           per 16 weights), then kind 8's chunks of q + 128, q signed (Q6_K: q - 32; Q3_K: -4..3;
+ *           Q5_K: 0..31): chunks 0..3 are weights 0..15, chunks 4..7 weights 16..31.    560 bytes
+ *   kind 19 (Q5_1):  d0[16] fp32, d1[16] fp32, m[16] fp32 (d0 = d1: the block's d, m its min),
+ *           then kind 18's chunks (q in 0..31): kind 18's sums with the scales as they are. 704 bytes
+ *   The K-quant kinds (14, 18) keep the file's super-block scales once per 8 blocks: after a
+ *   group's nb blocks (nb a multiple of 8), 64 bytes per super-block of 256 weights: d[16]
+ *   fp16, dmin[16] fp16 of its 16 rows (gguf_super_scales). A row's float scales are then
+ *   d0 = d s0, d1 = d s1 (kind 14: d sc), m = -(dmin mn): an fp16 times an integer below 2^8,
+ *   exact in float32, the values the file's own dequantization multiplies by.
  * Every product d q is exact in float32 (at most 24 significant bits), so w = d q + m rounds
  * once, as gguf's own dequantization.
  *
@@ -81,9 +88,26 @@
 #define GGUF_F32_MC 192      /* activation rows per chunk of the float32 GEMM */
 
 /* The packed kinds (above) and the bytes of one block of 32 weights of a group; 0: not a kind. */
-enum { GGUF_Q4 = 4, GGUF_Q8 = 8, GGUF_K4 = 14, GGUF_K8 = 18 };
+enum { GGUF_Q4 = 4, GGUF_Q8 = 8, GGUF_K4 = 14, GGUF_K8 = 18, GGUF_F8 = 19 };
 static inline int64_t gguf_packed_block_bytes(int64_t kind) {
-    return kind == GGUF_Q4 ? 320 : kind == GGUF_Q8 ? 544 : kind == GGUF_K4 ? 384 : kind == GGUF_K8 ? 704 : 0;
+    return kind == GGUF_Q4 ? 320 : kind == GGUF_Q8 ? 544 : kind == GGUF_K4 ? 288 : kind == GGUF_K8 ? 560 : kind == GGUF_F8 ? 704 : 0;
+}
+
+/* Whether a kind sums weights 0..15 and 16..31 apart, each with its own scale (kinds 18, 19). */
+static inline int gguf_two_halves(int64_t kind) { return kind == GGUF_K8 || kind == GGUF_F8; }
+
+/* Whether a kind keeps super-block scales after its blocks (the K-quant kinds). */
+static inline int gguf_has_super(int64_t kind) { return kind == GGUF_K4 || kind == GGUF_K8; }
+
+/* The bytes of one group of nb blocks: its blocks, then (K-quant kinds) 64 per 8 blocks. */
+static inline int64_t gguf_group_bytes(int64_t kind, int64_t nb) {
+    return nb * gguf_packed_block_bytes(kind) + (gguf_has_super(kind) ? nb / 8 * 64 : 0);
+}
+
+/* The super-block scales of block b of a group of nb blocks (blk: block b's bytes): d[16] fp16,
+ * then dmin[16] fp16. */
+static inline const uint8_t *gguf_super_scales(const uint8_t *blk, int64_t kind, int64_t nb, int64_t b) {
+    return blk + (nb - b) * gguf_packed_block_bytes(kind) + (b >> 3) * 64;
 }
 
 /* Every kernel prefetches the block GGUF_PREFETCH blocks ahead of the one it multiplies (all its
@@ -156,7 +180,7 @@ static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, i
 }
 
 /* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
- * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4 or GGUF_K8. */
+ * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8 or GGUF_F8. */
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);
 
 /* The per-ISA float32 tile: acc[r * 32 + i] for r < gguf_f32_tile_rows(), continued over kc
@@ -175,25 +199,36 @@ void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, f
 static inline uint16_t gguf_load_u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
 static inline float gguf_load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 
-/* Row i's scales of a packed block (kinds 4 and 8: fp16; 14 and 18: fp32): d (kind 18: d0), the
- * second half's d1 (kind 18; others: d), and m (0 for kind 8). */
-static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int i, float *d0, float *d1, float *m) {
+/* Row i's scales of block b of a group of nb packed blocks (blk: block b's bytes): d (kind 18:
+ * d0), the second half's d1 (kind 18; others: d), and m (0 for kind 8). */
+static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb, int64_t b, int i, float *d0,
+                                   float *d1, float *m) {
     if (kind == GGUF_Q4 || kind == GGUF_Q8) {
         *d0 = *d1 = half_to_float(gguf_load_u16(blk + 2 * i));
         *m = kind == GGUF_Q4 ? half_to_float(gguf_load_u16(blk + 32 + 2 * i)) : 0.f;
-    } else if (kind == GGUF_K4) {
-        *d0 = *d1 = gguf_load_f32(blk + 4 * i);
-        *m = gguf_load_f32(blk + 64 + 4 * i);
-    } else {
+        return;
+    }
+    if (kind == GGUF_F8) {
         *d0 = gguf_load_f32(blk + 4 * i);
         *d1 = gguf_load_f32(blk + 64 + 4 * i);
         *m = gguf_load_f32(blk + 128 + 4 * i);
+        return;
+    }
+    const uint8_t *sup = gguf_super_scales(blk, kind, nb, b);
+    const float d = half_to_float(gguf_load_u16(sup + 2 * i)), dmin = half_to_float(gguf_load_u16(sup + 32 + 2 * i));
+    if (kind == GGUF_K4) {
+        *d0 = *d1 = d * (float)blk[i];
+        *m = -(dmin * (float)blk[16 + i]);
+    } else {
+        *d0 = d * (float)(int8_t)blk[i];
+        *d1 = d * (float)(int8_t)blk[16 + i];
+        *m = -(dmin * (float)blk[32 + i]);
     }
 }
 
 /* Byte offset of a packed block's integer chunks (after its scales). */
 static inline int64_t gguf_ints_offset(int64_t kind) {
-    return kind == GGUF_Q4 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 128 : 192;
+    return kind == GGUF_Q4 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 32 : kind == GGUF_K8 ? 48 : 192;
 }
 
 #endif

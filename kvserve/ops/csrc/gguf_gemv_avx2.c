@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "gguf_gemv.h"
+#include "k_scales_avx.h"
 
 const char *gguf_kernel_isa(void) { return "avx2"; }
 
@@ -37,6 +38,7 @@ static inline __attribute__((always_inline)) __m256 unbias(__m256i su, int32_t s
 static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256i sb) {
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sa, 8), sb));
 }
+
 
 /* Block b of a 4-bit group (kinds 4 and 14, 16 rows; wg: the block) against R <= 2 activation
  * rows, added to acc. Chunk c's 64 bytes hold the low nibbles q[4c .. 4c+3] and the high nibbles
@@ -69,11 +71,12 @@ q4_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_ac
             }
         }
     }
+    const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
     for (int h = 0; h < 2; h++) {
         const __m256 d = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                                         : _mm256_loadu_ps((const float *)(wg + 32 * h));
+                                         : k_scale(sup, wg, h, 0);
         const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
-                                         : _mm256_loadu_ps((const float *)(wg + 64 + 32 * h));
+                                         : neg(k_scale(sup + 32, wg + 16, h, 0));
         for (int r = 0; r < R; r++) {
             const int64_t rb = r * nb + b;
             const __m256i sa = _mm256_madd_epi16(s[r][0][h], ones);
@@ -111,7 +114,7 @@ q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
 static inline __attribute__((always_inline)) void
 q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, float *out) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
-    const int parts = kind == GGUF_K8 ? 2 : 1, cn = 8 / parts;
+    const int parts = gguf_two_halves(kind) ? 2 : 1, cn = 8 / parts;
     __m256 acc[R_MAX][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, wg += pb) {
@@ -136,8 +139,9 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                 }
             }
             for (int h = 0; h < 2; h++) {
-                const __m256 d = kind == GGUF_Q8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                                                 : _mm256_loadu_ps((const float *)(wg + 64 * part + 32 * h));
+                const __m256 d = kind == GGUF_Q8   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
+                                 : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 64 * part + 32 * h))
+                                                   : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * part, h, 1);
                 for (int r = 0; r < R; r++) {
                     const int64_t rb = r * nb + b;
                     const int32_t sq = kind == GGUF_Q8 ? a->sq[rb] : part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
@@ -147,9 +151,10 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                 }
             }
         }
-        if (kind == GGUF_K8)
+        if (gguf_two_halves(kind))
             for (int h = 0; h < 2; h++) {
-                const __m256 m = _mm256_loadu_ps((const float *)(wg + 128 + 32 * h));
+                const __m256 m = kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
+                                                 : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + 32, h, 0));
                 for (int r = 0; r < R; r++)
                     acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
             }

@@ -33,6 +33,18 @@ dot_row(const __m512i q[8], const gguf_acts_t *a, int64_t r, int64_t nb, int64_t
     return dot_two_parts(q, x, c0, c1, P);
 }
 
+/* The K-quant kinds' float scales of a block (gguf_gemv.h): the super-block's fp16 scale times
+ * each row's 16 integer scales at p (signed or not), exact in float32; m = -(dmin mn). */
+static inline __attribute__((always_inline)) __m512 k_scale(const uint8_t *sup, const uint8_t *p, const int sgn) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m512 n = _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup)), n);
+}
+
+static inline __attribute__((always_inline)) __m512 neg(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
+}
+
 /* kind, R and P (activation parts) are constants at every call (gguf_group_dot's switch): one
  * specialized loop each. */
 static inline __attribute__((always_inline)) void
@@ -44,10 +56,11 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
         const __m512i low4 = _mm512_set1_epi8(0x0f);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
+            const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
             const __m512 d = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg))
-                                             : _mm512_loadu_ps(wg);
+                                             : k_scale(sup, wg, 0);
             const __m512 m = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)))
-                                             : _mm512_loadu_ps(wg + 64);
+                                             : neg(k_scale(sup + 32, wg + 16, 0));
             __m512i q[8];
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
@@ -75,10 +88,13 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
             }
         }
-    } else {                                   /* GGUF_K8: a scale per half, then m */
+    } else {                                   /* GGUF_K8, GGUF_F8: a scale per half, then m */
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
-            const __m512 d0 = _mm512_loadu_ps(wg), d1 = _mm512_loadu_ps(wg + 64), m = _mm512_loadu_ps(wg + 128);
+            const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
+            const __m512 d0 = kind == GGUF_F8 ? _mm512_loadu_ps(wg) : k_scale(sup, wg, 1);
+            const __m512 d1 = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 64) : k_scale(sup, wg + 16, 1);
+            const __m512 m = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 128) : neg(k_scale(sup + 32, wg + 32, 0));
             __m512i q[8];
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
             for (int r = 0; r < R; r++) {
@@ -114,7 +130,8 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
         case GGUF_Q4: KIND(GGUF_Q4); break;
         case GGUF_Q8: KIND(GGUF_Q8); break;
         case GGUF_K4: KIND(GGUF_K4); break;
-        default: KIND(GGUF_K8); break;
+        case GGUF_K8: KIND(GGUF_K8); break;
+        default: KIND(GGUF_F8); break;
     }
 }
 

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include "gguf_gemv.h"
+#include "k_scales_avx.h"
 
 #if defined(__AVXVNNI__)
 #define DPBUSD(acc, u8s, s8s) _mm256_dpbusd_avx_epi32(acc, u8s, s8s)
@@ -44,6 +45,7 @@ static inline __attribute__((always_inline)) __m256 one_part(__m256i sa, int32_t
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_slli_epi32(sa, 8), _mm256_set1_epi32(unbias)));
 }
 
+
 /* Block b of a group (16 rows; wg: the block) of any kind against R <= 2 activation rows, added
  * to acc. Per chunk c: 4-bit kinds hold the low nibbles q[4c .. 4c+3] and the high ones
  * q[4c+16 .. 4c+19] of rows 0..7, then 8..15 (four u8 registers once unpacked), multiplied by xa
@@ -57,7 +59,7 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
           __m256 acc[R_MAX][2]) {
     const int64_t qo = gguf_ints_offset(kind);
     const int four = kind == GGUF_Q4 || kind == GGUF_K4;
-    const int sums = kind == GGUF_K8 ? 2 : 1, cn = four ? 4 : 8 / sums;   /* chunks per sum */
+    const int sums = gguf_two_halves(kind) ? 2 : 1, cn = four ? 4 : 8 / sums;   /* chunks per sum */
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int k = 0; k < sums; k++) {
         __m256i s[R_MAX][2][2];                    /* [row][part xa | xb][half] */
@@ -89,7 +91,8 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
         for (int h = 0; h < 2; h++) {
             const __m256 d = kind == GGUF_Q4 || kind == GGUF_Q8
                                  ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                                 : _mm256_loadu_ps((const float *)(wg + 64 * k + 32 * h));
+                             : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 64 * k + 32 * h))
+                                 : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * k, h, kind == GGUF_K8);
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
                 const int32_t sq = four ? 0 : kind == GGUF_Q8 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
@@ -101,7 +104,8 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
     if (kind != GGUF_Q8)
         for (int h = 0; h < 2; h++) {
             const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
-                           : _mm256_loadu_ps((const float *)(wg + (kind == GGUF_K4 ? 64 : 128) + 32 * h));
+                           : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
+                           : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + (kind == GGUF_K4 ? 16 : 32), h, 0));
             for (int r = 0; r < R; r++)
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
         }

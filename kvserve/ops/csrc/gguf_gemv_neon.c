@@ -92,24 +92,42 @@ INLINE void block_s_halves(const int8x16_t w[8], const int8_t *x, const int P, i
     *s1 = hi;
 }
 
-/* Four float32x4 vectors of 16 row scales at p: fp16 (kinds 4, 8) or fp32 (kinds 14, 18). */
-INLINE void load_scales(const uint8_t *p, const int fp32, float32x4_t v[4]) {
-    if (fp32) {
-        UNROLL for (int i = 0; i < 4; i++) v[i] = vld1q_f32((const float *)p + 4 * i);
+/* Four float32x4 vectors of 16 fp16 row scales at p. */
+INLINE void load_scales(const uint8_t *p, float32x4_t v[4]) {
+    const float16x8_t h0 = vreinterpretq_f16_u8(vld1q_u8(p)), h1 = vreinterpretq_f16_u8(vld1q_u8(p + 16));
+    v[0] = vcvt_f32_f16(vget_low_f16(h0));
+    v[1] = vcvt_high_f32_f16(h0);
+    v[2] = vcvt_f32_f16(vget_low_f16(h1));
+    v[3] = vcvt_high_f32_f16(h1);
+}
+
+/* The K-quant kinds' float scales (gguf_gemv.h): the super-block's 16 fp16 scales at sup times
+ * the rows' 16 integer scales at p (signed or not), exact in float32; neg: m = -(dmin mn). */
+INLINE void k_scales(const uint8_t *sup, const uint8_t *p, const int sgn, const int neg, float32x4_t v[4]) {
+    float32x4_t d[4], n[4];
+    load_scales(sup, d);
+    const uint8x16_t u = vld1q_u8(p);
+    if (sgn) {
+        const int16x8_t lo = vmovl_s8(vget_low_s8(vreinterpretq_s8_u8(u))), hi = vmovl_high_s8(vreinterpretq_s8_u8(u));
+        n[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+        n[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
+        n[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+        n[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
     } else {
-        const float16x8_t h0 = vreinterpretq_f16_u8(vld1q_u8(p)), h1 = vreinterpretq_f16_u8(vld1q_u8(p + 16));
-        v[0] = vcvt_f32_f16(vget_low_f16(h0));
-        v[1] = vcvt_high_f32_f16(h0);
-        v[2] = vcvt_f32_f16(vget_low_f16(h1));
-        v[3] = vcvt_high_f32_f16(h1);
+        const uint16x8_t lo = vmovl_u8(vget_low_u8(u)), hi = vmovl_high_u8(u);
+        n[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
+        n[1] = vcvtq_f32_u32(vmovl_high_u16(lo));
+        n[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
+        n[3] = vcvtq_f32_u32(vmovl_high_u16(hi));
     }
+    UNROLL for (int i = 0; i < 4; i++) v[i] = neg ? vnegq_f32(vmulq_f32(d[i], n[i])) : vmulq_f32(d[i], n[i]);
 }
 
 /* Block b of a group (wg: the block) against R <= R_MAX activation rows, added to acc. */
 INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R,
                       const int P, float32x4_t acc[R_MAX][4]) {
     const int64_t qo = gguf_ints_offset(kind);
-    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4, fp32 = kind == GGUF_K4 || kind == GGUF_K8;
+    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4;
     const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
     float dx[R_MAX], sx[R_MAX];
     UNROLL for (int r = 0; r < R; r++) {
@@ -117,9 +135,21 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
         if (kind != GGUF_Q8) sx[r] = a->sx[r * nb + b];
     }
     float32x4_t d[4], d1[4], m[4];
-    load_scales(wg, fp32, d);
-    if (kind == GGUF_K8) load_scales(wg + 64, 1, d1);
-    if (kind != GGUF_Q8) load_scales(wg + (kind == GGUF_Q4 ? 32 : kind == GGUF_K4 ? 64 : 128), fp32, m);
+    if (kind == GGUF_Q4 || kind == GGUF_Q8) {
+        load_scales(wg, d);
+        if (kind == GGUF_Q4) load_scales(wg + 32, m);
+    } else if (kind == GGUF_F8) {
+        UNROLL for (int i = 0; i < 4; i++) {
+            d[i] = vld1q_f32((const float *)wg + 4 * i);
+            d1[i] = vld1q_f32((const float *)(wg + 64) + 4 * i);
+            m[i] = vld1q_f32((const float *)(wg + 128) + 4 * i);
+        }
+    } else {
+        const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
+        k_scales(sup, wg, kind == GGUF_K8, 0, d);
+        if (kind == GGUF_K8) k_scales(sup, wg + 16, 1, 0, d1);
+        k_scales(sup + 32, wg + (kind == GGUF_K4 ? 16 : 32), 0, 1, m);
+    }
     UNROLL for (int v = 0; v < 4; v++) {   /* rows 4v..4v+3 */
         int8x16_t w[8];
         if (nibbles) {
@@ -133,7 +163,7 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
                 w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wg + qo + 64 * c + 16 * v), top));
         }
         UNROLL for (int r = 0; r < R; r++) {
-            if (kind == GGUF_K8) {
+            if (gguf_two_halves(kind)) {
                 int32x4_t s0, s1;
                 block_s_halves(w, a->xq + (r * nb + b) * 64, P, &s0, &s1);
                 acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(vcvtq_f32_s32(s0), vmulq_n_f32(d[v], dx[r])));
@@ -173,7 +203,8 @@ INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_
  * stay in registers, the loops unroll. */
 #define KINDS_P(R, P) (kind == GGUF_Q4 ? group_dot(wg, GGUF_Q4, nb, a, R, P, out) \
                        : kind == GGUF_Q8 ? group_dot(wg, GGUF_Q8, nb, a, R, P, out) \
-                       : kind == GGUF_K4 ? group_dot(wg, GGUF_K4, nb, a, R, P, out) : group_dot(wg, GGUF_K8, nb, a, R, P, out))
+                       : kind == GGUF_K4 ? group_dot(wg, GGUF_K4, nb, a, R, P, out) \
+                       : kind == GGUF_K8 ? group_dot(wg, GGUF_K8, nb, a, R, P, out) : group_dot(wg, GGUF_F8, nb, a, R, P, out))
 #define KINDS(R) (a->parts == GGUF_ONE_PART ? KINDS_P(R, 1) : KINDS_P(R, 2))
 
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {

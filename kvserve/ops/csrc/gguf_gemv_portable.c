@@ -14,7 +14,7 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
     for (int64_t b = 0; b < nb; b++, wg += pb) {
         for (int i = 0; i < GGUF_ROWS; i++) {
             float d0, d1, m;
-            gguf_row_scales(wg, kind, i, &d0, &d1, &m);
+            gguf_row_scales(wg, kind, nb, b, i, &d0, &d1, &m);
             for (int r = 0; r < R; r++) {
                 const int8_t *xa = a->xq + (r * nb + b) * 64, *xb = xa + 32;
                 int32_t s[2] = {0, 0};                  /* weights 0..15, 16..31 */
@@ -33,7 +33,7 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
                 }
                 const float dx = a->dx[r * nb + b];
                 float acc = out[r * GGUF_ROWS + i];
-                if (kind == GGUF_K8) {
+                if (gguf_two_halves(kind)) {
                     acc = acc + (float)s[0] * (d0 * dx);
                     acc = acc + (float)s[1] * (d1 * dx);
                 } else {

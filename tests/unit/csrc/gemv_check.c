@@ -5,8 +5,9 @@
  *
  * It packs deterministic pseudo-random weights straight into the interleaved layout of
  * gguf_gemv.h (Q4 with Q4_0-style m = -8 d and Q4_1-style m of either sign, Q8 including
- * q = -128, K4 and K8 with float32 sub-block scales (K8: Q5_K-like with m, Q6_K-like with a
- * signed scale per half and m = -0); fp16 scales normal, subnormal and zero; rows past N zero), makes activations with an
+ * q = -128, K4 and K8 with 6-bit sub-block scales under fp16 super-block scales (K8: Q5_K-like
+ * with m, Q6_K-like with a signed scale per half and m = -0), F8 with float32 scales (Q5_1-like);
+ * fp16 scales normal, subnormal and zero; rows past N zero), makes activations with an
  * outlier, an all-zero block and a row small enough for subnormal d dx (compared bit for bit, not
  * with the reference below: such scales keep few significant bits), runs gguf_gemv over
  * shapes with N not a multiple of 16 and M = 1..20 (every tile size R = 1..8), and prints per
@@ -65,37 +66,55 @@ static double half_value(uint16_t h) {
 
 static void put_f32(uint8_t *p, float f) { memcpy(p, &f, 4); }
 
-/* A K-quant sub-block scale: fp16 d times an integer sub-scale (6 bits; signed: -32..31), exact in
- * float32 as the file's. */
+/* A float32 block scale of kind 19: an fp16 value times an integer below 2^6 (signed: -32..31),
+ * exact in float32. */
 static float sub_scale(int is_signed) {
     return (float)half_value(random_scale()) * (float)(is_signed ? (int)below(64) - 32 : (int)below(64));
 }
 
-/* Packed weights of gguf_gemv.h for N rows, K columns. Q4 variant: 0 = m = -8 d, 1 = random m;
- * kind 18 variant: 0 = random m (Q5_K-like), 1 = m = -0 and signed sub-scales (Q6_K-like). */
+/* Packed weights of gguf_gemv.h for N rows, K columns (K-quant kinds: K a multiple of 256). Q4
+ * variant: 0 = m = -8 d, 1 = random m; kind 18 variant: 0 = random m (Q5_K-like), 1 = no m and
+ * signed sub-scales per half (Q6_K-like). */
 static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
     const int64_t nb = K / 32, groups = (N + 15) / 16, pb = gguf_packed_block_bytes(kind);
-    uint8_t *w = calloc((size_t)(groups * nb * pb), 1);
+    const int64_t gbytes = gguf_group_bytes(kind, nb);
+    uint8_t *w = calloc((size_t)(groups * gbytes), 1);
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *p = w + (g * nb + b) * pb;
+            uint8_t *p = w + g * gbytes + b * pb;
             for (int i = 0; i < 16; i++) {
                 if (g * 16 + i >= N) continue;                          /* rows past N stay zero */
+                const int extreme = below(16) == 0;                     /* all q at the range's end */
                 if (kind == GGUF_K4 || kind == GGUF_K8) {
-                    const int extreme = below(16) == 0;
-                    if (kind == GGUF_K4) {
-                        put_f32(p + 4 * i, sub_scale(0));
-                        put_f32(p + 64 + 4 * i, -sub_scale(0));
-                        for (int c = 0; c < 4; c++)
-                            for (int t = 0; t < 4; t++) p[128 + 64 * c + 4 * i + t] = extreme ? 0xff : (uint8_t)below(256);
-                    } else {
-                        const float d0 = sub_scale(q4_variant), d1 = q4_variant ? sub_scale(1) : d0;
-                        put_f32(p + 4 * i, d0);
-                        put_f32(p + 64 + 4 * i, d1);
-                        put_f32(p + 128 + 4 * i, q4_variant ? -0.f : -sub_scale(0));
-                        for (int c = 0; c < 8; c++)
-                            for (int t = 0; t < 4; t++) p[192 + 64 * c + 4 * i + t] = extreme ? 0 : (uint8_t)below(256);
+                    if (b % 8 == 0) {                                   /* the super-block's d, dmin */
+                        uint8_t *sup = (uint8_t *)gguf_super_scales(p, kind, nb, b);
+                        const uint16_t d = random_scale(), dmin = kind == GGUF_K8 && q4_variant ? 0 : random_scale();
+                        memcpy(sup + 2 * i, &d, 2);
+                        memcpy(sup + 32 + 2 * i, &dmin, 2);
                     }
+                    if (kind == GGUF_K4) {
+                        p[i] = (uint8_t)below(64);
+                        p[16 + i] = (uint8_t)below(64);
+                        for (int c = 0; c < 4; c++)
+                            for (int t = 0; t < 4; t++) p[32 + 64 * c + 4 * i + t] = extreme ? 0xff : (uint8_t)below(256);
+                    } else {
+                        const int s0 = q4_variant ? (int)below(64) - 32 : (int)below(64);
+                        const int s1 = q4_variant ? (int)below(64) - 32 : s0;
+                        p[i] = (uint8_t)(int8_t)s0;
+                        p[16 + i] = (uint8_t)(int8_t)s1;
+                        p[32 + i] = q4_variant ? 0 : (uint8_t)below(64);
+                        for (int c = 0; c < 8; c++)
+                            for (int t = 0; t < 4; t++) p[48 + 64 * c + 4 * i + t] = extreme ? 0 : (uint8_t)below(256);
+                    }
+                    continue;
+                }
+                if (kind == GGUF_F8) {
+                    const float d0 = sub_scale(0);
+                    put_f32(p + 4 * i, d0);
+                    put_f32(p + 64 + 4 * i, d0);
+                    put_f32(p + 128 + 4 * i, -sub_scale(0));
+                    for (int c = 0; c < 8; c++)
+                        for (int t = 0; t < 4; t++) p[192 + 64 * c + 4 * i + t] = extreme ? 0 : (uint8_t)below(256);
                     continue;
                 }
                 uint16_t d = random_scale(), m = 0;
@@ -110,7 +129,6 @@ static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
                     memcpy(p + 32 + 2 * i, &m, 2);
                 }
                 memcpy(p + 2 * i, &d, 2);
-                const int extreme = below(16) == 0;                     /* all q at the range's end */
                 if (kind == 4)
                     for (int c = 0; c < 4; c++)
                         for (int t = 0; t < 4; t++) p[64 + 64 * c + 4 * i + t] = extreme ? 0xff : (uint8_t)below(256);
@@ -127,13 +145,18 @@ static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
  * GEMV's activation rounding scales with the pieces, not with their sum. */
 static double weight(const uint8_t *w, int kind, int64_t K, int64_t n, int64_t k, double *pieces) {
     const int64_t nb = K / 32, pb = gguf_packed_block_bytes(kind), b = k / 32, j = k % 32, i = n % 16;
-    const uint8_t *p = w + ((n / 16) * nb + b) * pb;
+    const uint8_t *p = w + (n / 16) * gguf_group_bytes(kind, nb) + b * pb;
     double d, m = 0;
     int q;
-    if (kind == GGUF_K4 || kind == GGUF_K8) {
+    if (kind == GGUF_K4 || kind == GGUF_K8) {                 /* D sub-scale, -(DMIN mn) */
+        const uint8_t *sup = p + (nb - b) * pb + (b / 8) * 64;
+        const double D = half_value(gguf_load_u16(sup + 2 * i)), DMIN = half_value(gguf_load_u16(sup + 32 + 2 * i));
+        d = kind == GGUF_K4 ? D * p[i] : D * (int8_t)p[j >= 16 ? 16 + i : i];
+        m = -(DMIN * p[(kind == GGUF_K4 ? 16 : 32) + i]);
+    } else if (kind == GGUF_F8) {
         float df, mf;
-        memcpy(&df, p + (kind == GGUF_K8 && j >= 16 ? 64 : 0) + 4 * i, 4);
-        memcpy(&mf, p + (kind == GGUF_K4 ? 64 : 128) + 4 * i, 4);
+        memcpy(&df, p + (j >= 16 ? 64 : 0) + 4 * i, 4);
+        memcpy(&mf, p + 128 + 4 * i, 4);
         d = df;
         m = mf;
     } else {
@@ -174,10 +197,11 @@ int main(int argc, char **argv) {
     fprintf(stderr, "gemv_check: kernel %s\n", gguf_gemv_isa());
     rng_state = 20240601;
     for (size_t s = 0; s < sizeof SHAPES / sizeof SHAPES[0]; s++)
-        for (int variant = 0; variant < 6; variant++) {   /* Q4 (m = -8 d), Q4 (m), Q8, K4, K8 (m), K8 (-0) */
+        for (int variant = 0; variant < 7; variant++) {   /* Q4 (m = -8 d), Q4 (m), Q8, K4, K8 (m), K8 (-0), F8 */
             const shape_t sh = SHAPES[s];
-            static const int kinds[6] = {GGUF_Q4, GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_K8};
+            static const int kinds[7] = {GGUF_Q4, GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_K8, GGUF_F8};
             const int kind = kinds[variant];
+            if (gguf_has_super(kind) && sh.K % 256) continue;          /* K-quants: whole super-blocks */
             const int64_t N = sh.N, K = sh.K, M = sh.M, ldx = K + sh.pad_x, ldy = N + sh.pad_y;
             uint8_t *w = make_weights(kind, kind == GGUF_K8 ? variant == 5 : variant, N, K);
             float *x = malloc(sizeof(float) * (size_t)(M * ldx)), *y = malloc(sizeof(float) * (size_t)(M * ldy));

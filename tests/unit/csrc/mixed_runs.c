@@ -18,7 +18,7 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
 void gguf_quantize_block(void *ws, int64_t M, int64_t K, int64_t r, int64_t b, const float *src, int64_t parts);
 int64_t gguf_workspace_bytes(int64_t M, int64_t K);
 
-enum { N = 40, NB = 12, K = 32 * NB, M_MAX = 9 };
+enum { N = 40, NB = 16, K = 32 * NB, M_MAX = 9 };   /* K: whole K-quant super-blocks */
 static const char *MIXED_TWO[M_MAX] = {"0 5", "5 6 11", "2", "8", "", "3 4", "11", "1 9", "0 10"};
 static uint64_t st = 7;
 static uint32_t rnd(void) { st = st * 6364136223846793005ull + 1442695040888963407ull; return (uint32_t)(st >> 33); }
@@ -48,25 +48,34 @@ int main(void) {
             for (int j = 32; j < 64; j++) nz |= ws[j];
             if (!nz != !two_part(r, b)) { printf("row %d block %d: xb %s\n", r, b, nz ? "not zero" : "zero"); return 1; }
         }
-    static const int kinds[4] = {GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8};
-    for (int t = 0; t < 4; t++) {
+    static const int kinds[5] = {GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_F8};
+    for (int t = 0; t < 5; t++) {
         const int kind = kinds[t];
-        const int64_t pb = gguf_packed_block_bytes(kind), nw = (N + 15) / 16 * NB * pb;
+        const int64_t pb = gguf_packed_block_bytes(kind), gbytes = gguf_group_bytes(kind, NB);
+        const int64_t nw = (N + 15) / 16 * gbytes;
         uint8_t *w = malloc((size_t)nw);
         for (int64_t i = 0; i < nw; i++) w[i] = (uint8_t)rnd();
-        for (int64_t blk = 0; blk < nw / pb; blk++) {               /* finite scales */
-            uint8_t *p = w + blk * pb;
-            if (kind == GGUF_Q4 || kind == GGUF_Q8)
-                for (int i = 0; i < (kind == GGUF_Q4 ? 32 : 16); i++) {
-                    const uint16_t h = (uint16_t)(((3 + rnd() % 10) << 10) | (rnd() & 0x3ff) | (i >= 16 && rnd() & 1 ? 0x8000 : 0));
+        for (int64_t g = 0; g < (N + 15) / 16; g++)                 /* finite scales */
+            for (int64_t b = 0; b < NB; b++) {
+                uint8_t *p = w + g * gbytes + b * pb;
+                if (kind == GGUF_F8) {
+                    for (int i = 0; i < 48; i++) {
+                        const float f = (float)((int)(rnd() % 2001) - 1000) / 65536;
+                        memcpy(p + 4 * i, &f, 4);
+                    }
+                    continue;
+                }
+                if (gguf_has_super(kind)) {                         /* fp16 d, dmin once per 8 blocks */
+                    if (b % 8) continue;
+                    p = (uint8_t *)gguf_super_scales(p, kind, NB, b);
+                }
+                const int halves = kind == GGUF_Q8 ? 16 : 32;
+                for (int i = 0; i < halves; i++) {
+                    const int e = gguf_has_super(kind) ? 1 + (int)(rnd() % 6) : 3 + (int)(rnd() % 10);
+                    const uint16_t h = (uint16_t)((e << 10) | (rnd() & 0x3ff) | (i >= 16 && rnd() & 1 ? 0x8000 : 0));
                     memcpy(p + 2 * i, &h, 2);
                 }
-            else
-                for (int i = 0; i < (kind == GGUF_K4 ? 32 : 48); i++) {
-                    const float f = (float)((int)(rnd() % 2001) - 1000) / 65536;
-                    memcpy(p + 4 * i, &f, 4);
-                }
-        }
+            }
         for (int M = 1; M <= M_MAX; M++) {
             if (gguf_gemv(w, kind, N, K, x, K, M, y, N, NULL, 0, 1, GGUF_MIXED_PARTS)) return 1;
             printf("kind %2d M %d:", kind, M);
