@@ -436,37 +436,17 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
+# fmt: off
+# Argument lists kept compact by hand: ruff would put each of the 27 arguments of the three tile
+# calls on its own line.
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    seq_idx_ptr,
-    qsl_ptr,
-    lens_ptr,
-    bt_ptr,
-    qk_scale,
-    v_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, out_ptr, seq_idx_ptr, qsl_ptr, lens_ptr, bt_ptr,
+    qk_scale, v_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     seq = tl.load(seq_idx_ptr + tl.program_id(0))
     h = tl.program_id(1)
@@ -510,90 +490,21 @@ def _prefill_kernel(
     if HAS_WINDOW:
         for t in range(base, u_lo, BLOCK_N):  # the window's leading edge
             m_i, l_i, acc = _prefill_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                t,
-                lo,
-                hi,
-                pos,
-                window,
-                qk_scale,
-                k_ptr,
-                v_ptr,
-                bt_row,
-                kvh,
-                stride_kb,
-                stride_kt,
-                stride_kh,
-                stride_vb,
-                stride_vt,
-                stride_vh,
-                D,
-                BLOCK_SIZE,
-                BLOCK_N,
-                True,
-                HAS_WINDOW,
-                DOT_PREC,
+                q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale, k_ptr, v_ptr, bt_row, kvh,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                D, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_PREC,
             )
     for t in range(u_lo, u_hi, BLOCK_N):  # interior
         m_i, l_i, acc = _prefill_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            t,
-            lo,
-            hi,
-            pos,
-            window,
-            qk_scale,
-            k_ptr,
-            v_ptr,
-            bt_row,
-            kvh,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            D,
-            BLOCK_SIZE,
-            BLOCK_N,
-            False,
-            HAS_WINDOW,
-            DOT_PREC,
+            q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale, k_ptr, v_ptr, bt_row, kvh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            D, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, DOT_PREC,
         )
     for t in range(u_hi, hi, BLOCK_N):  # the causal diagonal
         m_i, l_i, acc = _prefill_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            t,
-            lo,
-            hi,
-            pos,
-            window,
-            qk_scale,
-            k_ptr,
-            v_ptr,
-            bt_row,
-            kvh,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            D,
-            BLOCK_SIZE,
-            BLOCK_N,
-            True,
-            HAS_WINDOW,
-            DOT_PREC,
+            q, m_i, l_i, acc, t, lo, hi, pos, window, qk_scale, k_ptr, v_ptr, bt_row, kvh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            D, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_PREC,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
@@ -602,6 +513,7 @@ def _prefill_kernel(
         o.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None],
     )
+# fmt: on
 
 
 # Prefill tiles by head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
