@@ -92,6 +92,9 @@ class EngineParts:
             f"prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}\n"
             f"  steps: {self.runner.step_path}"
         )
+        reason = getattr(self.runner, "backend_reason", None)
+        if reason:  # a faster path declined: the setting that brings it back
+            text += f"; {reason}"
         if self.drafter is not None:
             text += f"\n  speculative decoding: {self.drafter.describe()}"
         return text
