@@ -318,10 +318,13 @@ class Scheduler:
         for seq in list(self.waiting):
             if plan.budget == 0 or active >= self.sched.max_num_seqs:
                 break
-            if seq.held or not self._parent_ready(seq, plan):
+            if seq.held:
+                continue
+            parent = self._fork_parent(seq)
+            if parent is not None and not self._parent_ready(parent, seq, plan):
                 continue
             try:
-                admitted = self._admit(seq, plan)
+                admitted = self._admit(seq, parent, plan)
             except Exception as e:  # this sequence's own data (e.g. its hash inputs): it alone
                 self._fail(seq, e)
                 continue
@@ -336,22 +339,21 @@ class Scheduler:
             plan.take(seq, num_new)
             seq.num_computed_tokens = num_shared + num_new
 
-    def _parent_ready(self, seq: Sequence, plan: "_StepPlan") -> bool:
+    def _parent_ready(self, parent: Sequence, seq: Sequence, plan: "_StepPlan") -> bool:
         """A fork waits until its parent computed, in an earlier step, the tokens it shares
         (their KV is written then)."""
-        parent = self._fork_parent(seq)
-        if parent is None:
-            return True
         computed_before = parent.num_computed_tokens - plan.scheduled.get(parent.seq_id, 0)
         return parent.status == SequenceStatus.RUNNING and computed_before >= max(
             parent.num_prompt_tokens, seq.num_prompt_tokens - 1
         )
 
-    def _admit(self, seq: Sequence, plan: "_StepPlan") -> tuple[int, int] | None:
-        """Blocks for a waiting sequence's first chunk, shared with its parent or found in the
-        prefix cache: (tokens shared, tokens new), or None when it does not fit this step."""
+    def _admit(
+        self, seq: Sequence, parent: Sequence | None, plan: "_StepPlan"
+    ) -> tuple[int, int] | None:
+        """Blocks for a waiting sequence's first chunk, shared with its parent (_fork_parent)
+        or found in the prefix cache: (tokens shared, tokens new), or None when it does not fit
+        this step."""
         kv = self.kv_cache_manager
-        parent = self._fork_parent(seq)
         fork = kv.get_fork_blocks(parent, seq) if parent is not None else None
         if fork is None:  # no parent, or a window of the parent no longer holds the child's
             parent = None

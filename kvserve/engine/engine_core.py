@@ -247,10 +247,9 @@ class EngineCore:
     def _emit(self, state: RequestState) -> RequestOutput:
         """The request's output; a finished one frees its sequences' state everywhere."""
         out = self.processor.emit(state)
-        if out.finished and state.beam is None:  # beam samples are no sequences
-            for s in state.samples:
-                self._forget_sequence(s.seq_id)
-                self.grammar.remove(s.seq_id)
+        for seq_id in state.seq_ids if out.finished else ():
+            self._forget_sequence(seq_id)
+            self.grammar.remove(seq_id)
         return out
 
     def _request_of(self, seq_id: str) -> RequestState | None:

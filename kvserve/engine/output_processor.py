@@ -52,6 +52,12 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.out.finished for s in self.samples)
 
+    @property
+    def seq_ids(self) -> list[str]:
+        """The scheduler sequences its samples are: none under beam search (the samples are
+        outputs only; the beams are `beam.seqs`)."""
+        return [s.seq_id for s in self.samples] if self.beam is None else []
+
 
 class OutputProcessor:
     """Every unfinished request's state, by request id and by sequence id."""
@@ -200,8 +206,8 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time = time.monotonic()
             self.requests.pop(state.request_id, None)
-            for s in state.samples if state.beam is None else ():  # beam samples: no sequences
-                self.samples.pop(s.seq_id, None)
+            for seq_id in state.seq_ids:
+                self.samples.pop(seq_id, None)
         complete = state.prompt_logprobs is not None and state.prompt_logprobs_missing == 0
         return RequestOutput(
             request_id=state.request_id,

@@ -383,6 +383,10 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return None if self.eos_token_id is None else self.backend.id_to_token(self.eos_token_id)
 
+    @property
+    def pad_token(self) -> str | None:
+        return None if self.pad_token_id is None else self.backend.id_to_token(self.pad_token_id)
+
     @cached_property
     def _template(self):
         if not self.chat_template:

@@ -129,9 +129,8 @@ class APIService:
             "eos_token": tok.eos_token,
             "model_max_length": self.engine.max_model_len,
         }
-        pad = getattr(tok, "pad_token_id", None)
-        if pad is not None:
-            info["pad_token"] = tok.convert_ids_to_tokens(pad)
+        if tok.pad_token is not None:
+            info["pad_token"] = tok.pad_token
         if getattr(tok, "chat_template", None):
             info["chat_template"] = tok.chat_template
         return info
