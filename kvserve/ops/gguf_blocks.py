@@ -1,5 +1,5 @@
 """GGUF block packing for the C GEMV (kvserve/ops/csrc/gguf_gemv.c): the file's blocks decoded into
-integers and scales without changing a value, and interleaved 16 rows at a time in one of four
+integers and scales without changing a value, and interleaved 16 rows at a time in one of the
 packed kinds (pack_gguf_parts / pack_gguf_rows); back to float32 with unpack_gguf_rows.
 
     kind  from            per block of 32 weights and row                         bytes / 16 rows
@@ -7,22 +7,31 @@ packed kinds (pack_gguf_parts / pack_gguf_rows); back to float32 with unpack_ggu
     8     Q8_0, Q5_0,     fp16 d, 8-bit q (stored q + 128)           w = d q                   544
           IQ4_NL
     14    Q4_K            u8 sc, u8 mn, 4-bit q (0..15)              w = D sc q - DMIN mn      288
-    18    Q5_K, Q6_K,     s8 s0 (weights 0..15), s8 s1 (16..31),
+    15    Q5_K            u8 sc, u8 mn, 5-bit q (4 + 1 bits)         w = D sc q - DMIN mn      352
+    18                    s8 s0 (weights 0..15), s8 s1 (16..31),
           Q3_K, IQ4_XS    u8 mn, 8-bit q (stored q + 128)            w = D s_half q - DMIN mn  560
     19    Q5_1            fp32 d0 = d1 = d, fp32 m, 8-bit q          w = d q + m               704
+    26    Q6_K            s8 s0, s1, 6-bit u = q + 32 (4 + 2 bits)   w = D s_half q            416
+    10    Q2_K            u8 sc0, sc1, mn0, mn1 (per 16 weights),
+                          4-bit q (0..3)                             w = D sc_half q
+                                                                         - DMIN mn_half       320
+    32    F32, F16, BF16  float32 weights (exact for all three)      w                        2048
 
-Kinds 14 and 18 keep the file's fp16 super-block scales D, DMIN (per 256 weights) once: after a
-group's blocks, 64 bytes per super-block (16 rows' D, then their DMIN).
+Kinds 14, 15, 18, 26 and 10 keep the file's fp16 super-block scales D, DMIN (per 256 weights) once:
+after a group's blocks, 64 bytes per super-block (16 rows' D, then their DMIN; kind 26: D, 32
+bytes).
 
 Every value is the file's: Q5_0's q - 16 is a signed 8-bit integer with the block's fp16 d; a
 K-quant's sub-block scale (fp16 super-block d times a 4..8-bit sub-scale) and min are exact
 float32 products (the kernels form them from D and the sub-scale), and d_half q is exact in
 float32 (at most 24 significant bits), so the one rounding of d q + m is gguf's own
 (gguf.quants.dequantize). Formats without an offset store mn = 0 (m = -0.0), which leaves every
-d q (signed zeros included) unchanged. K-quant sub-blocks of 32 (Q4_K, Q5_K) have s0 = s1.
+d q (signed zeros included) unchanged.
 IQ4_NL and IQ4_XS store indices into a table of 16 signed 8-bit values: the value is q (IQ4_XS:
 its 6-bit sub-scale - 32 is s0 = s1). Q5_1 (an fp16 min beside its fp16 d per block, no
-super-block) takes kind 19. Q2_K (a min per 16 weights) is not packed.
+super-block) takes kind 19. Q2_K (a scale and a min per 16 weights) takes kind 10. Float weights
+(F32, F16, BF16 tensors, which the loader hands over as float32: every F16 and BF16 value is a
+float32) take kind 32 through pack_float_parts.
 
 `w` is any object with the GGUF tensor's `raw` blocks ([rows, bytes_per_row] uint8), `qtype` and
 `shape` (kvserve.model.quant.BlockTensor). Imports numpy and torch only (GGUF's type codes:
@@ -42,14 +51,19 @@ GROUP = 32  # weights per packed block (and per GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 b
 SUPER = 256  # weights per GGUF K-quant super-block
 
 # Bytes of one block of 32 weights of 16 rows, per kind (gguf_packed_block_bytes in gguf_gemv.h).
-BLOCK_BYTES = {4: 320, 8: 544, 14: 288, 18: 560, 19: 704}
-SUPER_KINDS = (14, 18)  # kinds with super-block scales after a group's blocks
-SUPER_BYTES = 64  # per super-block of a group: 16 fp16 D, 16 fp16 DMIN
+BLOCK_BYTES = {4: 320, 8: 544, 14: 288, 15: 352, 18: 560, 19: 704, 26: 416, 10: 320, 32: 2048}
+SUPER_KINDS = (14, 15, 18, 26, 10)  # kinds with super-block scales after a group's blocks
+SUPER_BYTES = 64  # per super-block of a group: 16 fp16 D, 16 fp16 DMIN (kind 26: D only)
+
+
+def super_bytes(kind: int) -> int:
+    """Bytes of a group's super-block scales per 8 blocks (gguf_super_bytes in gguf_gemv.h)."""
+    return 32 if kind == 26 else SUPER_BYTES if kind in SUPER_KINDS else 0
 
 
 def group_bytes(kind: int, nb: int) -> int:
     """Bytes of one group of 16 rows and nb blocks (gguf_group_bytes in gguf_gemv.h)."""
-    return nb * BLOCK_BYTES[kind] + (nb // 8 * SUPER_BYTES if kind in SUPER_KINDS else 0)
+    return nb * BLOCK_BYTES[kind] + nb // 8 * super_bytes(kind)
 
 
 def packed_kind(qtype) -> int | None:
@@ -61,12 +75,17 @@ def packed_kind(qtype) -> int | None:
         Q.Q5_0: 8,
         Q.IQ4_NL: 8,
         Q.Q4_K: 14,
-        Q.Q5_K: 18,
-        Q.Q6_K: 18,
+        Q.Q5_K: 15,
+        Q.Q6_K: 26,
         Q.Q3_K: 18,
         Q.Q5_1: 19,
         Q.IQ4_XS: 18,
+        Q.Q2_K: 10,
     }.get(qtype)
+
+
+FLOAT_KIND = 32  # float weights (pack_float_parts)
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)  # GGUF types whose float32 values kind 32 holds exactly
 
 
 # The 16 values an IQ4_NL / IQ4_XS index stands for (ggml's kvalues_iq4nl).
@@ -214,24 +233,39 @@ def _decode_q4_5_k(w, N) -> _Decoded:
     q = (qs & 15).reshape(N, -1, 8, 32)  # sub-block 2j + h
     if qt == Q.Q4_K:
         return _Decoded(14, [sc, mn], _nibbles_of(_per_32(q, N)), supers=_supers(b, 0, 2))
-    qh = b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
-    q = q | ((qh & 1) << 4)
-    s = sc.astype(np.int8)  # 0..63
-    return _Decoded(18, [s, s, mn], _per_32(q + 128, N).astype(np.uint8), supers=_supers(b, 0, 2))
+    qh = (b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    return _Decoded(15, [sc, mn], _k5_ints(_per_32(q, N), _per_32(qh, N)), supers=_supers(b, 0, 2))
+
+
+def _k5_ints(low, top):
+    """The low 4 bits [N, nb, 32] and the top bits [N, nb, 32] of Q5_K's q -> kind 15's 20 bytes
+    per block and row: _nibbles_of(low), then 4 bytes whose bit c is the top bit of weight 4c + t
+    (c < 4) or 16 + 4(c - 4) + t (t: the byte)."""
+    top = top.reshape(*top.shape[:-1], 8, 4)  # [.., c, t]: weight 4c + t is chunk c's
+    tops = np.bitwise_or.reduce(top << np.arange(8, dtype=np.uint8).reshape(8, 1), axis=-2)
+    return np.concatenate([_nibbles_of(low), tops.astype(np.uint8)], axis=-1)
 
 
 def _decode_q6_k(w, N) -> _Decoded:
-    """w = (d sc_16) (q - 32), q 6 bits, a scale per 16 weights."""
+    """w = (d sc_16) (u - 32), u 6 bits, a scale per 16 weights: kind 26, the file's 6 bits
+    (4 low bits as the 4-bit kinds keep nibbles, then the top 2 bits of 4 weights a byte)."""
     b = _blocks(w, 210)
     ql = b[..., 0:128].reshape(N, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
     qh = b[..., 128:192].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-    q = ((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4)).astype(
-        np.int16
-    ) - 32
+    u = _per_32((ql & 15).reshape(N, -1, 8, 32) | ((qh & 3).reshape(N, -1, 8, 32) << 4), N)
     sc = b[..., 192:208].view(np.int8).reshape(N, -1, 8, 2)  # a scale per 16 weights
-    return _Decoded(
-        18, _halves(sc, N), _per_32(q + 128, N).astype(np.uint8), supers=_supers(b, 208, None)
-    )
+    d = _supers(b, 208, None)[:1]
+    return _Decoded(26, _halves(sc, N)[:2], _k6_ints(u), supers=d)
+
+
+def _k6_ints(u):
+    """u [N, nb, 32] in 0..63 -> kind 26's 24 bytes per block and row: the low 4 bits as
+    _nibbles_of, then for each half h and t < 4 the top 2 bits of weights 16 h + 4 c + t at bits
+    2c, 2c + 1 (c < 4)."""
+    top = (u >> 4).reshape(*u.shape[:-1], 2, 4, 4)  # [.., h, c, t]
+    shift = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    tops = np.bitwise_or.reduce(top << shift, axis=-2).reshape(*u.shape[:-1], 8)
+    return np.concatenate([_nibbles_of(u & 15), tops.astype(np.uint8)], axis=-1)
 
 
 def _decode_q3_k(w, N) -> _Decoded:
@@ -252,6 +286,21 @@ def _decode_q3_k(w, N) -> _Decoded:
     )
 
 
+def _decode_q2_k(w, N) -> _Decoded:
+    """w = (D sc_16) q - (DMIN mn_16), q 2 bits, a 4-bit scale and min per 16 weights."""
+    b = _blocks(w, 84)
+    s = b[..., 0:16].reshape(N, -1, 8, 2)  # [N, ns, sub-block, half]
+    sc, mn = _per_32(s & 15, N), _per_32(s >> 4, N)  # [N, nb, 2]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    q = (b[..., 16:80].reshape(N, -1, 2, 1, 32) >> shifts) & 3  # [N, ns, 128s, shift, 32]
+    return _Decoded(
+        10,
+        [sc[..., 0], sc[..., 1], mn[..., 0], mn[..., 1]],
+        _nibbles_of(_per_32(q.reshape(N, -1, 8, 32), N)),
+        supers=_supers(b, 80, 82),
+    )
+
+
 # GGUF type -> its decoder (w, N rows) -> _Decoded; the same types as packed_kind's.
 _DECODERS = {
     Q.Q4_0: _decode_q4_0_1,
@@ -265,6 +314,7 @@ _DECODERS = {
     Q.Q5_K: _decode_q4_5_k,
     Q.Q6_K: _decode_q6_k,
     Q.Q3_K: _decode_q3_k,
+    Q.Q2_K: _decode_q2_k,
 }
 
 
@@ -278,7 +328,7 @@ def _decode(w) -> _Decoded:
 
 def _check(w):
     N, K = w.shape
-    per = SUPER if w.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_XS) else GROUP
+    per = SUPER if w.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_XS, Q.Q2_K) else GROUP
     if K % per:
         raise ValueError(
             f"a {w.qtype.name} tensor needs rows of a multiple of {per} weights, "
@@ -313,7 +363,7 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
     packed = np.empty((G, group_bytes(kind, nb)), np.uint8)
     blocks = packed[:, : nb * BLOCK_BYTES[kind]].reshape(G, nb, BLOCK_BYTES[kind])
     ns = nb // 8 if kind in SUPER_KINDS else 0
-    supers = packed[:, nb * BLOCK_BYTES[kind] :].reshape(G, ns, SUPER_BYTES)
+    supers = packed[:, nb * BLOCK_BYTES[kind] :].reshape(G, ns, super_bytes(kind))
     g = 0
     for d in dec:  # each part into its own groups of 16 rows
         n = d.ints.shape[0]
@@ -330,7 +380,7 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
         if n % 16:  # its last group, padded with q = 0, scales 0
             pad = 16 - n % 16
             scales = [_pad_rows(s[16 * full :], pad) for s in d.scales]
-            fill = 0 if kind in (4, 14) or d.signed else 128
+            fill = 0 if kind in (4, 14, 15, 26, 10) or d.signed else 128
             ints = np.concatenate(
                 [d.ints[16 * full :], np.full((pad, *d.ints.shape[1:]), fill, np.uint8)]
             )
@@ -370,7 +420,7 @@ def _place(out, scales, ints, signed) -> None:
     weights each (4 bytes moved as one uint32), signed 8-bit ones offset by 128 on the way."""
     at = _place_scales(out, scales)
     G, nb = out.shape[:2]
-    chunks = ints.shape[-1] // 4  # 4 (4-bit kinds) or 8
+    chunks = ints.shape[-1] // 4  # 4 (4-bit kinds), 5 (kind 15), 6 (kind 26) or 8
     assert at + chunks * 64 == out.shape[-1]
     dst = out[..., at:].view(np.uint32).reshape(G, nb, chunks, 16)  # splits the last axis: a view
     src = ints.view(np.uint32).reshape(G, 16, nb, chunks).transpose(0, 2, 3, 1)
@@ -392,6 +442,24 @@ def _place_scales(out, scales) -> int:
     return at
 
 
+def pack_float_parts(parts) -> tuple[torch.Tensor, int]:
+    """Float weights [n, K] (fused shards: their rows one after the other; F32, F16 or BF16
+    tensors as float32, which holds each of their values exactly) -> (uint8 tensor, 32): per group
+    of 16 rows and block of 32 weights, weight j of the 16 rows as 16 float32 at byte 64 j (rows
+    past the end zero)."""
+    w = torch.cat([torch.as_tensor(p).float() for p in parts])
+    N, K = w.shape
+    if K % GROUP:
+        raise ValueError(
+            f"float weights pack in blocks of {GROUP} columns, got shape {tuple(w.shape)}: "
+            "keep such a weight dense"
+        )
+    G = -(-N // 16)
+    w = torch.cat([w, w.new_zeros(G * 16 - N, K)]) if G * 16 != N else w
+    packed = w.reshape(G, 16, K // GROUP, GROUP).permute(0, 2, 3, 1).contiguous()
+    return packed.view(torch.uint8).reshape(-1), FLOAT_KIND
+
+
 def pack_gguf_rows(w) -> tuple[torch.Tensor, int]:
     """One GGUF tensor's blocks -> (uint8 tensor, kind): pack_gguf_parts of a single part."""
     return pack_gguf_parts([w])
@@ -410,25 +478,61 @@ def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) ->
         4: [np.float16] * 2,
         8: [np.float16],
         14: [np.uint8] * 2,
+        15: [np.uint8] * 2,
         18: [np.int8, np.int8, np.uint8],
         19: [np.float32] * 3,
+        26: [np.int8, np.int8],
+        10: [np.uint8] * 4,
+        32: [],
     }[kind]
+    if kind == FLOAT_KIND:
+        w = a.view(np.float32).reshape(G, nb, 32, 16).transpose(0, 3, 1, 2)
+        return torch.from_numpy(np.ascontiguousarray(w.reshape(G * 16, K)[:N]))
     s, at = [], 0
     for t in types:
         size = 16 * np.dtype(t).itemsize
         v = a[..., at : at + size].copy().view(t).astype(np.float32).transpose(0, 2, 1)
         s.append(v[..., None])  # [G, row, nb, 1]
         at += size
-    if kind in SUPER_KINDS:  # d = D s (exact), m = -(DMIN mn)
+    if kind == 26:  # d = D s (exact), no m
+        sup = flat[:, nb * BLOCK_BYTES[kind] :].reshape(G, nb // 8, 32).copy()
+        sup = sup.view(np.float16).astype(np.float32)  # [G, ns, 16]
+        d_ = np.repeat(sup.transpose(0, 2, 1), 8, -1)[..., None]
+        s = [d_ * x for x in s]
+    elif kind in SUPER_KINDS:  # d = D s (exact), m = -(DMIN mn)
         sup = flat[:, nb * BLOCK_BYTES[kind] :].reshape(G, nb // 8, 2, 32).copy()
         sup = sup.view(np.float16).astype(np.float32)  # [G, ns, 2, 16]
         d_, dmin = (np.repeat(sup[:, :, i].transpose(0, 2, 1), 8, -1)[..., None] for i in (0, 1))
-        s = [d_ * x for x in s[:-1]] + [-(dmin * s[-1])]
+        if kind == 10:  # a min per half: m0, m1
+            s = [d_ * x for x in s[:2]] + [-(dmin * x) for x in s[2:]]
+        else:
+            s = [d_ * x for x in s[:-1]] + [-(dmin * s[-1])]
     ints = a[..., at:]
-    if kind in (4, 14):
-        qs = ints.reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)  # j = 0..15, 16..31
+    if kind == 26:
+        byts = ints.reshape(G, nb, 6, 16, 4).transpose(0, 3, 1, 2, 4)  # [G, row, nb, chunk, t]
+        nib = byts[..., :4, :].reshape(G, 16, nb, 16)
+        low = np.concatenate([nib & 15, nib >> 4], axis=-1)  # j = 0..15, 16..31
+        top = byts[..., 4:, :].reshape(G, 16, nb, 2, 1, 4)  # [.., h, 1, t]
+        top = (top >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [.., h, c, t]
+        q = (low | (top.reshape(G, 16, nb, 32) << 4)).astype(np.float32) - 32
+        d = np.concatenate([np.repeat(s[0], 16, -1), np.repeat(s[1], 16, -1)], axis=-1)
+        w = q * d
+    elif kind == 15:
+        byts = ints.reshape(G, nb, 5, 16, 4).transpose(0, 3, 1, 2, 4)  # [G, row, nb, chunk, t]
+        nib = byts[..., :4, :].reshape(G, 16, nb, 16)
+        low = np.concatenate([nib & 15, nib >> 4], axis=-1)  # j = 0..15, 16..31
+        top = byts[..., 4:, :]  # [.., 1, t]: bit c is weight 4c + t's (chunk c)
+        top = (top >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [.., c, t]
+        q = (low | (top.reshape(G, 16, nb, 32) << 4)).astype(np.float32)
         w = q * s[0] + s[1]
+    elif kind in (4, 14, 10):
+        qs = ints.reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
+        if kind == 10:  # each half with its own d and m
+            lo, hi = (qs & 15).astype(np.float32), (qs >> 4).astype(np.float32)
+            w = np.concatenate([lo * s[0] + s[2], hi * s[1] + s[3]], axis=-1)
+        else:
+            q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)  # j = 0..15, 16..31
+            w = q * s[0] + s[1]
     else:
         q = (ints.reshape(G, nb, 8, 16, 4) ^ 0x80).view(np.int8).astype(np.float32)
         q = q.transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 32)  # [G, row, nb, j]

@@ -1,13 +1,16 @@
 """The GGUF type mixes llama-quantize writes (kvserve/bench/gguf_presets.py, random weights of a
-tiny Llama shape) load onto the C layer stack, every one of them: Q4_K_M's fused q/k/v of a
-Q4_K q and k and a Q6_K v run side by side, and the stack computes what the PyTorch layers do."""
+tiny Llama shape) load onto the C layer stack, every one of them (Q2_K to Q8_0, IQ4_NL, IQ4_XS,
+F16, BF16): Q4_K_M's fused q/k/v of a Q4_K q and k and a Q6_K v run side by side, and the stack
+computes what the PyTorch layers do, and what a dense float32 model of the file's dequantized
+weights does."""
 
 import pytest
 
-from kvserve.bench.gguf_presets import PRESETS, more_bits, tensor_type, write_model
+from kvserve.bench.gguf_presets import PRESETS, SIZES, more_bits, tensor_type, write_model
 from kvserve.config import ModelConfig
 from tests.model.test_quant_model import _mixed_step
 
+QKV = ("attn_q", "attn_k", "attn_v")
 PROMPTS = ["The capital of France is", "Once upon a time", "def f(x):\n    return"]
 
 
@@ -28,6 +31,41 @@ def test_q4_k_m_mixes_types_as_llama_quantize_does():
     assert {tensor_type("q4_k_m", r, 5, layers) for r in ("attn_q", "attn_k", "ffn_up")} == {"Q4_K"}
 
 
+def test_presets_mix_types_as_llama_quantize_does():
+    """A few of llama_tensor_get_type's choices for a Llama of 32 layers with 4 query heads per
+    KV head."""
+    n = 32
+
+    def types(preset, role):
+        return [tensor_type(preset, role, i, n, gqa=4) for i in range(n)]
+
+    assert set(types("q2_k", "attn_v")) == {"Q4_K"} and set(types("q2_k", "ffn_down")) == {"Q3_K"}
+    assert tensor_type("q2_k", "attn_v", 0, n, gqa=2) == "Q3_K"
+    assert types("q3_k_m", "attn_v")[:3] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert types("q3_k_m", "ffn_down")[:3] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert set(types("q3_k_l", "attn_output")) == {"Q5_K"}
+    assert types("q4_k_s", "attn_v").count("Q5_K") == 4
+    assert types("iq4_xs", "ffn_down").count("Q5_K") == 4
+    assert {tensor_type(p, "output", 0, n) for p in ("q2_k", "q5_k_s", "iq4_nl")} == {"Q6_K"}
+    assert {tensor_type("bf16", r, 3, n) for r in ("attn_v", "output", "ffn_up")} == {"BF16"}
+
+
+def _qkv_runs(preset):
+    """How many runs of one packed kind the tiny model's fused q/k/v of each layer has."""
+    from kvserve.ops.gguf_blocks import FLOAT_KIND, packed_kind
+    from kvserve.ops.gguf_types import GGMLQuantizationType as Q
+
+    layers, heads, kv_heads = SIZES["tiny"][0], SIZES["tiny"][2], SIZES["tiny"][3]
+    runs = []
+    for i in range(layers):
+        kinds = [
+            packed_kind(Q[t]) or FLOAT_KIND
+            for t in (tensor_type(preset, r, i, layers, heads // kv_heads) for r in QKV)
+        ]
+        runs.append(1 + sum(a != b for a, b in zip(kinds, kinds[1:])))
+    return runs
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_runs_the_c_layer_stack(preset_files, preset):
     from kvserve.model.loader import load_model
@@ -36,16 +74,19 @@ def test_every_preset_runs_the_c_layer_stack(preset_files, preset):
     lm = load_model(ModelConfig(model=preset_files[preset]))
     assert CLayerStack.declined(lm.model) is None
     parts = [len(layer.self_attn.qkv_proj.gguf_parts) for layer in lm.model.layers]
-    assert parts == ([1, 1, 2, 2] if preset in ("q4_k_m",) else [1] * 4), parts
+    assert parts == _qkv_runs(preset), parts
+    if preset in ("q4_k_m", "q3_k_m", "q4_k_s", "q2_k"):  # kinds side by side somewhere
+        assert max(parts) == 2
 
 
-def test_mixed_kinds_on_the_c_stack_compute_what_the_pytorch_layers_do(preset_files):
+@pytest.mark.parametrize("preset", ["q4_k_m", "q2_k", "f16", "bf16"])
+def test_mixed_kinds_on_the_c_stack_compute_what_the_pytorch_layers_do(preset_files, preset):
     """In the gguf format (two activation parts, as the layer-stack test of the default model):
     final hidden states and logits of a step of decodes beside a prompt chunk agree; the rows
     differ from each other (the weights are centred: a wrong or missing part shows)."""
     from kvserve.model.loader import load_model
 
-    lm = load_model(ModelConfig(model=preset_files["q4_k_m"], quantization="gguf"))
+    lm = load_model(ModelConfig(model=preset_files[preset], quantization="gguf"))
     a = _mixed_step(lm, PROMPTS, c_stack=True)
     b = _mixed_step(lm, PROMPTS, c_stack=False)
     assert b.isfinite().all() and (b[1:] - b[0]).abs().max() > 0.05 * b.abs().max()
@@ -99,19 +140,41 @@ def test_a_declined_stack_names_the_tensor(preset_files, caplog):
 
 
 def test_a_tensor_without_a_packed_kind_is_named_at_start(tmp_path, default_gguf, caplog):
-    """One Q2_K attn_v (a type the C kernels do not run) keeps that fused q/k/v dense and the
+    """One IQ2_XXS attn_v (a type the C kernels do not run) keeps that fused q/k/v dense and the
     model on the PyTorch forward: start-up names the layer, the linear and the type."""
     import logging
 
     from kvserve import LLM
 
-    path = str(tmp_path / "tiny-q2_k-v.gguf")
+    path = str(tmp_path / "tiny-iq2_xxs-v.gguf")
     write_model(
-        path, "tiny", "q4_k_m", tokenizer_from=default_gguf, types={"blk.2.attn_v.weight": "Q2_K"}
+        path,
+        "tiny",
+        "q4_k_m",
+        tokenizer_from=default_gguf,
+        types={"blk.2.attn_v.weight": "IQ2_XXS"},
     )
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(path, kv_cache_memory="16MiB", max_model_len=128)
     assert llm.engine.runner.layer_stack is None
-    why = "layer 2 attn qkv: kept dense (part v: GGUF type Q2_K has no packed kind)"
+    why = "layer 2 attn qkv: kept dense (part v: GGUF type IQ2_XXS has no packed kind)"
     assert f"steps: PyTorch forward ({why}); no setting brings" in caplog.text
     assert llm.engine.step_path == f"PyTorch forward ({why})"  # what benchmarks record
+
+
+@pytest.mark.parametrize("preset", ["q2_k", "f16"])
+def test_the_c_stack_computes_what_the_dequantized_weights_do(preset_files, preset):
+    """Against the PyTorch forward of a dense float32 model of the file's dequantized weights
+    (quantization "none"): the stack's only difference is its activations' two 8-bit parts, so
+    the logits agree closely and every row picks the same greedy token."""
+    import torch
+
+    from kvserve.model.loader import load_model
+
+    packed = load_model(ModelConfig(model=preset_files[preset], quantization="gguf"))
+    dense = load_model(ModelConfig(model=preset_files[preset], quantization="none"))
+    assert dense.model.dtype == torch.float32
+    la = packed.model.compute_logits(_mixed_step(packed, PROMPTS, c_stack=True))
+    lb = dense.model.compute_logits(_mixed_step(dense, PROMPTS, c_stack=False))
+    assert (la - lb).abs().max().item() < 1e-3 * lb.abs().max().item()
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))

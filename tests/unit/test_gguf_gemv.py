@@ -313,18 +313,18 @@ def test_gguf_method_keeps_dense_weights_float32():
         assert lin.gguf_packed is None
         assert lin.dense_weight.dtype == torch.float32 and torch.equal(lin.dense_weight, w.float())
         assert torch.allclose(lin(x), x @ w.float().t(), atol=1e-5, rtol=1e-5)
-    # Q2_K blocks (no packed kind: a min per 16 weights): dequantized into the dense weight
+    # IQ2_XXS blocks (no packed kind): dequantized into the dense weight
     rng = np.random.default_rng(1)
-    raw = rng.integers(0, 256, (32, 84), dtype=np.uint8)  # one 256-weight block a row
-    raw[:, 80:84] = np.array([0.01, 0.002], np.float16).view(np.uint8)
-    W2 = torch.from_numpy(dequantize(raw, Q.Q2_K)).reshape(32, 256)
+    raw = rng.integers(0, 256, (32, 66), dtype=np.uint8)  # one 256-weight block a row
+    raw[:, 0:2] = np.array([0.01], np.float16).view(np.uint8)
+    W2 = torch.from_numpy(dequantize(raw, Q.IQ2_XXS)).reshape(32, 256)
     x2 = torch.randn(5, 256, generator=g)
     lin = Linear(256, 32, quant_method=GgufMethod())
-    lin.load_weight(BlockTensor(raw, Q.Q2_K, (32, 256)))
+    lin.load_weight(BlockTensor(raw, Q.IQ2_XXS, (32, 256)))
     assert lin.gguf_packed is None and lin.dense_weight.dtype == torch.float32
     assert torch.equal(lin.dense_weight, W2)
     assert torch.allclose(lin(x2), x2 @ W2.t(), atol=1e-5, rtol=1e-5)
-    assert "Q2_K has no packed kind" in lin.dense_reason
+    assert "IQ2_XXS has no packed kind" in lin.dense_reason
     # fused shards of two kinds (4 and 8): two packed parts side by side, no dense copy
     a = blocks(Q.Q4_0, 16, 64, seed=2)
     b = blocks(Q.Q8_0, 16, 64, seed=3)

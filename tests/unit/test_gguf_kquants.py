@@ -1,10 +1,10 @@
-"""GGUF Q5_0 and K-quant blocks (Q3_K, Q4_K, Q5_K, Q6_K) kept packed (kvserve/ops/gguf_blocks.py,
-kinds 8, 14, 18 and 19 of kvserve/ops/csrc/gguf_gemv.h): packing keeps gguf's dequantized values bit
-for bit (random blocks of every type, and the real tensors of the Gemma 3 270M Q4_K_M file when
-its package is installed); every ISA build the host runs gives the portable build's bits in the
-integer GEMV and in the float32 GEMM of prompt tokens; both are within their bounds of the
-float64 product of the dequantized weight; GgufMethod keeps these types packed, fused shards
-included when their kinds agree."""
+"""GGUF Q5_0 and K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) kept packed
+(kvserve/ops/gguf_blocks.py, kinds 8, 10, 14, 18, 19 and 26 of kvserve/ops/csrc/gguf_gemv.h):
+packing keeps gguf's dequantized values bit for bit (random blocks of every type, and the real
+tensors of the Gemma 3 270M Q4_K_M file when its package is installed); every ISA build the host
+runs gives the portable build's bits in the integer GEMV and in the float32 GEMM of prompt
+tokens; both are within their bounds of the float64 product of the dequantized weight;
+GgufMethod keeps these types packed, fused shards included when their kinds agree."""
 
 import shutil
 
@@ -30,16 +30,17 @@ from kvserve.ops.gguf_blocks import (
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
 )
-TYPES = [Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS]
+TYPES = [Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_K]
 KINDS = {
     Q.Q5_0: 8,
     Q.Q4_K: 14,
-    Q.Q5_K: 18,
-    Q.Q6_K: 18,
+    Q.Q5_K: 15,
+    Q.Q6_K: 26,
     Q.Q3_K: 18,
     Q.Q5_1: 19,
     Q.IQ4_NL: 8,
     Q.IQ4_XS: 18,
+    Q.Q2_K: 10,
 }
 HOST_ISAS = cpu_kernels.host_isas()
 SIMD_ISAS = [i for i in HOST_ISAS if i != "portable"]
@@ -56,6 +57,7 @@ HALVES = {
     Q.Q4_0: [0],
     Q.Q4_1: [0, 2],
     Q.Q8_0: [0],
+    Q.Q2_K: [80, 82],
 }
 
 
@@ -92,12 +94,14 @@ def acts(m, k, seed):
 def pieces(packed, kind, shape):
     """|d q| + |m| per weight, bounded by |w| + 2 |m| (m: the weights with every q set to 0)."""
     W = unpack_gguf_rows(packed, kind, shape).double()
+    if kind == 26:  # no m
+        return W.abs()
     N, K = shape
     nb = K // 32
     g = packed.clone().numpy().reshape(-1, group_bytes(kind, nb))
     a = g[:, : nb * BLOCK_BYTES[kind]].reshape(-1, nb, BLOCK_BYTES[kind])  # a view of g
-    scale_bytes = {4: 64, 8: 32, 14: 32, 18: 48, 19: 192}[kind]
-    a[..., scale_bytes:] = 0 if kind in (4, 14) else 128
+    scale_bytes = {4: 64, 8: 32, 14: 32, 15: 32, 18: 48, 19: 192, 10: 64}[kind]
+    a[..., scale_bytes:] = 0 if kind in (4, 14, 15, 10) else 128
     m = unpack_gguf_rows(torch.from_numpy(g.reshape(-1)), kind, shape).double()
     return W.abs() + 2 * m.abs()
 
@@ -144,16 +148,28 @@ def test_pack_keeps_ggufs_dequantized_bits(qtype, n):
 
 def test_bytes_per_weight_of_the_kinds():
     """The packed kinds' size per weight, scales included (a group of 16 rows and 256 weights):
-    5 (kind 4), 8.5 (kind 8), 4.625 (kind 14: Q4_K is 4.5 in the file), 8.875 (kind 18: Q6_K is
-    6.5625), 11 (kind 19) bits."""
+    5 (kind 4), 8.5 (kind 8), 4.625 (kind 14: Q4_K is 4.5 in the file), 5.625 (kind 15: Q5_K is
+    5.5), 8.875 (kind 18), 11
+    (kind 19), 6.5625 (kind 26: Q6_K's own size), 5.125 (kind 10: Q2_K's 2 bits in nibbles, its
+    4-bit scales and mins in bytes), 32 (kind 32: float32) bits."""
     bits = {kind: group_bytes(kind, 8) * 8 / (16 * 256) for kind in BLOCK_BYTES}
-    assert bits == {4: 5.0, 8: 8.5, 14: 4.625, 18: 8.875, 19: 11.0}
+    assert bits == {
+        4: 5.0,
+        8: 8.5,
+        14: 4.625,
+        15: 5.625,
+        18: 8.875,
+        19: 11.0,
+        26: 6.5625,
+        10: 5.125,
+        32: 32.0,
+    }
 
 
 def test_gguf_format_keeps_the_new_types_as_blocks():
     assert set(TYPES) <= set(KEEP_BLOCKS["gguf"])
-    assert Q.Q2_K not in KEEP_BLOCKS["gguf"] and Q.Q5_1 in KEEP_BLOCKS["gguf"]
-    assert packed_kind(Q.Q2_K) is None
+    assert Q.IQ2_XXS not in KEEP_BLOCKS["gguf"] and Q.Q2_K in KEEP_BLOCKS["gguf"]
+    assert packed_kind(Q.IQ2_XXS) is None
 
 
 def test_pack_refuses_what_it_cannot_pack():
@@ -162,7 +178,7 @@ def test_pack_refuses_what_it_cannot_pack():
     with pytest.raises(ValueError, match="do not pack into one kind"):
         pack_gguf_parts([random_blocks(Q.Q4_K, 16, 256, 1), random_blocks(Q.Q6_K, 16, 256, 2)])
     with pytest.raises(ValueError, match="no packed kind"):
-        pack_gguf_rows(BlockTensor(np.zeros((16, 84), np.uint8), Q.Q2_K, (16, 256)))
+        pack_gguf_rows(BlockTensor(np.zeros((16, 66), np.uint8), Q.IQ2_XXS, (16, 256)))
     with pytest.raises(ValueError, match="not one of"):
         unpack_gguf_rows(torch.zeros(544, dtype=torch.uint8), 5, (16, 32))
 
@@ -321,7 +337,7 @@ def test_gguf_method_fuses_q5_0_with_q8_0_and_packs_other_kinds_apart():
     a, b = random_blocks(Q.Q4_K, 16, 256, 3), random_blocks(Q.Q6_K, 16, 256, 4)
     lin = _linear([a, b], 256)
     assert lin.gguf_packed is None and lin.dense_weight is None  # two packed parts instead
-    assert [kind for _, kind, _ in lin.gguf_parts] == [14, 18]
+    assert [kind for _, kind, _ in lin.gguf_parts] == [14, 26]
     assert torch.equal(
         lin.quant_method.dequantized(lin),
         torch.from_numpy(np.concatenate([reference(a), reference(b)])),

@@ -1,5 +1,6 @@
-"""gguf: the file's own blocks (Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants Q3_K, Q4_K, Q5_K, Q6_K), run
-by the C kernel (ops/csrc/gguf_gemv.c)."""
+"""gguf: the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS and the K-quants Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K) and float weights (F32, F16, BF16), run by the C kernel
+(ops/csrc/gguf_gemv.c)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,31 @@ from kvserve.model.layers import dense
 from kvserve.model.quant.base import _PackedMethod
 from kvserve.model.quant.blocks import BlockTensor
 from kvserve.ops import cpu_kernels
-from kvserve.ops.gguf_blocks import pack_gguf_parts, packed_kind, unpack_gguf_rows
+from kvserve.ops.gguf_blocks import (
+    FLOAT_KIND,
+    FLOAT_TYPES,
+    pack_float_parts,
+    pack_gguf_parts,
+    packed_kind,
+    unpack_gguf_rows,
+)
 
 
 class GgufMethod(_PackedMethod):
     """The file's blocks, decoded without changing a value and interleaved 16 rows at a time
-    (kvserve.ops.gguf_blocks: Q4_0/Q4_1 as 4-bit kind 4, Q8_0/Q5_0 as 8-bit kind 8, Q4_K as 4-bit
-    kind 14, Q5_K/Q6_K/Q3_K/IQ4_XS as 8-bit kind 18, both with the file's super-block scales,
-    Q5_1 as kind 19) and run by the C kernel kvserve/ops/csrc/gguf_gemv.c
+    (kvserve.ops.gguf_blocks: Q4_0/Q4_1 as 4-bit kind 4, Q8_0/Q5_0/IQ4_NL as 8-bit kind 8, Q4_K
+    as 4-bit kind 14, Q5_K as 5-bit kind 15, Q3_K/IQ4_XS as 8-bit kind 18, Q6_K as 6-bit kind
+    26, Q2_K as kind 10, all
+    with the file's super-block scales, Q5_1 as kind 19, and the float32 values of F32, F16 and
+    BF16 tensors as kind 32) and run by the C kernel kvserve/ops/csrc/gguf_gemv.c
     at every batch size, on every ISA build: integer dot products of the weights with the
     activations as two 8-bit parts per block of 32 (~15 bits), weights read once per call for any
     number of rows. No other copy of the weights exists. Fused shards (q/k/v, gate/up) pack
     together when their types share a kind (Q5_0 with Q8_0); shards of different kinds (Q4_K_M's
     Q6_K v beside Q4_K q and k) pack as consecutive parts, one per run of a kind, each run by the
     kernel into its own output columns (`gguf_parts`: the same bits as one matrix, row for row). A
-    weight the loader has already dequantized (a type without a kind, such as Q2_K or Q5_1, or a
-    float checkpoint) stays a dense float32 tensor, and `dense_reason` says why.
+    weight the loader has already dequantized (a type without a kind, such as IQ2_XXS, or a float
+    checkpoint that is not a GGUF file) stays a dense float32 tensor, and `dense_reason` says why.
 
     Used when the C kernels are built (cpu_kernels.available()); otherwise the gguf format falls
     back to torch kernels (kvserve.model.quant.method_for).
@@ -48,7 +58,7 @@ class GgufMethod(_PackedMethod):
             self.pack(layer, parts)
 
     def pack(self, layer, parts):
-        kinds = [packed_kind(p.qtype) if isinstance(p, BlockTensor) else None for p in parts]
+        kinds = [_kind(p) for p in parts]
         runs: list[list] = []  # consecutive shards of one kind pack together
         for part, kind in zip(parts, kinds):
             if runs and runs[-1][0] == kind:
@@ -63,8 +73,8 @@ class GgufMethod(_PackedMethod):
             layer.register_buffer("dense_weight", weight, persistent=False)
             return
         layer.dense_weight = None
-        for i, (_, run) in enumerate(runs):
-            packed, kind = pack_gguf_parts(run)
+        for i, (k, run) in enumerate(runs):
+            packed, kind = pack_float_parts(run) if k == FLOAT_KIND else pack_gguf_parts(run)
             name = "gguf_packed" if len(runs) == 1 else f"gguf_packed_part{i}"
             layer.register_buffer(name, packed, persistent=False)
             layer.gguf_parts.append((packed, kind, sum(p.shape[0] for p in run)))
@@ -129,6 +139,16 @@ class GgufMethod(_PackedMethod):
                 for w, kind, rows in layer.gguf_parts
             ]
         )
+
+
+def _kind(part) -> int | None:
+    """The packed kind of one shard: its blocks' (packed_kind), kind 32 for the float32 values of
+    an F32, F16 or BF16 tensor of the file, None for anything else."""
+    if isinstance(part, BlockTensor):
+        return packed_kind(part.qtype)
+    if getattr(part, "gguf_qtype", None) in FLOAT_TYPES and part.dtype == torch.float32:
+        return FLOAT_KIND
+    return None
 
 
 def _dense_reason(parts, kinds, runs) -> str | None:

@@ -17,6 +17,7 @@
 #endif
 
 #include "gguf_gemv.h"
+#include "gguf_gemv_generic.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -199,7 +200,8 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
                 const gguf_acts_t a = {q.xq + r0 * K * 2, q.x16 + r0 * K, q.dx + r0 * nb, q.sx + r0 * nb,
                                        q.sq + r0 * nb, q.sq0 + r0 * nb, (int)parts};
-                gguf_group_dot(wg, kind, nb, &a, R, out);
+                if (kind == GGUF_K2 || kind == GGUF_W32) gguf_group_dot_generic(wg, kind, nb, &a, R, out);
+                else gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
                               bias ? bias + g * GGUF_ROWS : NULL, accumulate);
@@ -255,12 +257,17 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
 
 /* Blocks b0 .. b1 - 1 of a group of nb packed blocks (wg: the group) -> wt[k][16] float32 (the
  * block's first weight at row 0, row k at wt + k ld), w = d q + m (8-bit kinds:
- * q = u - 128; kind 8: no m, kind 18: d per half); the product is exact, so each weight is rounded
- * once (kinds 4, 14, 18) or not at all (kind 8), as gguf's dequantization rounds it. */
+ * q = u - 128; kind 8: no m, kinds 18, 19: d per half; kind 26: d per half, q = u - 32, no m); the
+ * product is exact, so each weight is rounded once (kinds 4, 14, 18, 19) or not at all (kinds 8,
+ * 26), as gguf's dequantization rounds it. */
 static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_t b0, int64_t b1, float *wt,
                              int64_t ld) {
+    if (kind == GGUF_K2 || kind == GGUF_W32) {
+        gguf_dequantize_group_generic(wg, kind, nb, b0, b1, wt, ld);
+        return;
+    }
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
-    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4;
+    const int nibbles = gguf_nibble_kind(kind);
     wg += b0 * pb;
     for (int64_t b = b0; b < b1; b++, wg += pb) {
         float d0[GGUF_ROWS], d1[GGUF_ROWS], m[GGUF_ROWS];
@@ -268,19 +275,24 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_
         float *o = wt + (b - b0) * 32 * ld;
         const int chunks = nibbles ? 4 : 8;
         for (int c = 0; c < chunks; c++) {
-            uint32_t u[GGUF_ROWS];                 /* row i's 4 bytes of the chunk */
-            memcpy(u, wg + qo + 64 * c, sizeof(u));
+            uint32_t u[GGUF_ROWS];                 /* row i's 4 bytes of the chunk (kind 26: gguf_k6_byte) */
+            if (kind != GGUF_K6) memcpy(u, wg + qo + 64 * c, sizeof(u));
             for (int t = 0; t < 4; t++) {
                 float *row = o + (4 * c + t) * ld;
                 if (nibbles) {
                     float *hi = row + 16 * ld;
                     for (int i = 0; i < GGUF_ROWS; i++) {
-                        row[i] = d0[i] * (float)(int32_t)((u[i] >> (8 * t)) & 15) + m[i];
-                        hi[i] = d0[i] * (float)(int32_t)((u[i] >> (8 * t + 4)) & 15) + m[i];
+                        const int32_t t0 = kind == GGUF_K5 ? gguf_k5_top(wg, c, i, t) : 0;
+                        const int32_t t1 = kind == GGUF_K5 ? gguf_k5_top(wg, c + 4, i, t) : 0;
+                        row[i] = d0[i] * (float)(int32_t)(((u[i] >> (8 * t)) & 15) | t0) + m[i];
+                        hi[i] = d0[i] * (float)(int32_t)(((u[i] >> (8 * t + 4)) & 15) | t1) + m[i];
                     }
                 } else if (kind == GGUF_Q8) {
                     for (int i = 0; i < GGUF_ROWS; i++)
                         row[i] = d0[i] * (float)((int32_t)((u[i] >> (8 * t)) & 255) - 128);
+                } else if (kind == GGUF_K6) {
+                    const float *d = c < 4 ? d0 : d1;
+                    for (int i = 0; i < GGUF_ROWS; i++) row[i] = d[i] * (float)(gguf_k6_byte(wg, c, i, t) - 32);
                 } else {
                     const float *d = c < 4 ? d0 : d1;
                     for (int i = 0; i < GGUF_ROWS; i++)
@@ -294,22 +306,30 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_
 /* Row r of a packed weight of K columns -> out[K] float32, each weight as dequantize_group gives it
  * (an embedding lookup in a tied head's packed rows: the same floats as the file's dequantization). */
 void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, float *out) {
+    if (kind == GGUF_K2 || kind == GGUF_W32) {
+        gguf_dequantize_row_generic(w, kind, K, r, out);
+        return;
+    }
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind), nb = K / 32;
-    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4, i = (int)(r % GGUF_ROWS);
+    const int nibbles = gguf_nibble_kind(kind), i = (int)(r % GGUF_ROWS);
     const uint8_t *blk = w + r / GGUF_ROWS * gguf_group_bytes(kind, nb);
     for (int64_t b = 0; b < nb; b++, blk += pb, out += 32) {
         float d0, d1, m;
         gguf_row_scales(blk, kind, nb, b, i, &d0, &d1, &m);
         for (int c = 0; c < (nibbles ? 4 : 8); c++) {
-            uint32_t u;                            /* the row's 4 bytes of chunk c */
-            memcpy(&u, blk + qo + 64 * c + 4 * i, 4);
+            uint32_t u = 0;                        /* the row's 4 bytes of chunk c (kind 26: gguf_k6_byte) */
+            if (kind != GGUF_K6) memcpy(&u, blk + qo + 64 * c + 4 * i, 4);
             for (int t = 0; t < 4; t++) {
                 const int32_t q = (int32_t)((u >> (8 * t)) & 255);
                 if (nibbles) {
-                    out[4 * c + t] = d0 * (float)(q & 15) + m;
-                    out[4 * c + t + 16] = d0 * (float)(q >> 4) + m;
+                    const int32_t t0 = kind == GGUF_K5 ? gguf_k5_top(blk, c, i, t) : 0;
+                    const int32_t t1 = kind == GGUF_K5 ? gguf_k5_top(blk, c + 4, i, t) : 0;
+                    out[4 * c + t] = d0 * (float)((q & 15) | t0) + m;
+                    out[4 * c + t + 16] = d0 * (float)((q >> 4) | t1) + m;
                 } else if (kind == GGUF_Q8) {
                     out[4 * c + t] = d0 * (float)(q - 128);
+                } else if (kind == GGUF_K6) {
+                    out[4 * c + t] = (c < 4 ? d0 : d1) * (float)(gguf_k6_byte(blk, c, i, t) - 32);
                 } else {
                     out[4 * c + t] = (c < 4 ? d0 : d1) * (float)(q - 128) + m;
                 }

@@ -3,7 +3,7 @@
  * gguf_gemv_portable.c).
  *
  * Weights: the file's blocks, decoded without changing a value and interleaved at load time 16
- * output rows at a time (kvserve/ops/gguf_blocks.py) into one of four kinds. Per block of 32
+ * output rows at a time (kvserve/ops/gguf_blocks.py) into one of the kinds below. Per block of 32
  * weights each row has integers q and float scales with w = d q + m (K-quants: d per half).
  * Per group of 16 rows and block of 32 weights (rows past N are zero):
  *   kind 4  (Q4_0, Q4_1):  d[16] fp16, m[16] fp16, then 4 chunks of 64 bytes: chunk c holds, for
@@ -19,11 +19,30 @@
  *           Q5_K: 0..31): chunks 0..3 are weights 0..15, chunks 4..7 weights 16..31.    560 bytes
  *   kind 19 (Q5_1):  d0[16] fp32, d1[16] fp32, m[16] fp32 (d0 = d1: the block's d, m its min),
  *           then kind 18's chunks (q in 0..31): kind 18's sums with the scales as they are. 704 bytes
- *   The K-quant kinds (14, 18) keep the file's super-block scales once per 8 blocks: after a
- *   group's nb blocks (nb a multiple of 8), 64 bytes per super-block of 256 weights: d[16]
- *   fp16, dmin[16] fp16 of its 16 rows (gguf_super_scales). A row's float scales are then
- *   d0 = d s0, d1 = d s1 (kind 14: d sc), m = -(dmin mn): an fp16 times an integer below 2^8,
- *   exact in float32, the values the file's own dequantization multiplies by.
+ *   kind 15 (Q5_K, in the file's 5 bits):  kind 14's scales and nibble chunks (the low 4 bits of
+ *           q, 0..31), then one chunk of 64 bytes holding the top bits: byte 4 i + t, bit c is
+ *           bit 4 of row i's weight 4c + t (c < 4) or 16 + 4(c - 4) + t (gguf_k5_top). Kind 14's
+ *           sums and scales.                                                            352 bytes
+ *   kind 26 (Q6_K, in the file's 6 bits):  s0[16] s8, s1[16] s8 (as kind 18), then 4 chunks of
+ *           64 bytes holding the low 4 bits of u = q + 32 (0..63) as kind 4 holds its nibbles
+ *           (low nibble: weights 0..15, high nibble: weights 16..31), then 2 chunks of 64 bytes
+ *           holding the top 2 bits: chunk h (weights 16 h .. 16 h + 15), byte 4 i + t, bits
+ *           2c, 2c + 1 are those of weight 16 h + 4c + t of row i. Unpacked, it is kind 18's
+ *           chunk 4h + c with u in place of q + 128 (gguf_k6_byte): kind 18's sums less 32 sq
+ *           instead of 128 sq, and no m term.                                           416 bytes
+ *   kind 10 (Q2_K):  sc0[16] u8, sc1[16] u8 (the 4-bit scales of weights 0..15 and 16..31),
+ *           mn0[16] u8, mn1[16] u8 (their 4-bit mins), then kind 4's nibble chunks (q in 0..3).
+ *                                                                                       320 bytes
+ *   kind 32 (F32, F16, BF16 weights, all exact in float32):  32 rows of 16 float32, weight j of
+ *           row i at byte 64 j + 4 i.                                                  2048 bytes
+ *   Kinds 10 and 32 run one kernel source in every build (gguf_gemv_generic.h: 16-lane vector
+ *   types each build compiles with its own target flags), called by the driver.
+ *   The K-quant kinds (14, 15, 18, 26, 10) keep the file's super-block scales once per 8 blocks: after
+ *   a group's nb blocks (nb a multiple of 8), per super-block of 256 weights d[16] fp16, then
+ *   (kinds 14, 15, 18, 10) dmin[16] fp16 of its 16 rows (gguf_super_scales): 64 bytes, 32 for kind 26.
+ *   A row's float scales are then d0 = d s0, d1 = d s1 (kind 14: d sc), m = -(dmin mn): an fp16
+ *   times an integer below 2^8, exact in float32, the values the file's own dequantization
+ *   multiplies by.
  * Every product d q is exact in float32 (at most 24 significant bits), so w = d q + m rounds
  * once, as gguf's own dequantization.
  *
@@ -49,15 +68,24 @@
  *   for each of the 16 rows i and each activation row r < R:
  *     acc = 0
  *     for each block b, in order:
- *       kinds 4, 8, 14:
+ *       kinds 4, 8, 14, 15:
  *         s   = sum_j q_ij (256 xa_rj + xb_rj)          integers, exact in int32
  *         acc = acc + (float)s * (d_i * dx_rb)           float32, rounded after each operation
- *         kinds 4, 14: acc = acc + m_i * sx_rb           sx: the float sum of the block's x (a one-part block: dx sq)
- *       kind 18:
+ *         kinds 4, 14, 15: acc = acc + m_i * sx_rb           sx: the float sum of the block's x (a one-part block: dx sq)
+ *       kinds 18, 19, 26:
  *         s0  = sum_{j<16} q_ij (256 xa_rj + xb_rj),  s1 = the same over j >= 16
  *         acc = acc + (float)s0 * (d0_i * dx_rb)
  *         acc = acc + (float)s1 * (d1_i * dx_rb)
- *         acc = acc + m_i * sx_rb
+ *         kinds 18, 19: acc = acc + m_i * sx_rb
+ *       kind 10 (m0, m1: each half's min -(dmin mn); sums of the quantized x, sq0 and sq - sq0):
+ *         s0, s1 as kind 18's, q in 0..3
+ *         acc = acc + (float)s0 * (d0_i * dx_rb)
+ *         acc = acc + (float)s1 * (d1_i * dx_rb)
+ *         acc = acc + m0_i * (dx_rb * (float)sq0_rb)
+ *         acc = acc + m1_i * (dx_rb * (float)(sq_rb - sq0_rb))
+ *       kind 32 (w the float weights, x16 = 256 xa + xb):
+ *         s   = 0;  for j = 0 .. 31 in order:  s = s + w_ij * (float)x16_rj
+ *         acc = acc + s * dx_rb
  *     out[r * 16 + i] = acc
  * No fused multiply-add: a separate multiply and add round the same way in SIMD lanes and in
  * scalar code, so builds are bit-identical (they are compiled with -ffp-contract=off).
@@ -88,26 +116,52 @@
 #define GGUF_F32_MC 192      /* activation rows per chunk of the float32 GEMM */
 
 /* The packed kinds (above) and the bytes of one block of 32 weights of a group; 0: not a kind. */
-enum { GGUF_Q4 = 4, GGUF_Q8 = 8, GGUF_K4 = 14, GGUF_K8 = 18, GGUF_F8 = 19 };
+enum { GGUF_Q4 = 4, GGUF_Q8 = 8, GGUF_K4 = 14, GGUF_K8 = 18, GGUF_F8 = 19, GGUF_K6 = 26, GGUF_K2 = 10, GGUF_W32 = 32,
+       GGUF_K5 = 15 };
 static inline int64_t gguf_packed_block_bytes(int64_t kind) {
-    return kind == GGUF_Q4 ? 320 : kind == GGUF_Q8 ? 544 : kind == GGUF_K4 ? 288 : kind == GGUF_K8 ? 560 : kind == GGUF_F8 ? 704 : 0;
+    return kind == GGUF_Q4 ? 320 : kind == GGUF_Q8 ? 544 : kind == GGUF_K4 ? 288 : kind == GGUF_K8 ? 560
+         : kind == GGUF_F8 ? 704 : kind == GGUF_K6 ? 416 : kind == GGUF_K2 ? 320 : kind == GGUF_W32 ? 2048
+         : kind == GGUF_K5 ? 352 : 0;
 }
 
-/* Whether a kind sums weights 0..15 and 16..31 apart, each with its own scale (kinds 18, 19). */
-static inline int gguf_two_halves(int64_t kind) { return kind == GGUF_K8 || kind == GGUF_F8; }
+/* Whether a kind keeps 4-bit values in kind 4's nibble chunks (kind 15: plus a top bit each). */
+static inline int gguf_nibble_kind(int64_t kind) { return kind == GGUF_Q4 || kind == GGUF_K4 || kind == GGUF_K5; }
+
+/* Kind 15: the top bit (bit 4 of q) of kind 18's chunk c (weights 4c..4c+3, c >= 4: 16 + 4(c - 4)..)
+ * of row i, t-th weight, from the block's top-bit chunk (blk: the block). */
+static inline int32_t gguf_k5_top(const uint8_t *blk, int c, int i, int t) {
+    return ((blk[32 + 256 + 4 * i + t] >> c) & 1) << 4;
+}
+
+/* Whether a kind sums weights 0..15 and 16..31 apart, each with its own scale (kinds 18, 19, 26). */
+static inline int gguf_two_halves(int64_t kind) { return kind == GGUF_K8 || kind == GGUF_F8 || kind == GGUF_K6; }
 
 /* Whether a kind keeps super-block scales after its blocks (the K-quant kinds). */
-static inline int gguf_has_super(int64_t kind) { return kind == GGUF_K4 || kind == GGUF_K8; }
+static inline int gguf_has_super(int64_t kind) {
+    return kind == GGUF_K4 || kind == GGUF_K8 || kind == GGUF_K6 || kind == GGUF_K2 || kind == GGUF_K5;
+}
 
-/* The bytes of one group of nb blocks: its blocks, then (K-quant kinds) 64 per 8 blocks. */
+/* The bytes of a group's super-block scales per 8 blocks (0: none). */
+static inline int64_t gguf_super_bytes(int64_t kind) {
+    return kind == GGUF_K6 ? 32 : gguf_has_super(kind) ? 64 : 0;
+}
+
+/* The bytes of one group of nb blocks: its blocks, then (K-quant kinds) their super-block scales. */
 static inline int64_t gguf_group_bytes(int64_t kind, int64_t nb) {
-    return nb * gguf_packed_block_bytes(kind) + (gguf_has_super(kind) ? nb / 8 * 64 : 0);
+    return nb * gguf_packed_block_bytes(kind) + nb / 8 * gguf_super_bytes(kind);
 }
 
 /* The super-block scales of block b of a group of nb blocks (blk: block b's bytes): d[16] fp16,
- * then dmin[16] fp16. */
+ * then (kinds 14, 18) dmin[16] fp16. */
 static inline const uint8_t *gguf_super_scales(const uint8_t *blk, int64_t kind, int64_t nb, int64_t b) {
-    return blk + (nb - b) * gguf_packed_block_bytes(kind) + (b >> 3) * 64;
+    return blk + (nb - b) * gguf_packed_block_bytes(kind) + (b >> 3) * gguf_super_bytes(kind);
+}
+
+/* Kind 26: the byte u = q + 32 (0..63) of row i's weight 4c + t (c < 4) or 16 + 4(c - 4) + t
+ * (c >= 4) of a block (blk: the block), as kind 18's chunk c would hold q + 128 less 96. */
+static inline int32_t gguf_k6_byte(const uint8_t *blk, int c, int i, int t) {
+    const uint8_t lo = blk[32 + 64 * (c & 3) + 4 * i + t], hi = blk[32 + 256 + 64 * (c >> 2) + 4 * i + t];
+    return (int32_t)(((c < 4 ? lo & 15 : lo >> 4)) | (((hi >> (2 * (c & 3))) & 3) << 4));
 }
 
 /* Every kernel prefetches the block GGUF_PREFETCH blocks ahead of the one it multiplies (all its
@@ -180,7 +234,7 @@ static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, i
 }
 
 /* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
- * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8 or GGUF_F8. */
+ * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_F8 or GGUF_K6. */
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);
 
 /* The per-ISA float32 tile: acc[r * 32 + i] for r < gguf_f32_tile_rows(), continued over kc
@@ -199,8 +253,8 @@ void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, f
 static inline uint16_t gguf_load_u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
 static inline float gguf_load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 
-/* Row i's scales of block b of a group of nb packed blocks (blk: block b's bytes): d (kind 18:
- * d0), the second half's d1 (kind 18; others: d), and m (0 for kind 8). */
+/* Row i's scales of block b of a group of nb packed blocks (blk: block b's bytes): d (kinds 18,
+ * 19, 26: d0), the second half's d1 (others: d), and m (0 for kinds 8 and 26). */
 static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb, int64_t b, int i, float *d0,
                                    float *d1, float *m) {
     if (kind == GGUF_Q4 || kind == GGUF_Q8) {
@@ -215,8 +269,15 @@ static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb,
         return;
     }
     const uint8_t *sup = gguf_super_scales(blk, kind, nb, b);
-    const float d = half_to_float(gguf_load_u16(sup + 2 * i)), dmin = half_to_float(gguf_load_u16(sup + 32 + 2 * i));
-    if (kind == GGUF_K4) {
+    const float d = half_to_float(gguf_load_u16(sup + 2 * i));
+    if (kind == GGUF_K6) {
+        *d0 = d * (float)(int8_t)blk[i];
+        *d1 = d * (float)(int8_t)blk[16 + i];
+        *m = 0.f;
+        return;
+    }
+    const float dmin = half_to_float(gguf_load_u16(sup + 32 + 2 * i));
+    if (kind == GGUF_K4 || kind == GGUF_K5) {
         *d0 = *d1 = d * (float)blk[i];
         *m = -(dmin * (float)blk[16 + i]);
     } else {
@@ -228,7 +289,8 @@ static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb,
 
 /* Byte offset of a packed block's integer chunks (after its scales). */
 static inline int64_t gguf_ints_offset(int64_t kind) {
-    return kind == GGUF_Q4 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 32 : kind == GGUF_K8 ? 48 : 192;
+    return kind == GGUF_Q4 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 32 : kind == GGUF_K8 ? 48
+         : kind == GGUF_K6 || kind == GGUF_K5 ? 32 : 192;
 }
 
 #endif

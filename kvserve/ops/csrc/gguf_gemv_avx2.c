@@ -30,9 +30,9 @@ const char *gguf_kernel_isa(void) { return "avx2"; }
 /* Keep the sums in registers in the order written (above). */
 #define KEEP_ORDER(v) __asm__("" : "+x"(v))
 
-/* s = sum_j q_j x16_j from the stored u = q + 128: minus 128 sum_j x16_j (sq). */
-static inline __attribute__((always_inline)) __m256 unbias(__m256i su, int32_t sq) {
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(su, _mm256_set1_epi32(128 * sq)));
+/* s = sum_j q_j x16_j from the stored u = q + bias (128; kind 26: 32): minus bias sum_j x16_j (sq). */
+static inline __attribute__((always_inline)) __m256 unbias(__m256i su, int32_t sq, int32_t bias) {
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(su, _mm256_set1_epi32(bias * sq)));
 }
 
 static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256i sb) {
@@ -52,20 +52,37 @@ q4_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_ac
          __m256 acc[R_MAX][2]) {
     const int64_t qo = gguf_ints_offset(kind);
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    __m256i s[R_MAX][2][2];                    /* [row][part][half] */
+    const int k5 = kind == GGUF_K5;
+    __m256i s[R_MAX][2][2];                    /* [row][part][half]; kind 15: int32 sums */
     for (int c = 0; c < 4; c++) {
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
         const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
-        const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-        const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        if (k5) {                              /* bit 4 of chunk c's q is bit c of the top chunk */
+            const __m256i bit4 = _mm256_set1_epi8(0x10);
+            const __m256i t0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 256));
+            const __m256i t1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 256 + 32));
+            lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16(t0, 4 - c), bit4));
+            lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16(t1, 4 - c), bit4));
+            hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_srli_epi16(t0, c), bit4));
+            hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_srli_epi16(t1, c), bit4));
+        }
         for (int r = 0; r < R; r++) {
             const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
             for (int p = 0; p < P; p++) {
                 const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]), xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
-                const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
-                const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
-                s[r][p][0] = c ? _mm256_add_epi16(s[r][p][0], t0) : t0;
-                s[r][p][1] = c ? _mm256_add_epi16(s[r][p][1], t1) : t1;
+                __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+                __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+                if (k5) {                      /* 5-bit pairs reach 2 * 31 * 127: widen every chunk */
+                    t0 = _mm256_madd_epi16(t0, ones);
+                    t1 = _mm256_madd_epi16(t1, ones);
+                    s[r][p][0] = c ? _mm256_add_epi32(s[r][p][0], t0) : t0;
+                    s[r][p][1] = c ? _mm256_add_epi32(s[r][p][1], t1) : t1;
+                } else {
+                    s[r][p][0] = c ? _mm256_add_epi16(s[r][p][0], t0) : t0;
+                    s[r][p][1] = c ? _mm256_add_epi16(s[r][p][1], t1) : t1;
+                }
                 KEEP_ORDER(s[r][p][0]);
                 KEEP_ORDER(s[r][p][1]);
             }
@@ -79,8 +96,8 @@ q4_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_ac
                                          : neg(k_scale(sup + 32, wg + 16, h, 0));
         for (int r = 0; r < R; r++) {
             const int64_t rb = r * nb + b;
-            const __m256i sa = _mm256_madd_epi16(s[r][0][h], ones);
-            const __m256 sf = P == 2 ? two_parts(sa, _mm256_madd_epi16(s[r][1][h], ones))
+            const __m256i sa = k5 ? s[r][0][h] : _mm256_madd_epi16(s[r][0][h], ones);
+            const __m256 sf = P == 2 ? two_parts(sa, k5 ? s[r][1][h] : _mm256_madd_epi16(s[r][1][h], ones))
                                      : _mm256_cvtepi32_ps(_mm256_slli_epi32(sa, 8));
             acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
             acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
@@ -106,7 +123,7 @@ q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
-/* An 8-bit group (kinds 8 and 18, 16 rows) against R <= 2 activation rows. Chunk c's 64 bytes
+/* An 8-bit group (kinds 8, 18, 19 and 26, 16 rows) against R <= 2 activation rows. Chunk c's 64 bytes
  * hold u = q[4c .. 4c+3] + 128 of rows 0..3, 4..7, 8..11, 12..15: widened to 16 bits once for
  * both rows (four registers), each multiplied by the row's broadcast 4 values of x16; vpmaddwd
  * leaves two int32 sums a row, joined by one hadd a block. Kind 18 closes its first sum after
@@ -124,8 +141,16 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
             for (int c = part * cn; c < part * cn + cn; c++) {
                 const uint8_t *wc = wg + qo + 64 * c;
                 __m256i w[2][2];
-                for (int h = 0; h < 2; h++)
-                    for (int k = 0; k < 2; k++) w[h][k] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * h + 16 * k)));
+                if (kind == GGUF_K6)
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i u = k6_chunk(wg + qo, c, h);
+                        w[h][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+                        w[h][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
+                    }
+                else
+                    for (int h = 0; h < 2; h++)
+                        for (int k = 0; k < 2; k++)
+                            w[h][k] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * h + 16 * k)));
                 for (int r = 0; r < R; r++) {
                     int64_t x4;
                     memcpy(&x4, a->x16 + (r * nb + b) * 32 + 4 * c, 8);
@@ -147,11 +172,12 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                     const int32_t sq = kind == GGUF_Q8 ? a->sq[rb] : part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
                     /* hadd: rows 0 1 4 5 | 2 3 6 7 (64-bit pairs), put in order */
                     const __m256i su = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][h][0], s[r][h][1]), 0xD8);
-                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(unbias(su, sq), _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(unbias(su, sq, kind == GGUF_K6 ? 32 : 128),
+                                                                       _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
                 }
             }
         }
-        if (gguf_two_halves(kind))
+        if (gguf_two_halves(kind) && kind != GGUF_K6)
             for (int h = 0; h < 2; h++) {
                 const __m256 m = kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
                                                  : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + 32, h, 0));
@@ -167,7 +193,7 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
  * the parts (P): one-part activations save them nothing. */
 static inline __attribute__((always_inline)) void
 rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
-    if (kind == GGUF_Q4 || kind == GGUF_K4) q4_rows(wg, kind, nb, a, R, P, out);
+    if (gguf_nibble_kind(kind)) q4_rows(wg, kind, nb, a, R, P, out);
     else q8_rows(wg, kind, nb, a, R, out);
 }
 

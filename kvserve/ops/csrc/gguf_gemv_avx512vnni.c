@@ -52,8 +52,8 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
     __m512 acc[GGUF_TILE_M];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
-    if (kind == GGUF_Q4 || kind == GGUF_K4) {
-        const __m512i low4 = _mm512_set1_epi8(0x0f);
+    if (gguf_nibble_kind(kind)) {
+        const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
             const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
@@ -66,6 +66,13 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                 const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
                 q[c] = _mm512_and_si512(v, low4);                           /* q[4c .. 4c+3] */
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4); /* q[4c+16 .. 4c+19] */
+            }
+            if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
+                const __m512i t = _mm512_loadu_si512(wg + qo + 256);
+                for (int c = 0; c < 8; c++) {
+                    const __m512i tc = c < 4 ? _mm512_slli_epi16(t, 4 - c) : c == 4 ? t : _mm512_srli_epi16(t, c - 4);
+                    q[c] = _mm512_ternarylogic_epi32(q[c], tc, bit4, 0xF8);    /* q | (tc & bit4) */
+                }
             }
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
@@ -88,25 +95,42 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
             }
         }
-    } else {                                   /* GGUF_K8, GGUF_F8: a scale per half, then m */
+    } else {                   /* GGUF_K8, GGUF_F8, GGUF_K6: a scale per half, then m (not kind 26) */
+        const int k6 = kind == GGUF_K6, bias = k6 ? 32 : 128;  /* the stored u less q */
+        const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
             const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
             const __m512 d0 = kind == GGUF_F8 ? _mm512_loadu_ps(wg) : k_scale(sup, wg, 1);
             const __m512 d1 = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 64) : k_scale(sup, wg + 16, 1);
-            const __m512 m = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 128) : neg(k_scale(sup + 32, wg + 32, 0));
+            const __m512 m = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 128)
+                             : k6          ? _mm512_setzero_ps() : neg(k_scale(sup + 32, wg + 32, 0));
             __m512i q[8];
-            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+            if (k6) {                          /* u = low 4 bits | top 2 bits << 4 (gguf_k6_byte) */
+                const __m512i h0 = _mm512_loadu_si512(wg + qo + 256), h1 = _mm512_loadu_si512(wg + qo + 320);
+                for (int c = 0; c < 4; c++) {
+                    const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
+                    const __m512i t0 = c == 0 ? _mm512_slli_epi16(h0, 4) : c == 1 ? _mm512_slli_epi16(h0, 2)
+                                     : c == 2 ? h0 : _mm512_srli_epi16(h0, 2);
+                    const __m512i t1 = c == 0 ? _mm512_slli_epi16(h1, 4) : c == 1 ? _mm512_slli_epi16(h1, 2)
+                                     : c == 2 ? h1 : _mm512_srli_epi16(h1, 2);
+                    q[c] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), t0, top2, 0xF8);     /* a | (b & c) */
+                    q[c + 4] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), t1, top2,
+                                                         0xF8);
+                }
+            } else {
+                for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+            }
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
                 const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 4, P),
-                                                                       _mm512_set1_epi32(128 * a->sq0[rb])));
+                                                                       _mm512_set1_epi32(bias * a->sq0[rb])));
                 const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 4, 8, P),
-                                                                       _mm512_set1_epi32(128 * (a->sq[rb] - a->sq0[rb]))));
+                                                                       _mm512_set1_epi32(bias * (a->sq[rb] - a->sq0[rb]))));
                 const __m512 dx = _mm512_set1_ps(a->dx[rb]);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s0, _mm512_mul_ps(d0, dx)));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s1, _mm512_mul_ps(d1, dx)));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
+                if (!k6) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
             }
         }
     }
@@ -130,7 +154,9 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
         case GGUF_Q4: KIND(GGUF_Q4); break;
         case GGUF_Q8: KIND(GGUF_Q8); break;
         case GGUF_K4: KIND(GGUF_K4); break;
+        case GGUF_K5: KIND(GGUF_K5); break;
         case GGUF_K8: KIND(GGUF_K8); break;
+        case GGUF_K6: KIND(GGUF_K6); break;
         default: KIND(GGUF_F8); break;
     }
 }

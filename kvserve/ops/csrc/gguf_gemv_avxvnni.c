@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) void
 block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
           __m256 acc[R_MAX][2]) {
     const int64_t qo = gguf_ints_offset(kind);
-    const int four = kind == GGUF_Q4 || kind == GGUF_K4;
+    const int four = gguf_nibble_kind(kind);
     const int sums = gguf_two_halves(kind) ? 2 : 1, cn = four ? 4 : 8 / sums;   /* chunks per sum */
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int k = 0; k < sums; k++) {
@@ -66,12 +66,23 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
         for (int c = k * cn; c < k * cn + cn; c++) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
-            const __m256i lo0 = four ? _mm256_and_si256(v0, low4) : v0;
-            const __m256i lo1 = four ? _mm256_and_si256(v1, low4) : v1;
-            const __m256i hi0 = four ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : v0;
-            const __m256i hi1 = four ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : v1;
+            const __m256i v0 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0)
+                                               : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
+            const __m256i v1 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 1)
+                                               : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
+            __m256i lo0 = four ? _mm256_and_si256(v0, low4) : v0;
+            __m256i lo1 = four ? _mm256_and_si256(v1, low4) : v1;
+            __m256i hi0 = four ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : v0;
+            __m256i hi1 = four ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : v1;
+            if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
+                const __m256i bit4 = _mm256_set1_epi8(0x10);
+                const __m256i t0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 256));
+                const __m256i t1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 256 + 32));
+                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16(t0, 4 - c), bit4));
+                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16(t1, 4 - c), bit4));
+                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_srli_epi16(t0, c), bit4));
+                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_srli_epi16(t1, c), bit4));
+            }
             for (int r = 0; r < R; r++) {
                 const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
                 for (int p = 0; p < P; p++) {
@@ -92,20 +103,21 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
             const __m256 d = kind == GGUF_Q4 || kind == GGUF_Q8
                                  ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
                              : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 64 * k + 32 * h))
-                                 : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * k, h, kind == GGUF_K8);
+                                 : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * k, h, !four);
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
                 const int32_t sq = four ? 0 : kind == GGUF_Q8 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
-                const __m256 sf = P == 2 ? two_parts(s[r][0][h], s[r][1][h], 128 * sq) : one_part(s[r][0][h], 128 * sq);
+                const int32_t bias = (kind == GGUF_K6 ? 32 : 128) * sq;   /* the stored u less q */
+                const __m256 sf = P == 2 ? two_parts(s[r][0][h], s[r][1][h], bias) : one_part(s[r][0][h], bias);
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
             }
         }
     }
-    if (kind != GGUF_Q8)
+    if (kind != GGUF_Q8 && kind != GGUF_K6)
         for (int h = 0; h < 2; h++) {
             const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
                            : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
-                           : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + (kind == GGUF_K4 ? 16 : 32), h, 0));
+                           : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + (four ? 16 : 32), h, 0));
             for (int r = 0; r < R; r++)
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
         }

@@ -8,9 +8,9 @@
  *   w[c]     weights j = 4c..4c+3       (Q4: chunk c's low nibbles;  Q8: chunk c)      c = 0..3
  *   w[4 + c] weights j = 16+4c..16+4c+3 (Q4: chunk c's high nibbles; Q8: chunk 4 + c)
  * dotted with lane c of the part's x[0..15] and x[16..31]. Q4 nibbles (0..15) are valid s8 as
- * they are; 8-bit kinds' bytes (q + 128) become s8 q by flipping the top bit. Both parts (xa, xb)
- * go into one exact int32: s = 256 sum q xa + sum q xb (|s| < 2^28; kind 18: one per half); every
- * kind multiplies the parts apart, so a block whose xb are all zero (one-part activations, and
+ * they are; 8-bit kinds' bytes (q + 128) become s8 q by flipping the top bit (kind 26: its
+ * 6-bit u less 32). Both parts (xa, xb) go into one exact int32: s = 256 sum q xa + sum q xb
+ * (|s| < 2^28; kind 18: one per half); every kind multiplies the parts apart, so a block whose xb are all zero (one-part activations, and
  * with mixed parts the runs of such blocks: group_dot) takes the xa products only. The
  * float steps are the portable kernel's: (float)s * (d dx), then a separate add (vmulq_f32 +
  * vaddq_f32, never vfmaq; built with -ffp-contract=off), and for kinds with m + m sx. fp16 d and
@@ -123,16 +123,33 @@ INLINE void k_scales(const uint8_t *sup, const uint8_t *p, const int sgn, const 
     UNROLL for (int i = 0; i < 4; i++) v[i] = neg ? vnegq_f32(vmulq_f32(d[i], n[i])) : vmulq_f32(d[i], n[i]);
 }
 
+/* Kind 26: the top 2 bits of weights 4c..4c+3 (bits 2c, 2c + 1 of t) moved to bits 4, 5. The
+ * shift is written out per c: it must be a literal. */
+INLINE uint8x16_t k6_top(uint8x16_t t, const int c) {
+    const uint8x16_t m = vdupq_n_u8(0x30);
+    return c == 0 ? vandq_u8(vshlq_n_u8(t, 4), m) : c == 1 ? vandq_u8(vshlq_n_u8(t, 2), m)
+         : c == 2 ? vandq_u8(t, m) : vandq_u8(vshrq_n_u8(t, 2), m);
+}
+
+/* Kind 15: bit c of t (bit 4 of chunk c's q) moved to bit 4, written out per c (a literal). */
+INLINE uint8x16_t k5_top(uint8x16_t t, const int c) {
+    const uint8x16_t m = vdupq_n_u8(0x10);
+    return c == 0 ? vandq_u8(vshlq_n_u8(t, 4), m) : c == 1 ? vandq_u8(vshlq_n_u8(t, 3), m)
+         : c == 2 ? vandq_u8(vshlq_n_u8(t, 2), m) : c == 3 ? vandq_u8(vshlq_n_u8(t, 1), m)
+         : c == 4 ? vandq_u8(t, m) : c == 5 ? vandq_u8(vshrq_n_u8(t, 1), m)
+         : c == 6 ? vandq_u8(vshrq_n_u8(t, 2), m) : vandq_u8(vshrq_n_u8(t, 3), m);
+}
+
 /* Block b of a group (wg: the block) against R <= R_MAX activation rows, added to acc. */
 INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R,
                       const int P, float32x4_t acc[R_MAX][4]) {
     const int64_t qo = gguf_ints_offset(kind);
-    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4;
+    const int nibbles = gguf_nibble_kind(kind);
     const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
     float dx[R_MAX], sx[R_MAX];
     UNROLL for (int r = 0; r < R; r++) {
         dx[r] = a->dx[r * nb + b];
-        if (kind != GGUF_Q8) sx[r] = a->sx[r * nb + b];
+        if (kind != GGUF_Q8 && kind != GGUF_K6) sx[r] = a->sx[r * nb + b];
     }
     float32x4_t d[4], d1[4], m[4];
     if (kind == GGUF_Q4 || kind == GGUF_Q8) {
@@ -146,9 +163,9 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
         }
     } else {
         const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
-        k_scales(sup, wg, kind == GGUF_K8, 0, d);
-        if (kind == GGUF_K8) k_scales(sup, wg + 16, 1, 0, d1);
-        k_scales(sup + 32, wg + (kind == GGUF_K4 ? 16 : 32), 0, 1, m);
+        k_scales(sup, wg, !nibbles, 0, d);
+        if (!nibbles) k_scales(sup, wg + 16, 1, 0, d1);
+        if (kind != GGUF_K6) k_scales(sup + 32, wg + (nibbles ? 16 : 32), 0, 1, m);
     }
     UNROLL for (int v = 0; v < 4; v++) {   /* rows 4v..4v+3 */
         int8x16_t w[8];
@@ -157,6 +174,19 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
                 const uint8x16_t p = vld1q_u8(wg + qo + 64 * c + 16 * v);
                 w[c] = vreinterpretq_s8_u8(vandq_u8(p, low4));
                 w[c + 4] = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
+            }
+            if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
+                const uint8x16_t t = vld1q_u8(wg + qo + 256 + 16 * v);
+                UNROLL for (int c = 0; c < 8; c++) w[c] = vorrq_s8(w[c], vreinterpretq_s8_u8(k5_top(t, c)));
+            }
+        } else if (kind == GGUF_K6) {          /* q = (low 4 bits | top 2 bits << 4) - 32 (gguf_k6_byte) */
+            const uint8x16_t t0 = vld1q_u8(wg + qo + 256 + 16 * v), t1 = vld1q_u8(wg + qo + 320 + 16 * v);
+            UNROLL for (int c = 0; c < 4; c++) {
+                const uint8x16_t p = vld1q_u8(wg + qo + 64 * c + 16 * v);
+                const uint8x16_t u0 = vorrq_u8(vandq_u8(p, low4), k6_top(t0, c));
+                const uint8x16_t u1 = vorrq_u8(vshrq_n_u8(p, 4), k6_top(t1, c));
+                w[c] = vsubq_s8(vreinterpretq_s8_u8(u0), vdupq_n_s8(32));
+                w[c + 4] = vsubq_s8(vreinterpretq_s8_u8(u1), vdupq_n_s8(32));
             }
         } else {
             UNROLL for (int c = 0; c < 8; c++)
@@ -172,7 +202,7 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
                 const float32x4_t s = vcvtq_f32_s32(block_s(w, a->xq + (r * nb + b) * 64, R, P));
                 acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(s, vmulq_n_f32(d[v], dx[r])));
             }
-            if (kind != GGUF_Q8) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
+            if (kind != GGUF_Q8 && kind != GGUF_K6) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
         }
     }
 }
@@ -204,7 +234,9 @@ INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_
 #define KINDS_P(R, P) (kind == GGUF_Q4 ? group_dot(wg, GGUF_Q4, nb, a, R, P, out) \
                        : kind == GGUF_Q8 ? group_dot(wg, GGUF_Q8, nb, a, R, P, out) \
                        : kind == GGUF_K4 ? group_dot(wg, GGUF_K4, nb, a, R, P, out) \
-                       : kind == GGUF_K8 ? group_dot(wg, GGUF_K8, nb, a, R, P, out) : group_dot(wg, GGUF_F8, nb, a, R, P, out))
+                       : kind == GGUF_K5 ? group_dot(wg, GGUF_K5, nb, a, R, P, out) \
+                       : kind == GGUF_K8 ? group_dot(wg, GGUF_K8, nb, a, R, P, out) \
+                       : kind == GGUF_K6 ? group_dot(wg, GGUF_K6, nb, a, R, P, out) : group_dot(wg, GGUF_F8, nb, a, R, P, out))
 #define KINDS(R) (a->parts == GGUF_ONE_PART ? KINDS_P(R, 1) : KINDS_P(R, 2))
 
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {

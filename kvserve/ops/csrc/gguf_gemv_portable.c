@@ -8,7 +8,7 @@ const char *gguf_kernel_isa(void) { return "portable"; }
 
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
-    const int nibbles = kind == GGUF_Q4 || kind == GGUF_K4;
+    const int nibbles = gguf_nibble_kind(kind);
     for (int r = 0; r < R; r++)
         for (int i = 0; i < GGUF_ROWS; i++) out[r * GGUF_ROWS + i] = 0.f;
     for (int64_t b = 0; b < nb; b++, wg += pb) {
@@ -22,12 +22,17 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
                     for (int c = 0; c < 4; c++)
                         for (int t = 0; t < 4; t++) {
                             const int32_t v = wg[qo + 64 * c + 4 * i + t], j = 4 * c + t;
-                            s[0] += (v & 15) * (256 * xa[j] + xb[j]) + (v >> 4) * (256 * xa[j + 16] + xb[j + 16]);
+                            const int32_t lo = kind == GGUF_K5 ? gguf_k5_top(wg, c, i, t) : 0;
+                            const int32_t hi = kind == GGUF_K5 ? gguf_k5_top(wg, c + 4, i, t) : 0;
+                            s[0] += ((v & 15) | lo) * (256 * xa[j] + xb[j])
+                                  + ((v >> 4) | hi) * (256 * xa[j + 16] + xb[j + 16]);
                         }
                 } else {
                     for (int c = 0; c < 8; c++)
                         for (int t = 0; t < 4; t++) {
-                            const int32_t j = 4 * c + t, q = (int32_t)wg[qo + 64 * c + 4 * i + t] - 128;
+                            const int32_t j = 4 * c + t;
+                            const int32_t q = kind == GGUF_K6 ? gguf_k6_byte(wg, c, i, t) - 32
+                                                              : (int32_t)wg[qo + 64 * c + 4 * i + t] - 128;
                             s[c >> 2] += q * (256 * xa[j] + xb[j]);
                         }
                 }
@@ -39,7 +44,7 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
                 } else {
                     acc = acc + (float)(s[0] + s[1]) * (d0 * dx);
                 }
-                if (kind != GGUF_Q8) acc = acc + m * a->sx[r * nb + b];
+                if (kind != GGUF_Q8 && kind != GGUF_K6) acc = acc + m * a->sx[r * nb + b];
                 out[r * GGUF_ROWS + i] = acc;
             }
         }

@@ -19,8 +19,10 @@ static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const g
     switch (kind) {
         case GGUF_Q4: PAIRS_KIND(GGUF_Q4); break;
         case GGUF_K4: PAIRS_KIND(GGUF_K4); break;
+        case GGUF_K5: PAIRS_KIND(GGUF_K5); break;
         case GGUF_Q8: PAIRS_KIND(GGUF_Q8); break;
         case GGUF_K8: PAIRS_KIND(GGUF_K8); break;
+        case GGUF_K6: PAIRS_KIND(GGUF_K6); break;
         default: PAIRS_KIND(GGUF_F8); break;
     }
 }

@@ -1,5 +1,6 @@
-/* The K-quant kinds' scales for the 256-bit x86 kernels (gguf_gemv_avx2.c, gguf_gemv_avxvnni.c),
- * which take a group's 16 rows as two halves of 8. Include after immintrin.h. */
+/* The K-quant kinds' scales and kind 26's integers for the 256-bit x86 kernels (gguf_gemv_avx2.c,
+ * gguf_gemv_avxvnni.c), which take a group's 16 rows as two halves of 8. Include after
+ * immintrin.h. */
 #ifndef KVSERVE_K_SCALES_AVX_H
 #define KVSERVE_K_SCALES_AVX_H
 
@@ -10,6 +11,17 @@ static inline __attribute__((always_inline)) __m256 k_scale(const uint8_t *sup, 
     const __m128i v = _mm_loadl_epi64((const __m128i *)(p + 8 * h));
     const __m256 n = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
     return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 16 * h))), n);
+}
+
+/* Kind 26: rows 8h..8h+7's bytes u of kind 18's chunk c (gguf_k6_byte), from the block's low-bit
+ * chunks (q4: the block's integers) and its top-bit chunks. */
+static inline __attribute__((always_inline)) __m256i k6_chunk(const uint8_t *q4, const int c, const int h) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q4 + 64 * (c & 3) + 32 * h));
+    const __m256i t = _mm256_loadu_si256((const __m256i *)(q4 + 256 + 64 * (c >> 2) + 32 * h));
+    const __m256i lo = _mm256_and_si256(c < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+    const __m256i hi = (c & 3) == 0 ? _mm256_slli_epi16(t, 4) : (c & 3) == 1 ? _mm256_slli_epi16(t, 2)
+                     : (c & 3) == 2 ? t : _mm256_srli_epi16(t, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
 }
 
 /* -v, the sign bit flipped (as C's unary minus: -0.0 for 0). */
