@@ -9,7 +9,7 @@ from kvserve.config import KVShape
 
 @dataclass
 class ModelArch:
-    name: str  # "llama" | "mistral" | "qwen2" | "gemma3" (kvserve.model.registry)
+    name: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3" | ... (model.registry)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -35,6 +35,19 @@ class ModelArch:
     # Per layer, the window of its attention (None: full attention), for models that mix both
     # (Gemma 3). Empty: every layer uses `sliding_window` (the Llama family, Mistral).
     layer_windows: list[int | None] = field(default_factory=list)
+    # Mixture of experts (Mixtral, Qwen3-MoE): experts per layer (0: a dense MLP) and how many
+    # each token uses.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
+
+    # Per-head RMSNorm of q and k before RoPE (Qwen3's self_attn.q_norm / k_norm).
+    qk_norm: bool = False
+    # How many leading dimensions of each head RoPE rotates (partial_rotary_factor); None: all.
+    rotary_dim: int | None = None
+    # The context length the engine serves (None: max_position_embeddings). LongRoPE (Phi-3)
+    # picks its short or long factors by it, as llama.cpp does by its context size.
+    context_len: int | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer `layer`'s attention (None: it sees the whole context)."""

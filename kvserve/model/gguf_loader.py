@@ -6,8 +6,9 @@ gguf.quants.dequantize.
 
 llama.cpp's converter permutes the rows of Q and K for the "llama" architecture (its rope pairs
 adjacent dimensions; HF's pairs i with i + head_dim/2). We undo that permutation on the raw
-rows, so every loader hands the model the same HF layout. (Its "qwen2" and "gemma3" files keep
-HF's row order.) For "gemma3" it stores every norm weight as 1 + w; we hand over HF's w.
+rows, so every loader hands the model the same HF layout. (Its "qwen2", "qwen3", "phi3" and
+"gemma3" files keep HF's row order.) For "gemma3" it stores every norm weight as 1 + w; we hand
+over HF's w.
 
 With `keep_blocks` (the qtypes the chosen weight format keeps packed: quant.KEEP_BLOCKS, e.g. the
 `gguf` format's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL/IQ4_XS/Q3_K-Q6_K), matrices of those types are
@@ -72,11 +73,11 @@ def load_tensor(g: GGUFFile, t: GGUFTensor, row_order: np.ndarray | None = None)
 def gguf_arch(g: GGUFFile) -> ModelArch:
     md = g.metadata
     a = md.get("general.architecture")
-    name = registry.gguf_arch_name(a, g.path)
+    name = registry.gguf_arch_name(a, g.path, md.get(f"{a}.expert_count", 0))
     hidden, heads = md[f"{a}.embedding_length"], md[f"{a}.attention.head_count"]
     head_dim = md.get(f"{a}.attention.key_length", hidden // heads)
     rope_dims = md.get(f"{a}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and name != "phi3":
         raise ValueError(
             f"{g.path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported"
         )
@@ -85,6 +86,8 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
     if "rope_freqs.weight" in g.tensors:  # llama3-style scaling stored as per-frequency divisors
         factors = load_tensor(g, g.tensors["rope_freqs.weight"]).flatten().tolist()
         scaling = {"rope_type": "freq_factors", "factors": factors}
+    elif "rope_factors_long.weight" in g.tensors:  # Phi-3 LongRoPE: both factor sets
+        scaling = _longrope(g, a)
     elif md.get(f"{a}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": md[f"{a}.rope.scaling.factor"]}
     elif md.get(f"{a}.rope.scaling.type") not in (None, "none"):
@@ -94,7 +97,7 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
         )
     eos = md.get("tokenizer.ggml.eos_token_id")
     layers = md[f"{a}.block_count"]
-    window = md.get(f"{a}.attention.sliding_window")
+    window = md.get(f"{a}.attention.sliding_window") or None  # 0: none (llama.cpp's Phi-3)
     arch = ModelArch(
         name=name,
         num_layers=layers,
@@ -113,7 +116,15 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids={eos} if eos is not None else set(),
         sliding_window=window,
+        num_experts=md.get(f"{a}.expert_count", 0),
+        num_experts_per_tok=md.get(f"{a}.expert_used_count", 0),
     )
+    arch.qk_norm = name in ("qwen3", "qwen3_moe")
+    if name == "qwen3_moe":  # the experts' width; llama.cpp renormalizes the top k
+        arch.intermediate_size = md[f"{a}.expert_feed_forward_length"]
+        arch.norm_topk_prob = bool(md.get(f"{a}.expert_weights_norm", True))
+    if name == "phi3":
+        arch.rotary_dim = rope_dims if rope_dims != head_dim else None
     if name == "gemma3":
         arch.sliding_window = None
         # Not in the file: every sixth layer global (rope.freq_base), the others local (base 10k).
@@ -122,6 +133,24 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
         # llama.cpp's rule: Gemma 3 27B (62 layers) scales by hidden/heads, the others by head_dim.
         arch.query_pre_attn_scalar = hidden // heads if layers == 62 else head_dim
     return arch
+
+
+def _longrope(g: GGUFFile, a: str) -> dict:
+    """Phi-3's LongRoPE from llama.cpp's file: rope_factors_short/long tensors, the pretraining
+    length and the attention factor its converter computed."""
+    md = g.metadata
+    orig_key = f"{a}.rope.scaling.original_context_length"
+    if orig_key not in md or "rope_factors_short.weight" not in g.tensors:
+        raise ValueError(
+            f"{g.path}: rope_factors_long.weight needs rope_factors_short.weight and {orig_key}"
+        )
+    return {
+        "rope_type": "longrope",
+        "long_factor": load_tensor(g, g.tensors["rope_factors_long.weight"]).flatten().tolist(),
+        "short_factor": load_tensor(g, g.tensors["rope_factors_short.weight"]).flatten().tolist(),
+        "original_max_position_embeddings": md[orig_key],
+        "attention_factor": float(md.get(f"{a}.rope.scaling.attn_factor", 1.0)),
+    }
 
 
 _TOP = {
@@ -154,6 +183,27 @@ _BLOCK = {
     },
 }
 _BLOCK["qwen2"] = _BLOCK["mistral"] = _BLOCK["llama"]
+# Qwen3: the Llama names plus per-head q/k norms. Phi-3: q/k/v in one tensor (attn_qkv), gate and
+# up in ffn_up (gate rows first), as HF's qkv_proj / gate_up_proj; the model splits them.
+_BLOCK["qwen3"] = {
+    **_BLOCK["llama"],
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_BLOCK["phi3"] = {
+    **_BLOCK["llama"],
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+# Mixtral: the router, and the experts' stacked [E, rows, cols] tensors (split by _experts) or,
+# in older files, one tensor per expert (blk.N.ffn_gate.E.weight).
+_BLOCK["mixtral"] = {**_BLOCK["llama"], "ffn_gate_inp": "block_sparse_moe.gate"}
+_BLOCK["qwen3_moe"] = {**_BLOCK["qwen3"], "ffn_gate_inp": "mlp.gate"}
+# Per MoE architecture: the HF module of the experts, and GGUF expert tensor -> HF weight.
+_EXPERTS = {
+    "mixtral": ("block_sparse_moe", {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}),
+    "qwen3_moe": ("mlp", {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}),
+}
 
 
 def hf_name(gguf_name: str, arch_name: str = "llama") -> str | None:
@@ -164,8 +214,11 @@ def hf_name(gguf_name: str, arch_name: str = "llama") -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in block:
         return f"model.layers.{parts[1]}.{block[parts[2]]}.{parts[3]}"
-    if gguf_name == "rope_freqs.weight":
-        return None
+    if arch_name in _EXPERTS and len(parts) == 5 and parts[2] in _EXPERTS[arch_name][1]:
+        moe, names = _EXPERTS[arch_name]
+        return f"model.layers.{parts[1]}.{moe}.experts.{parts[3]}.{names[parts[2]]}.{parts[4]}"
+    if gguf_name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        return None  # read into ModelArch.rope_scaling
     raise KeyError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch_name!r}")
 
 
@@ -180,6 +233,9 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
     """Yield (hf_name, float32 tensor) for every model weight in the file; tensors whose qtype is
     in `keep_blocks` come as quant.BlockTensor (the raw blocks, rows already in HF order)."""
     for name, t in g.tensors.items():
+        if arch.name in _EXPERTS and name.endswith("_exps.weight"):
+            yield from _experts(g, t, arch.name, keep_blocks)
+            continue
         target = hf_name(name, arch.name)
         if target is None:
             continue
@@ -187,7 +243,7 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
             yield target, load_tensor(g, t) - 1.0  # the file's 1 + w -> HF's w
             continue
         order = None
-        if arch.name == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if arch.name in ("llama", "mixtral") and (".attn_q." in name or ".attn_k." in name):
             heads = arch.num_heads if ".attn_q." in name else arch.num_kv_heads
             order = unpermute_rows(t.shape[0], heads)
         if t.qtype in keep_blocks and len(t.shape) == 2:
@@ -197,3 +253,25 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
             w = load_tensor(g, t, order)
             w.gguf_qtype = t.qtype  # the file's type: a weight format names it when kept dense
             yield target, w
+
+
+def _experts(g: GGUFFile, t: GGUFTensor, arch_name: str, keep_blocks):
+    """A stacked expert tensor blk.N.ffn_{gate,up,down}_exps.weight [E, rows, cols] -> one
+    (HF name, weight) per expert: blocks (quant.BlockTensor) when its qtype is in `keep_blocks`,
+    so each expert's Linear takes them as a 2-D weight, else float32."""
+    _, layer, kind, _ = t.name.split(".")
+    moe, names = _EXPERTS[arch_name]
+    w = names.get(kind.removesuffix("_exps"))
+    if w is None or len(t.shape) != 3:
+        raise KeyError(f"unexpected GGUF expert tensor {t.name!r} of shape {t.shape}")
+    experts, rows, cols = t.shape
+    data = g.raw(t)  # [experts * rows, bytes per row]
+    for e in range(experts):
+        target = f"model.layers.{layer}.{moe}.experts.{e}.{w}.weight"
+        part = data[e * rows : (e + 1) * rows]
+        if t.qtype in keep_blocks:
+            yield target, BlockTensor(part, t.qtype, (rows, cols))
+        else:
+            out = dequantize_rows(part, t.qtype).reshape(rows, cols)
+            out.gguf_qtype = t.qtype
+            yield target, out

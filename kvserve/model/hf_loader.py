@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 from kvserve.model import gemma3, registry
@@ -46,6 +47,10 @@ def hf_arch(cfg: dict, path: str = "") -> ModelArch:
         eos_token_ids=set(eos) if isinstance(eos, list) else {eos} if eos is not None else set(),
     )
     (_gemma3_fields if name == "gemma3" else _llama_fields)(arch, cfg, path)
+    if name in ("mixtral", "qwen3_moe"):
+        _moe_fields(arch, cfg, path)
+    if name == "phi3":
+        _phi3_fields(arch, cfg, path)
     return arch
 
 
@@ -59,12 +64,82 @@ def _llama_fields(arch: ModelArch, cfg: dict, path: str) -> None:
     arch.rope_theta = float(cfg.get("rope_theta") or theta or 10000.0)
     if arch.name == "mistral":
         arch.sliding_window = cfg.get("sliding_window")
-    elif arch.name == "qwen2" and cfg.get("use_sliding_window"):
+    elif arch.name in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         raise ValueError(
-            f"{path}: Qwen2 per-layer sliding window (use_sliding_window) is not supported"
+            f"{path}: Qwen2/Qwen3 per-layer sliding window (use_sliding_window) is not supported"
         )
+    arch.qk_norm = arch.name == "qwen3"
     arch.attention_bias = arch.name == "qwen2" or bool(cfg.get("attention_bias", False))
     arch.o_proj_bias = arch.name != "qwen2" and bool(cfg.get("attention_bias", False))
+
+
+def _moe_fields(arch: ModelArch, cfg: dict, path: str) -> None:
+    """MixtralForCausalLM (its window) and Qwen3MoeForCausalLM (q/k norms, expert width
+    moe_intermediate_size, norm_topk_prob; every layer sparse): the Llama fields, plus experts."""
+    arch.num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    arch.num_experts_per_tok = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < arch.num_experts_per_tok <= arch.num_experts:
+        raise ValueError(
+            f"{path}: num_experts_per_tok ({arch.num_experts_per_tok}) must be in "
+            f"[1, the number of experts ({arch.num_experts})]"
+        )
+    if arch.name == "mixtral":
+        arch.sliding_window = cfg.get("sliding_window")
+        return
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{path}: Qwen3-MoE sliding window (use_sliding_window) is not supported")
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ValueError(
+            f"{path}: Qwen3-MoE with dense layers (decoder_sparse_step "
+            f"{cfg.get('decoder_sparse_step')}, mlp_only_layers {cfg.get('mlp_only_layers')}) "
+            "is not supported; every layer must be sparse"
+        )
+    arch.qk_norm = True
+    arch.intermediate_size = int(cfg["moe_intermediate_size"])
+    arch.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+
+
+def _phi3_fields(arch: ModelArch, cfg: dict, path: str) -> None:
+    """Phi3ForCausalLM: the Llama fields, plus its window, partial rotary and LongRoPE."""
+    arch.sliding_window = cfg.get("sliding_window")
+    rope = cfg.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    rotary_dim = int(arch.head_dim * partial)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(
+            f"{path}: partial_rotary_factor {partial} gives {rotary_dim} rotary dims of "
+            f"head_dim {arch.head_dim}; it must be a positive even number"
+        )
+    arch.rotary_dim = rotary_dim if rotary_dim != arch.head_dim else None
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("longrope", "su", "yarn"):  # transformers reads "su" and "yarn" as longrope
+        raise ValueError(
+            f"{path}: Phi-3 rope scaling {kind!r} is not supported (supported: longrope)"
+        )
+    orig = scaling.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings"
+    )
+    if not orig or "short_factor" not in scaling or "long_factor" not in scaling:
+        raise ValueError(
+            f"{path}: longrope needs short_factor, long_factor and original_max_position_embeddings"
+        )
+    # transformers' attention factor: from `factor`, else max_position_embeddings / original.
+    factor = scaling.get("factor") or arch.max_position_embeddings / orig
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        )
+    arch.rope_scaling = {
+        "rope_type": "longrope",
+        "short_factor": list(scaling["short_factor"]),
+        "long_factor": list(scaling["long_factor"]),
+        "original_max_position_embeddings": int(orig),
+        "attention_factor": float(attention_factor),
+    }
 
 
 def _gemma3_fields(arch: ModelArch, cfg: dict, path: str) -> None:

@@ -49,7 +49,12 @@ class UnquantizedMethod:
 
 class Linear(nn.Module):
     """y = x W^T + b. `out_features` may be a list: the output is those shards side by side
-    (fused q/k/v or gate/up), and each shard is loaded separately with its index."""
+    (fused q/k/v or gate/up), and each shard is loaded separately with its index.
+
+    `lora`: None, or the LoRA adapters of this layer (kvserve.lora.manager.LoRALinear), called
+    with (x, y) to add each token's adapter delta to the output."""
+
+    lora = None
 
     def __init__(
         self,
@@ -93,7 +98,8 @@ class Linear(nn.Module):
         self.bias.data[offset : offset + b.shape[0]].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        y = self.quant_method.apply(self, x)
+        return y if self.lora is None else self.lora(x, y)
 
     def row_reader(self):
         """A function ids [R] -> float32 [R, in_features], the weight's rows read from its stored
@@ -274,8 +280,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     - {"rope_type": "linear", factor}
     - {"rope_type": "freq_factors", "factors": [...]}  (GGUF rope_freqs.weight: divides each
       frequency)
+    - {"rope_type": "longrope", short_factor, long_factor, original_max_position_embeddings,
+       context_len}  (Phi-3: per-frequency divisors, the long set when the served context_len
+       exceeds the pretraining length; cos/sin are also scaled, rope_attention_factor)
+    `head_dim`: the rotated dimensions (all of a head's, or partial_rotary_factor's share).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / powers
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -283,6 +294,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / scaling["factor"]
     if kind == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if kind == "longrope":
+        orig = scaling["original_max_position_embeddings"]
+        long = scaling.get("context_len", orig) > orig
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if ext.shape != inv_freq.shape:
+            raise ValueError(
+                f"longrope {'long' if long else 'short'}_factor has {ext.numel()} values, the "
+                f"rotary embedding {inv_freq.numel()} frequencies (rotated dims / 2)"
+            )
+        return 1.0 / (ext * powers)
     if kind == "llama3":
         factor, low, high = (
             scaling["factor"],
@@ -297,7 +318,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: llama3, linear)")
+    raise NotImplementedError(
+        f"rope scaling {kind!r} is not supported (supported: llama3, linear, longrope)"
+    )
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by: LongRoPE's attention_factor (the loaders fill it
+    in, as transformers or llama.cpp compute it), else 1."""
+    if (scaling or {}).get("rope_type") != "longrope":
+        return 1.0
+    return float(scaling.get("attention_factor") or 1.0)
 
 
 @dataclass(frozen=True)
@@ -321,7 +352,10 @@ class RotaryEmbedding(nn.Module):
 
     `cached=False` keeps no [max_positions, head_dim] tables (for long contexts and wide heads,
     where they would be hundreds of MB): each step computes its positions' rows, the same values
-    (float32 position x inv_freq, as the tables hold)."""
+    (float32 position x inv_freq, as the tables hold).
+
+    `head_dim` is the rotated width: a model with partial rotary passes its rotary_dim, and
+    `apply` rotates the first rotary_dim dimensions of each head, passing the rest through."""
 
     def __init__(
         self,
@@ -333,6 +367,7 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.attention_factor = rope_attention_factor(scaling)
         cos, sin = self._rows(torch.arange(max_positions)) if cached else (None, None)
         self.register_buffer("cos", cos, persistent=False)  # [max_positions, head_dim]
         self.register_buffer("sin", sin, persistent=False)  # sign of rotate_half folded in
@@ -340,6 +375,8 @@ class RotaryEmbedding(nn.Module):
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = torch.outer(positions.to(torch.float32), self.inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
@@ -357,7 +394,13 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-        """x: [T, H, D] -> x rotated by its token's position (a new tensor)."""
+        """x: [T, H, D] -> x rotated by its token's position (a new tensor). Tables narrower
+        than D (partial rotary) rotate the first dimensions and pass the others through."""
+        rot = tables.cos.shape[-1]
+        if rot != x.shape[-1]:
+            return torch.cat(
+                (RotaryEmbedding.apply(x[..., :rot].contiguous(), tables), x[..., rot:]), dim=-1
+            )
         if tables.positions is not None:
             from kvserve.ops import triton_norm
 

@@ -1,8 +1,13 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2) over a flat, unpadded token batch.
+"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3, Phi-3) over a flat, unpadded
+token batch.
 
     h = embed(ids)
     for each layer:  h = h + Attention(RMSNorm(h));  h = h + SwiGLU(RMSNorm(h))
     logits = RMSNorm(h) @ E^T          (E: lm_head, or the embedding when tied)
+
+The members differ only in options of ModelArch: q/k/v biases (Qwen2), a per-head RMSNorm of q
+and k before RoPE (Qwen3, arch.qk_norm), partial rotary and LongRoPE (Phi-3, whose checkpoints
+store q/k/v and gate/up as one tensor each: split here into the fused Linear's parts).
 
 Attention writes this step's K/V into the paged pool, then attends each query over its request's
 whole context in the pool (kvserve.ops.attention).
@@ -50,12 +55,21 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype)
         self.rotary = rotary
+        # Qwen3: RMSNorm over each head's dims of q and of k, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
 
     def forward(self, rope, x, meta: AttentionMetadata, k_cache, v_cache):
         """rope: the step's RopeTables (RotaryEmbedding.tables)."""
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = self.rotary.apply(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
+            qk = torch.cat((q, k), dim=1)
+        qk = self.rotary.apply(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -69,14 +83,22 @@ def swiglu_mlp(arch: ModelArch, dtype: torch.dtype) -> GatedMLP:
 
 
 class DecoderLayer(nn.Module):
+    """`mlp`: the layer's feed-forward block (default: SwiGLU; a mixture of experts in
+    kvserve/model/mixtral.py)."""
+
     def __init__(
-        self, arch: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype, layer: int = 0
+        self,
+        arch: ModelArch,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        layer: int = 0,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = Attention(arch, rotary, dtype, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = swiglu_mlp(arch, dtype)
+        self.mlp = swiglu_mlp(arch, dtype) if mlp is None else mlp
 
     def forward(self, rope, h, meta, k_cache, v_cache):
         h, x = self.post_attention_layernorm.add_and_norm(
@@ -94,11 +116,14 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
+        scaling = arch.rope_scaling
+        if scaling and scaling.get("rope_type") == "longrope":  # short or long factors
+            scaling = {**scaling, "context_len": arch.context_len or arch.max_position_embeddings}
         rotary = RotaryEmbedding(
-            arch.head_dim,
+            arch.rotary_dim or arch.head_dim,
             max_positions or arch.max_position_embeddings,
             arch.rope_theta,
-            arch.rope_scaling,
+            scaling,
         )
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype)
         self.rotary = rotary
@@ -146,8 +171,14 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
             names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-            names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+            if self.arch.name == "phi3":  # one tensor for q/k/v, one for gate/up
+                names |= {f"{p}self_attn.{x}_proj.weight" for x in ("qkv", "o")}
+                names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate_up", "down")}
+            else:
+                names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
+                names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+            if self.arch.qk_norm:
+                names |= {f"{p}self_attn.{x}_norm.weight" for x in "qk"}
             if self.arch.attention_bias:
                 names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
             if self.arch.o_proj_bias:
@@ -160,6 +191,18 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
         if m:
             layer, block, proj, kind = m.groups()
             module = getattr(self.layers[int(layer)], block)
+            if proj in ("q_norm", "k_norm"):
+                norm = getattr(module, proj, None)
+                if norm is None:
+                    raise KeyError(f"unexpected weight {name!r}: the model has no q/k norms")
+                norm.load_weight(w)
+                return
+            if proj in ("qkv_proj", "gate_up_proj"):  # Phi-3's fused tensors: each part alone
+                linear = getattr(module, proj)
+                load = linear.load_weight if kind == "weight" else linear.load_bias
+                for shard, part in enumerate(split_rows(w, linear.shard_sizes)):
+                    load(part, shard)
+                return
             target, shard = self._FUSED.get(proj, (proj, 0))
             linear = getattr(module, target)
             (linear.load_weight if kind == "weight" else linear.load_bias)(w, shard)
@@ -178,3 +221,20 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
             pass  # recomputed from rope_theta
         else:
             raise KeyError(f"unexpected weight {name!r}")
+
+
+def split_rows(w, sizes: list[int]) -> list:
+    """A fused weight (a tensor, or quant.BlockTensor: whole rows of blocks) -> its parts of
+    `sizes` rows, in order. A part keeps the file's qtype (gguf_qtype) when the whole had one."""
+    if sum(sizes) != w.shape[0]:
+        raise ValueError(
+            f"fused weight has {w.shape[0]} rows, its parts {sizes} sum to {sum(sizes)}"
+        )
+    if isinstance(w, torch.Tensor):
+        parts = list(w.split(sizes, dim=0))
+        if hasattr(w, "gguf_qtype"):
+            for part in parts:
+                part.gguf_qtype = w.gguf_qtype
+        return parts
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [type(w)(w.raw[a : a + n], w.qtype, (n, *w.shape[1:])) for a, n in zip(starts, sizes)]

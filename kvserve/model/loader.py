@@ -72,6 +72,9 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
             arch.tie_word_embeddings = True
         tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or path)
         weights = hf_loader.iter_hf_weights(path)
+        int4 = quant.hf_int4.read_dir_config(path)
+        if int4 is not None:  # GPTQ / AWQ: each linear's packed tensors -> Q4_1 blocks
+            weights = quant.hf_int4.convert_weights(weights, int4, quant.hf_int4.tensor_names(path))
     elif os.path.isfile(path):
         from kvserve.model import gguf_loader
 
@@ -88,6 +91,7 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
     arch.bos_token_id = tokenizer.bos_token_id
     arch.eos_token_ids = set(tokenizer.eos_token_ids)
 
+    arch.context_len = cfg.context_len(arch.max_position_embeddings)  # LongRoPE's factor set
     max_positions = max(arch.max_position_embeddings, cfg.max_model_len or 0)
     model = build_model(arch, dtype, max_positions)
     quant.apply_quantization(model, fmt)
@@ -122,9 +126,11 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
 def resolve_quantization(requested: str | None, path: str) -> str:
     """None: the fastest format whose quality is within bound (ppl within 1% of fp32 dequantized,
     top-1 agreement >= 97%, as `kvserve eval-quality` reports): quant.DEFAULT_GGUF for a GGUF
-    file; HF checkpoints stay dense (no bound checked for them)."""
+    file or a GPTQ / AWQ checkpoint (its 4-bit blocks); other HF checkpoints stay dense (no
+    bound checked for them)."""
     if requested is None:
-        return quant.DEFAULT_GGUF if os.path.isfile(path) else "none"
+        packed = os.path.isfile(path) or quant.hf_int4.read_dir_config(path) is not None
+        return quant.DEFAULT_GGUF if packed else "none"
     if requested not in quant.FORMATS:
         raise ValueError(
             f"quantization {requested!r} is not supported (choose from {list(quant.FORMATS)})"

@@ -2,11 +2,16 @@
 
     model file            ModelArch.name        GGUF architecture  HF config.json architectures
     kvserve/model/llama   llama, mistral, qwen2 llama, qwen2       LlamaForCausalLM,
-                                                                   MistralForCausalLM,
-                                                                   Qwen2ForCausalLM
+                          qwen3, phi3           qwen3, phi3        MistralForCausalLM,
+                                                                   Qwen2ForCausalLM,
+                                                                   Qwen3ForCausalLM,
+                                                                   Phi3ForCausalLM
     kvserve/model/gemma3  gemma3                gemma3             Gemma3ForCausalLM
+    kvserve/model/mixtral mixtral, qwen3_moe    llama (experts),   MixtralForCausalLM,
+                                                qwen3moe           Qwen3MoeForCausalLM
 
-(GGUF architecture: the file's general.architecture.)
+(GGUF architecture: the file's general.architecture; "llama (experts)": a "llama" file with
+llama.expert_count > 0, as llama.cpp writes Mixtral.)
 
 (SmolLM and Mistral GGUFs state "llama".) Every model class has the same interface (CausalLM):
 the loaders hand it HF-named tensors, the runner calls forward and compute_logits.
@@ -22,6 +27,7 @@ from kvserve.model.arch import ModelArch
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.layers import Linear
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from kvserve.ops.attention import AttentionMetadata
 
 
@@ -62,16 +68,32 @@ MODEL_CLASSES: dict[str, type] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,  # + per-head q/k norms (ModelArch.qk_norm)
+    "phi3": LlamaForCausalLM,  # fused qkv / gate_up tensors, partial rotary, LongRoPE
     "gemma3": Gemma3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 # GGUF general.architecture -> ModelArch.name (llama.cpp's names).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+}
+# GGUF general.architecture of a file with experts (expert_count > 0) -> ModelArch.name.
+GGUF_MOE_ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
 # HF config.json "architectures" -> ModelArch.name.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # HF architectures refused with a reason of their own.
 HF_REFUSED = {
@@ -80,8 +102,16 @@ HF_REFUSED = {
 }
 
 
-def gguf_arch_name(architecture: str | None, path: str = "") -> str:
-    """GGUF general.architecture -> ModelArch.name; ValueError naming what is supported."""
+def gguf_arch_name(architecture: str | None, path: str = "", experts: int = 0) -> str:
+    """GGUF general.architecture (and its expert_count) -> ModelArch.name; ValueError naming what
+    is supported."""
+    if experts > 0:
+        if architecture not in GGUF_MOE_ARCHITECTURES:
+            raise ValueError(
+                f"{path}: GGUF architecture {architecture!r} with {experts} experts is not "
+                f"supported (mixture of experts: {', '.join(sorted(GGUF_MOE_ARCHITECTURES))})"
+            )
+        return GGUF_MOE_ARCHITECTURES[architecture]
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {architecture!r} is not supported "

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.ops import gguf_blocks
+
 log = logging.getLogger("kvserve")
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -180,7 +182,7 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.gguf_gemv_isa.restype = ctypes.c_char_p
     lib.gguf_gemv_isa.argtypes = []
     lib.layer_stack.restype = ctypes.c_int
-    lib.layer_stack.argtypes = [p, p, p, p, p, p, i64, p, i64, p, i64, p, i64]
+    lib.layer_stack.argtypes = [p, p, p, p, p, p, p, i64, p, i64, p, i64, p, i64, i64]
 
 
 def _compiler() -> str | None:
@@ -357,8 +359,8 @@ def gguf_gemv(
     parts: str = "two",
 ) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) times a weight of `n` rows packed by
-    kvserve.ops.gguf_blocks.pack_gguf_parts (`kind` 4: Q4_0/Q4_1, 8: Q8_0/Q5_0, 14: Q4_K, 18:
-    Q5_K/Q6_K/Q3_K): [M, n] float32, written
+    kvserve.ops.gguf_blocks.pack_gguf_parts (`kind`: one of its packed kinds, e.g. 4: Q4_0/Q4_1,
+    14: Q4_K, 26: Q6_K): [M, n] float32, written
     into `out` when given (added to it with accumulate=True). `isa`: a build other than the
     selected one (tests). f32: through the float32 tiles (what prompt tokens take in the layer
     stack) instead of the integer dot products. parts: the activations' 8-bit parts per block of
@@ -392,7 +394,7 @@ def gguf_gemv(
     if rc != 0:
         raise ValueError(
             f"gguf_gemv failed ({rc}): kind {kind}, K={K} (the kind must be one of "
-            f"4, 8, 14, 18 from pack_gguf_parts, and K a multiple of 32)"
+            f"pack_gguf_parts' kinds, {sorted(gguf_blocks.BLOCK_BYTES)}, and K a multiple of 32)"
         )
     return out
 
@@ -417,7 +419,10 @@ class StackLayer(ctypes.Structure):
         ("o", StackPart),
         ("gate_up", StackPart * STACK_MAX_PARTS),
         ("down", StackPart),
-    ] + [(n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias", "k_cache", "v_cache")]
+    ] + [
+        (n, ctypes.c_void_p)
+        for n in ("qkv_bias", "o_bias", "k_cache", "v_cache", "q_norm", "k_norm")
+    ]
 
 
 class StackModel(ctypes.Structure):
@@ -447,6 +452,7 @@ class StackModel(ctypes.Structure):
         ]
         + [(n, ctypes.c_void_p) for n in ("norm", "cos", "sin")]
         + [("layers", ctypes.POINTER(StackLayer)), ("act_parts", ctypes.c_int64)]
+        + [("rotary_dim", ctypes.c_int64)]
     )
 
 
@@ -464,8 +470,8 @@ def gguf_rows(
         w.data_ptr(), kind, k, ids.data_ptr(), ids.numel(), out.data_ptr()
     ):
         raise ValueError(
-            f"gguf_rows: kind {kind} with K={k} is not a packed layout (kinds 4, 8, 14, 18; "
-            "K a multiple of 32)"
+            f"gguf_rows: kind {kind} with K={k} is not a packed layout (kinds "
+            f"{sorted(gguf_blocks.BLOCK_BYTES)}; K a multiple of 32)"
         )
     return out
 
@@ -481,15 +487,22 @@ def layer_stack(
     out_rows: torch.Tensor,
     out: torch.Tensor,
     isa: str | None = None,
+    h_in: torch.Tensor | None = None,
+    final_norm: bool = True,
 ) -> None:
     """Every layer of a flat batch in one call (csrc/layer_stack.c): token ids, positions, KV
     slots and sequence indices int64 [T], `prompt` bool [T] (prompt tokens take the float32
     GEMM, the others the integer GEMV; with model.act_parts other than two every token takes the
     GEMV), block tables int64 [B, nblk] (rows contiguous) ->
-    out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows."""
+    out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows.
+    A pipeline stage (model's layer table: its layers): h_in float32 [T, hidden] (contiguous)
+    replaces the embedding of ids, and final_norm=False gives the rows of h unnormed."""
+    if h_in is not None and (h_in.dtype != torch.float32 or not h_in.is_contiguous()):
+        raise ValueError("h_in must be a contiguous float32 [T, hidden] tensor")
     rc = library(isa).layer_stack(
         ctypes.byref(model),
         ids.data_ptr(),
+        None if h_in is None else h_in.data_ptr(),
         positions.data_ptr(),
         slots.data_ptr(),
         seq.data_ptr(),
@@ -500,6 +513,7 @@ def layer_stack(
         out_rows.data_ptr(),
         out_rows.shape[0],
         out.data_ptr(),
+        int(final_norm),
         torch.get_num_threads(),
     )
     if rc != 0:

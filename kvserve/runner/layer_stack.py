@@ -1,4 +1,5 @@
-"""Whole steps of a Llama-family model as one C call (kvserve/ops/csrc/layer_stack.c).
+"""Whole steps of a Llama-family model as one C call (kvserve/ops/csrc/layer_stack.c), Qwen3's
+q/k norms and Phi-3's partial rotary and LongRoPE tables included.
 
 When every linear of the model holds GGUF-packed weights (quant.GgufMethod) and the C kernels
 are built, the runner's step backend (runner/backends/layer_stack.py) sends every step here,
@@ -64,6 +65,11 @@ class CLayerStack:
     @staticmethod
     def refusal(model) -> Refusal | None:
         """declined(), with the setting that gets the stack back where one does."""
+        experts = getattr(getattr(model, "arch", None), "num_experts", 0)
+        if experts:
+            return Refusal(
+                f"{experts} experts per layer (mixture of experts): the C stack runs dense MLPs"
+            )
         if not isinstance(model, LlamaForCausalLM):
             return Refusal(f"{type(model).__name__} is not a Llama-family model")
         if model.dtype != torch.float32:
@@ -140,6 +146,8 @@ class CLayerStack:
                 ptr(a.o_proj.bias),
                 ptr(k),
                 ptr(v),
+                ptr(a.q_norm.weight) if a.q_norm is not None else None,  # Qwen3
+                ptr(a.k_norm.weight) if a.k_norm is not None else None,
             )
         a = m.layers[0].self_attn
         self._struct = cpu_kernels.StackModel(
@@ -161,6 +169,7 @@ class CLayerStack:
             ptr(m.rotary.sin),
             ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)),
             cpu_kernels.ACT_PARTS[self.parts],
+            m.rotary.cos.shape[1],  # rotated dims (partial rotary: fewer than head_dim)
         )
         self._layers, self._kv_caches = layers, kv_caches
 
@@ -181,13 +190,17 @@ class CLayerStack:
         kv_caches,
         out_rows: torch.Tensor,
         prompt_lens: list[int],
+        h_in: torch.Tensor | None = None,
+        final_norm: bool = True,
     ) -> torch.Tensor:
         """Run every layer on the flat batch; returns the final-normed hidden states of the rows
         `out_rows` (int64), [len(out_rows), hidden]. `prompt_lens`: each sequence's prompt
         length; its tokens at positions below it are prompt tokens (their linears run the float32
         GEMM, the others the integer GEMV; a generated token recomputed after preemption is not
         one; see csrc/gguf_gemv.h). With parts other than "two" every token runs the integer
-        GEMV."""
+        GEMV. A pipeline stage (a model holding only its layers): `h_in` [T, hidden], the previous
+        stage's hidden states, replaces the embedding, and final_norm=False returns the rows
+        unnormed, for the next stage."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         qsl = meta.query_start_loc
@@ -208,6 +221,8 @@ class CLayerStack:
             out_rows.contiguous(),
             out,
             isa=self.isa,
+            h_in=None if h_in is None else h_in.contiguous(),
+            final_norm=final_norm,
         )
         return out
 

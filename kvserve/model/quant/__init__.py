@@ -12,12 +12,13 @@ per format:
            as they are (same group of 32, same 16 levels): no dequantize/requantize round trip.
            The LM head is int8.
     gguf   (gguf.py) the file's own blocks: Q4_0/Q4_1/Q8_0 (the default model's layers and its tied
-           Q8_0 LM head), Q5_0, Q5_1, IQ4_NL, IQ4_XS and the K-quants Q3_K/Q4_K/Q5_K/Q6_K,
+           Q8_0 LM head), Q5_0, Q5_1, IQ4_NL, IQ4_XS, the K-quants Q2_K/Q3_K/Q4_K/Q5_K/Q6_K
+           and F16/BF16/F32 matrices (as float32),
            decoded without changing a value and interleaved 16 rows at a time
            (kvserve.ops.gguf_blocks) and run by kvserve's C kernels (ops/csrc/gguf_gemv*.c:
            AVX-512 VNNI, AVX2, AVX-VNNI, Arm NEON or portable C,
            the same bits on each; activations as two 8-bit parts per block of 32) at every batch
-           size (GgufMethod). Other GGUF types (Q2_K, Q5_1, IQ*) are dequantized to float32.
+           size (GgufMethod). Other GGUF types (IQ1-IQ3, TQ*) are dequantized to float32.
            Without a C compiler: Q4 blocks in int4pack for 1-2 rows, fbgemm fp16 above, and a
            fp16 LM head (Int4Method(batch_fp16=True), Fp16Method (fp16.py)) where
            torch has fbgemm (x86); dense float32 weights where it has not (Arm).
@@ -31,6 +32,11 @@ per format:
            prompt tokens on the integer GEMV too, and inside eval-quality's bound. Falls back as
            gguf does.
 
+GPTQ and AWQ checkpoints (hf_int4.py): HF directories whose linears hold 4-bit qweight / qzeros /
+scales become Q4_1 BlockTensors at load (per block of 32: d = s, m = -z s in fp16), so the gguf
+formats above (their default) run them as a Q4_1 file's weights; layouts that do not map are
+dequantized, with the reason logged.
+
 blocks.py holds BlockTensor (GGUF blocks not dequantized), base.py the shard staging all packed
 formats share. The default for GGUF models is the fastest format within the quality bound of
 `kvserve eval-quality` (DEFAULT_GGUF below). Kernel timings and quality figures of the formats:
@@ -42,6 +48,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvserve.model.layers import Linear
+from kvserve.model.quant import hf_int4
 from kvserve.model.quant.blocks import GROUP, BlockTensor, _packable_types, _q4_types, is_q4
 from kvserve.model.quant.fp16 import Fp16Method, fp16_prepack
 from kvserve.model.quant.gguf import GgufMethod
@@ -68,6 +75,7 @@ __all__ = [
     "Fp16Method",
     "fp16_prepack",
     "GgufMethod",
+    "hf_int4",
     "pack_gguf_parts",
     "pack_gguf_rows",
     "unpack_gguf_rows",
@@ -158,7 +166,8 @@ DESCRIPTION = {
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, "
     "LM head included",
-    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL/IQ4_XS and Q3_K/Q4_K/Q5_K/Q6_K blocks run by "
+    "gguf": "GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL/IQ4_XS and Q2_K-Q6_K blocks and F16/BF16/F32 "
+    "matrices run by "
     "kvserve's C kernels (the build for this CPU's instruction set) at every batch size, "
     "activations as two 8-bit parts per block (the most accurate)",
     "gguf-a8": "gguf with activations as one 8-bit part per block (llama.cpp's precision): "

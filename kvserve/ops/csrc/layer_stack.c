@@ -6,11 +6,17 @@
  *   h = embed[ids]
  *   per layer:  x = rmsnorm(h) * ln1
  *               q, k, v = x Wqkv^T (+ b);  q, k = rope(q, k)   (rotate-half layout)
+ *                 (Qwen3: q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm per head first;
+ *                  partial rotary: rope turns each head's first rotary_dim dims only)
  *               write k, v at the tokens' slots of the paged pool
  *               h += attention(q, pool) Wo^T (+ b)              (paged_attention.c)
  *               x = rmsnorm(h) * ln2
  *               h += (silu(x Wg^T) * x Wu^T) Wd^T               (gguf_gemv.c, fused gate/up)
  *   out = rmsnorm(h) * norm      (only for the rows the caller asks for)
+ *
+ * A pipeline stage runs its own range of layers (the layer table holds those): h_in, when not
+ * NULL, holds the previous stage's hidden states [T][hidden] in place of the embedding, and with
+ * final_norm 0 out receives the rows of h as they leave the last layer (no final norm).
  *
  * Token t has position positions[t], KV slot slots[t] and belongs to the sequence whose block
  * table is tables + seq[t] * table_stride; it attends over positions 0..positions[t] of that
@@ -69,6 +75,7 @@ typedef struct {
     const float *qkv_bias, *o_bias;                  /* NULL when the layer has none */
     void *k_cache, *v_cache;      /* [blocks][block_size][kv_heads] rows (kv_format.h): float32[head_dim],
                                      int8[head_dim] + float32 scale, or IEEE half[head_dim] */
+    const float *q_norm, *k_norm;    /* per-head RMSNorm weights [head_dim] (Qwen3), or NULL */
 } stack_layer_t;
 
 typedef struct {
@@ -81,6 +88,7 @@ typedef struct {
     const float *cos, *sin;                          /* [max_positions][head_dim], sin signed */
     const stack_layer_t *layers;
     int64_t act_parts;             /* the activations' parts (gguf_gemv.h); not GGUF_TWO_PARTS: every token on the GEMV */
+    int64_t rotary_dim;            /* dims of each head rope turns (cos/sin rows are this wide) */
 } stack_model_t;
 
 #define LANES 8
@@ -214,9 +222,10 @@ static void norm_and_quantize(const row_split_t *rs, int64_t T, const float *h, 
  * the final-normed states of rows out_rows[0..n_out).
  * One OpenMP parallel region runs the whole step: each phase is an `omp for` over tokens, row
  * groups or attention tasks, with the barrier at its end (no fork/join per kernel). */
-int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *positions, const int64_t *slots,
-                const int64_t *seq, const uint8_t *prompt, int64_t T, const int64_t *tables, int64_t table_stride,
-                const int64_t *out_rows, int64_t n_out, float *out, int64_t num_threads) {
+int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, const int64_t *positions,
+                const int64_t *slots, const int64_t *seq, const uint8_t *prompt, int64_t T, const int64_t *tables,
+                int64_t table_stride, const int64_t *out_rows, int64_t n_out, float *out, int64_t final_norm,
+                int64_t num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, qs = m->num_heads * D, kvs = m->kv_heads * D;
     const int64_t nqkv = qs + 2 * kvs, I = m->intermediate;
     const float eps = (float)m->eps;
@@ -258,7 +267,8 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            if (m->embed) memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
+            if (h_in) memcpy(h + t * H, h_in + t * H, sizeof(float) * H);
+            else if (m->embed) memcpy(h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
             else gguf_dequantize_row(m->embed_packed, m->embed_kind, H, ids[t], h + t * H);
             qrow[t] = t;
             lens[t] = positions[t] + 1;
@@ -270,8 +280,13 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *row = qkv + t * nqkv;
-                const float *c = m->cos + positions[t] * D, *s = m->sin + positions[t] * D;
-                for (int64_t hd = 0; hd < m->num_heads + m->kv_heads; hd++) rope(row + hd * D, c, s, D);
+                const int64_t R = m->rotary_dim;
+                const float *c = m->cos + positions[t] * R, *s = m->sin + positions[t] * R;
+                for (int64_t hd = 0; hd < m->num_heads + m->kv_heads; hd++) {
+                    const float *qk_norm = hd < m->num_heads ? L->q_norm : L->k_norm;
+                    if (qk_norm) rmsnorm(row + hd * D, qk_norm, eps, D, row + hd * D);  /* in place */
+                    rope(row + hd * D, c, s, R);
+                }
                 memcpy(q + t * qs, row, sizeof(float) * qs);
                 store_kv(L->k_cache, slots[t], row + qs, m->kv_heads, D, m->kv_format);
                 store_kv(L->v_cache, slots[t], row + qs + kvs, m->kv_heads, D, m->kv_format);
@@ -293,7 +308,10 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const int64_t *posit
             linear_quantized(&rs, L->down.w, L->down.kind, H, I, act, I, h, H, NULL, 1);
         }
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < n_out; r++) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);
+        for (int64_t r = 0; r < n_out; r++) {
+            if (final_norm) rmsnorm(h + out_rows[r] * H, m->norm, eps, H, out + r * H);
+            else memcpy(out + r * H, h + out_rows[r] * H, sizeof(float) * H);
+        }
     }
     rc = 0;
 done:
