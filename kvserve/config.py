@@ -283,6 +283,7 @@ class Knob:
     choices: tuple | None = None
     metavar: str | None = None
     negate: bool = False  # a boolean field the flag turns off (--no-prefix-caching)
+    nargs: str | None = None  # "+": the flag takes several values (--lora-modules a=P b=Q)
 
 
 def knob(default=MISSING, help: str = "", *, default_factory=MISSING, **how):
@@ -321,6 +322,60 @@ def _at_least_one(name: str) -> Callable:
         return value
 
     return check
+
+
+def lora_modules(value) -> dict[str, str] | None:
+    """--lora-modules as {name: path}: NAME=PATH texts (the flag), a JSON list of them or a JSON
+    object (a --config file), or a dict (LLM()); ValueError showing how to write it."""
+    how = "write each adapter as NAME=PATH, e.g. --lora-modules sql=/adapters/sql"
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"lora_modules is not valid JSON ({e}): {how}") from None
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, dict):
+        value = [f"{k}={v}" for k, v in value.items()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"lora_modules must be a list of NAME=PATH, got {value!r}: {how}")
+    out: dict[str, str] = {}
+    for item in value:
+        name, sep, path = item.partition("=") if isinstance(item, str) else ("", "", "")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules entry {item!r} is not NAME=PATH: {how}")
+        if name in out:
+            raise ValueError(f"lora_modules names the adapter {name!r} twice: give each a name")
+        out[name] = path
+    return out or None
+
+
+def check_lora(config) -> None:
+    """The limits of LoRA serving (the one place that says them): adapters need --enable-lora,
+    no more of them at start than --max-loras, and no tensor or pipeline parallelism or
+    speculative decoding with them. ValueError naming the fix."""
+    modules = config.lora_modules or {}
+    if not config.enable_lora:
+        if modules:
+            raise ValueError("--lora-modules needs --enable-lora (enable_lora=True)")
+        return
+    if len(modules) > config.max_loras:
+        raise ValueError(
+            f"--lora-modules names {len(modules)} adapters but --max-loras is "
+            f"{config.max_loras}: raise --max-loras or load fewer"
+        )
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "LoRA adapters run on one process: drop --tensor-parallel-size/"
+            "--pipeline-parallel-size with --enable-lora"
+        )
+    if config.speculative is not None:
+        raise ValueError(
+            "speculative decoding does not run with LoRA adapters yet: drop one of them"
+        )
 
 
 def _percent(share: float) -> str:
@@ -861,6 +916,36 @@ class EngineConfig:
         flag="--pipeline-parallel-size",
         metavar="N",
     )
+    enable_lora: bool = knob(
+        False,
+        "serve LoRA adapters (PEFT directories) next to the base model: a request names one by "
+        "its model field; --lora-modules loads some at start, /v1/load_lora_adapter at run time. "
+        "Steps run on the PyTorch forward (default: %(default)s)",
+        flag="--enable-lora",
+    )
+    lora_modules: dict[str, str] | None = knob(
+        None,
+        "LoRA adapters loaded at start, as NAME=PATH (a PEFT directory: adapter_config.json + "
+        "adapter_model.safetensors); needs --enable-lora (default: none)",
+        flag="--lora-modules",
+        check=lora_modules,
+        nargs="+",
+        metavar="NAME=PATH",
+    )
+    max_loras: int = knob(
+        4,
+        "LoRA adapters loaded at once (default: %(default)s)",
+        flag="--max-loras",
+        check=_at_least_one("max_loras"),
+        metavar="N",
+    )
+    max_lora_rank: int = knob(
+        16,
+        "the highest rank r of an adapter that may be loaded (default: %(default)s)",
+        flag="--max-lora-rank",
+        check=_at_least_one("max_lora_rank"),
+        metavar="R",
+    )
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # where ranks run
 
     def on_device(self, cuda_available: bool) -> "EngineConfig":
@@ -875,6 +960,7 @@ class EngineConfig:
         check_device(device)
         check_gpu_memory_utilization(self.gpu_memory_utilization)
         check_parallel(self)
+        check_lora(self)
         # What does not run on cuda, and the fix: auto takes the CPU for it, cuda refuses it.
         cuda_refusals = [
             msg
@@ -899,6 +985,11 @@ class EngineConfig:
                     self.speculative is not None,
                     "speculative decoding does not run on cuda yet: drop --speculative-config "
                     "with --device cuda",
+                ),
+                (
+                    self.enable_lora,
+                    "LoRA adapters run on the CPU's PyTorch forward: drop --enable-lora with "
+                    "--device cuda",
                 ),
             )
             if asked
@@ -1055,6 +1146,8 @@ class KnobField:
         k = self.knob
         if k.negate:
             return {"action": "store_true", "help": k.help}
+        if str(self.field.type) == "bool":  # a switch that is off unless given: --enable-lora
+            return {"action": "store_true", "default": self.entry, "help": k.help}
         out = {"default": self.entry, "help": k.help}
         kind = _FLAG_TYPES.get(str(self.field.type).split("|")[0].strip())
         if k.parse is not None:
@@ -1063,6 +1156,8 @@ class KnobField:
             out["type"] = kind
         if k.choices is not None:
             out["choices"] = list(k.choices)
+        if k.nargs is not None:
+            out["nargs"] = k.nargs
         if k.metavar is not None:
             out["metavar"] = k.metavar
         return out
@@ -1157,6 +1252,7 @@ def make_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
         **values[EngineConfig],
     )
     check_parallel(cfg)
+    check_lora(cfg)
     cfg.model.quantization = weight_format(cfg)
     nodes = NodesConfig(**values[NodesConfig])
     cfg.distributed = resolve_distributed(

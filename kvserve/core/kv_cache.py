@@ -29,9 +29,20 @@ longest k for which every group still holds what it needs.
 
 from __future__ import annotations
 
+import hashlib
+
 from kvserve.config import KVGroup, cdiv, first_needed_block
 from kvserve.core.block_pool import Block, BlockPool, hash_block_tokens
 from kvserve.core.sequence import Sequence
+
+
+def lora_root(lora_key: str | None) -> bytes | None:
+    """The parent hash of a sequence's first block: None for the base model, else a hash of its
+    LoRA adapter's key (tagged apart from every block hash's input)."""
+    if lora_key is None:
+        return None
+    return hashlib.sha256(b"kvserve-lora\0" + lora_key.encode()).digest()
+
 
 NULL_BLOCK = 0  # what block_ids() names for a freed (out-of-window) table entry; never read
 
@@ -99,7 +110,9 @@ class KVCacheManager:
         tokens, bs = req.all_token_ids, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            # Under a LoRA adapter the same tokens have other KV: the first block's parent is a
+            # root of the adapter's own, so no block is shared with the base or another adapter.
+            parent = hashes[-1] if hashes else lora_root(req.lora_key)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], req.cache_salt))
         return hashes
 

@@ -59,6 +59,7 @@ class Sequence:
         priority: int = 0,
         cache_salt: str | None = None,
         fork_of: str | None = None,
+        lora_key: str | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +70,8 @@ class Sequence:
         self.priority = priority
         self.cache_salt = cache_salt
         self.fork_of = fork_of
+        # The LoRA adapter it runs with (the manager's key of one load of it), None: the base.
+        self.lora_key = lora_key
 
         self.status = SequenceStatus.WAITING
         self.output_token_ids: list[int] = []

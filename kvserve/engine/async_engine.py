@@ -104,8 +104,10 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         reservation: QueueReservation | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until the one with finished=True.
+        """Stream a request's outputs until the one with finished=True (`lora_name`: the loaded
+        LoRA adapter it runs with, None: the base model).
 
         The first `__anext__` raises what admission raised (ValueError: can never fit;
         QueueFullError: the waiting queue is full). Closing the generator early, or cancelling
@@ -137,6 +139,7 @@ class AsyncEngine:
                     priority,
                     cache_salt,
                     time.monotonic(),
+                    lora_name,
                 )
             )
             self._cv.notify()
@@ -355,7 +358,7 @@ class AsyncEngine:
             if command[1] in self._live:
                 self.core.abort_request(command[1])
             return
-        _, request_id, prompt_token_ids, params, priority, cache_salt, arrival = command
+        _, request_id, prompt_token_ids, params, priority, cache_salt, arrival, lora = command
         with self._cv:
             self._queued_sequences -= params.n
         try:
@@ -366,6 +369,7 @@ class AsyncEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 arrival_time=arrival,
+                lora_request=lora,
             )
             self._live.add(request_id)
         except Exception as e:  # ValueError, QueueFullError, ...: this request fails alone

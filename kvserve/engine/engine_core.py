@@ -31,10 +31,11 @@ from kvserve.engine.grammar import GrammarManager
 from kvserve.engine.input_processor import check_max_tokens, check_prompt, check_request
 from kvserve.engine.output_processor import OutputProcessor, RequestState, SampleState
 from kvserve.engine.parallel_sampling import BeamGroups, beam_run, sample_sequences
+from kvserve.lora.manager import LoRAManager
 from kvserve.outputs import RequestOutput
 from kvserve.runner.model_runner import SampledToken, StepOutput
 from kvserve.runner.ranks import RankLost
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger("kvserve")
 
@@ -62,6 +63,14 @@ class EngineCore:
         self.grammar = GrammarManager(self.tokenizer, self.arch.vocab_size, overlap=overlap)
         self.processor = OutputProcessor(self.tokenizer)
         self.beams = BeamGroups()
+        self.lora: LoRAManager | None = None  # the loaded LoRA adapters (--enable-lora)
+        self._lora_of: dict[str, str] = {}  # request id -> the adapter it runs with
+        if self.config.enable_lora:
+            self.lora = LoRAManager(
+                self.runner.model, self.config.max_loras, self.config.max_lora_rank
+            )
+            for name, path in (self.config.lora_modules or {}).items():
+                self.load_lora(name, path)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self.last_step_tokens = 0  # tokens the last step scheduled (for /metrics)
 
@@ -105,19 +114,30 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request=None,
     ) -> None:
-        """Validate a request (ParamError naming the field) and queue its sequences."""
+        """Validate a request (ParamError naming the field) and queue its sequences.
+        `lora_request`: the LoRA adapter it runs with (a kvserve.lora.LoRARequest, or a loaded
+        adapter's name); None: the base model."""
         if not isinstance(request_id, str) or request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use or not a string")
         prompt = check_prompt(prompt_token_ids, self.arch.vocab_size)
         check_request(params, priority, cache_salt, self.config.scheduler.max_waiting)
         max_tokens = check_max_tokens(params, len(prompt), self.max_model_len)
         self.grammar.check(params)  # ParamError with the matcher's message
+        lora_name = self._lora_adapter(lora_request)
         common = dict(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            lora_key=None if lora_name is None else self.lora.key_of(lora_name),
         )
+        if lora_name is not None:
+            if len(self._lora_of) > 2 * len(self.processor.requests) + 64:  # drop finished ones
+                self._lora_of = {
+                    r: n for r, n in self._lora_of.items() if r in self.processor.requests
+                }
+            self._lora_of[request_id] = lora_name
         if params.use_beam_search:
             run = beam_run(request_id, prompt, params, self.eos_token_ids, max_tokens, **common)
             self.scheduler.add_sequence(run.seqs[0])
@@ -134,6 +154,67 @@ class EngineCore:
         if params.structured_outputs is not None:
             for seq in seqs:
                 self.grammar.add(seq.seq_id, params.structured_outputs)
+
+    # ---- LoRA adapters ----
+    def _lora_adapter(self, lora_request) -> str | None:
+        """The name of the loaded adapter a request runs with (loading a LoRARequest's path on
+        first use), None for the base model; ParamError("model") for one that is not there."""
+        if lora_request is None:
+            return None
+        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
+        if self.lora is None:
+            raise ParamError(
+                "model",
+                f"LoRA adapter {name!r} asked for, but the engine serves no adapters: start it "
+                "with --enable-lora (enable_lora=True)",
+            )
+        if self.lora.get(name) is None:
+            path = getattr(lora_request, "lora_path", "")
+            if not path:
+                raise ParamError(
+                    "model",
+                    f"LoRA adapter {name!r} is not loaded (loaded: {self.lora.names() or 'none'})",
+                )
+            self.load_lora(name, path)
+        return name
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters: {name: path}."""
+        if self.lora is None:
+            return {}
+        return {a.name: a.path for a in self.lora.adapters if a is not None}
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name`; ValueError naming what is wrong with it
+        (or that --max-loras adapters are loaded); the engine serves on either way."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora")
+        adapter = self.lora.load(name, path)
+        log.info(
+            "LoRA adapter %r loaded from %s: rank %d, scale %g, %s",
+            name,
+            path,
+            adapter.rank,
+            adapter.scaling,
+            ", ".join(adapter.target_modules),
+        )
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`. Refused (ValueError) while a request runs with it: unloading
+        waits for no one, the caller retries once those requests are done."""
+        if self.lora is None or self.lora.get(name) is None:
+            loaded = self.lora.names() if self.lora is not None else []
+            raise KeyError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded or 'none'})")
+        live = self.processor.requests
+        self._lora_of = {rid: n for rid, n in self._lora_of.items() if rid in live}
+        users = sum(n == name for n in self._lora_of.values())
+        if users:
+            raise ValueError(
+                f"LoRA adapter {name!r} is in use by {users} request(s): unload it once they "
+                "have finished"
+            )
+        self.lora.unload(name)
+        log.info("LoRA adapter %r unloaded", name)
 
     def abort_request(self, request_id: str) -> None:
         state = self.processor.requests.get(request_id)
@@ -160,6 +241,7 @@ class EngineCore:
         self.processor.clear()
         self.beams.clear()
         self._pending.clear()
+        self._lora_of.clear()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.requests) or bool(self._pending)

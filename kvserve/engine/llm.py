@@ -61,8 +61,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. `lora_request`: the LoRA
+        adapter (kvserve.lora.LoRARequest) every prompt runs with, or one per prompt (None: the
+        base model); the engine needs enable_lora=True."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -71,13 +74,26 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, (list, tuple))
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         order: list[str] = []
         texts: dict[str, str | None] = {}
         try:
             for i, (p, sp) in enumerate(zip(prompts, params_list)):
                 ids, text = self._token_ids(p)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0)
+                self.engine.add_request(
+                    rid,
+                    ids,
+                    sp,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
+                )
                 order.append(rid)
                 texts[rid] = text
         except Exception:

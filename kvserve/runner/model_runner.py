@@ -112,6 +112,7 @@ class ModelRunner:
             tp=tp,
             pp=pp,
             worker=worker,
+            lora=config.enable_lora,
         )
         reason = f"; {self.backend_reason}" if self.backend_reason else ""
         log.info("steps: %s%s", self.step_path, reason)
@@ -220,6 +221,11 @@ class ModelRunner:
         meta = metas[0]
         if num_groups > 1:
             meta.layers = [metas[g] for g in self.layer_group]
+        lora = getattr(self.model, "lora_step", None)  # LoRA adapters: each token's slot
+        if lora is not None:
+            slots = [lora.slot_of(c.seq.lora_key) for c in out.chunks]
+            counts = [len(c.token_ids) for c in out.chunks]
+            lora.set(torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts)))
         ids = torch.tensor(input_ids, dtype=torch.long)
         return ids, torch.tensor(positions, dtype=torch.long), meta, sample_idx
 

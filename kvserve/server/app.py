@@ -3,8 +3,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health,
 GET /version, GET /metrics, POST /tokenize, POST /detokenize, GET /tokenizer_info (with
 --enable-tokenizer-info-endpoint), the live dashboard (GET /dashboard,
-/dashboard/data: kvserve/server/dashboard.py), and with --kv-transfer-role POST /v1/kv/prefill
-and/or /v1/kv/import (prefill/decode disaggregation: kvserve/server/kv_routes.py).
+/dashboard/data: kvserve/server/dashboard.py), with --kv-transfer-role POST /v1/kv/prefill
+and/or /v1/kv/import (prefill/decode disaggregation: kvserve/server/kv_routes.py), and with
+--enable-lora POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvserve.server.dashboard import install_dashboard
 from kvserve.server.errors import BadRequest, NotFound, Unavailable, install_error_handlers
 from kvserve.server.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, early_rejection
 from kvserve.server.kv_routes import KVHandover, raw_body_paths
+from kvserve.server.lora_routes import install_lora_routes
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,23 +60,27 @@ class APIService:
         return await create_chat_completion(request, self.state)
 
     def model_card(self, name: str) -> dict:
+        """A served model's card; a LoRA adapter's names its path as `root` and the base model
+        as `parent` (as vLLM's)."""
+        path = self.state.lora_adapters.get(name)
         return {
             "id": name,
             "object": "model",
             "created": self.state.created,
             "owned_by": "kvserve",
-            "root": name,
+            "root": name if path is None else path,
+            "parent": None if path is None else self.state.model_name,
             "max_model_len": self.engine.max_model_len,
         }
 
     async def models(self):
-        return {
-            "object": "list",
-            "data": [self.model_card(n) for n in self.state.served_model_names],
-        }
+        names = [*self.state.served_model_names, *self.state.lora_adapters]
+        return {"object": "list", "data": [self.model_card(n) for n in names]}
 
     async def model(self, model_id: str):
-        if model_id not in self.state.served_model_names:
+        if model_id not in self.state.served_model_names and (
+            model_id not in self.state.lora_adapters
+        ):
             raise NotFound(
                 f"The model `{model_id}` does not exist.", param="model", code="model_not_found"
             )
@@ -217,5 +223,7 @@ def build_app(engine: AsyncEngine, args=None) -> FastAPI:
         app.get("/tokenizer_info")(api.tokenizer_info)
     if handover is not None:
         handover.install(app)
+    if engine.core.config.enable_lora:
+        install_lora_routes(app, state)
     app.post("/detokenize")(api.detokenize)
     return app

@@ -42,6 +42,9 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 2 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
+    # The loaded LoRA adapters, {name: path}: a request's model field may name one
+    # (kvserve/server/lora_routes.py keeps it in step with the engine's).
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -51,12 +54,22 @@ class ServerState:
 # ---- admission ----
 
 
+def lora_of(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's model field names, None for the base model."""
+    return model if model in state.lora_adapters else None
+
+
 def check_request(state: ServerState, model: str | None) -> None:
     if not state.engine.accepting:
         raise Unavailable("the server is shutting down and admits no new request")
-    if model is not None and model not in state.served_model_names:
+    if (
+        model is not None
+        and model not in state.served_model_names
+        and model not in state.lora_adapters
+    ):
+        served = [*state.served_model_names, *state.lora_adapters]
         raise NotFound(
-            f"The model `{model}` does not exist. Served: {', '.join(state.served_model_names)}",
+            f"The model `{model}` does not exist. Served: {', '.join(served)}",
             param="model",
             code="model_not_found",
         )
@@ -176,9 +189,11 @@ async def open_streams(
     cache_salt: str | None,
     names: dict[str, str] | None = None,
     reservation=None,
+    lora_name: str | None = None,
 ) -> list[Stream]:
     """Submit every prompt and wait for each one's first output, so that admission errors
-    (400 can-never-fit, 429 queue full, 503 shutting down) come back as the HTTP status."""
+    (400 can-never-fit, 429 queue full, 503 shutting down) come back as the HTTP status.
+    `lora_name`: the LoRA adapter every prompt runs with (None: the base model)."""
     gens = [
         engine.generate(
             ids,
@@ -187,6 +202,7 @@ async def open_streams(
             priority=priority,
             cache_salt=cache_salt,
             reservation=reservation,
+            lora_name=lora_name,
         )
         for i, ids in enumerate(prompts)
     ]

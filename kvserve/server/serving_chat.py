@@ -19,6 +19,7 @@ from kvserve.server.serving import (
     check_output,
     check_request,
     compile_constraint,
+    lora_of,
     merge,
     off_loop,
     open_streams,
@@ -78,6 +79,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState)
             req.cache_salt,
             names={"prompt": "messages"},
             reservation=held,
+            lora_name=lora_of(state, req.model),
         )
     run = _ChatRun(req, state, params.n, constraint_field, request_id, len(prompt_ids))
     if not req.stream:
@@ -107,7 +109,8 @@ class _ChatRun:
         self.choices = [Choice(i) for i in range(n)]
         self.cached = 0
         self.num_top = req.top_logprobs or 0
-        self.head = {"id": request_id, "created": int(time.time()), "model": state.model_name}
+        model = lora_of(state, req.model) or state.model_name  # an adapter's own name
+        self.head = {"id": request_id, "created": int(time.time()), "model": model}
         self.parsers = [ToolCallStreamParser() for _ in self.choices] if req.uses_tools else None
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

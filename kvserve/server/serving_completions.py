@@ -21,6 +21,7 @@ from kvserve.server.serving import (
     completion_logprobs,
     echo_logprobs,
     join_logprobs,
+    lora_of,
     merge,
     off_loop,
     open_streams,
@@ -47,7 +48,14 @@ async def create_completion(req: CompletionRequest, state: ServerState):
         prompt_ids, echo_texts = await _tokenize_prompts(req, engine, prompts, params.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await open_streams(
-            engine, prompt_ids, params, request_id, req.priority, req.cache_salt, reservation=held
+            engine,
+            prompt_ids,
+            params,
+            request_id,
+            req.priority,
+            req.cache_salt,
+            reservation=held,
+            lora_name=lora_of(state, req.model),
         )
     run = _CompletionRun(req, state, params.n, constraint_field, request_id, prompt_ids, echo_texts)
     if not req.stream:
@@ -112,7 +120,7 @@ class _CompletionRun:
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": state.model_name,
+            "model": lora_of(state, req.model) or state.model_name,  # an adapter's own name
         }
 
     def record(self, i: int, out) -> None:

@@ -63,6 +63,12 @@ SETTINGS = {
         "master_port": 1234,
         "max_num_batched_tokens": 1000,
     },
+    "lora": {
+        "enable_lora": True,
+        "lora_modules": ["a=/adapters/a", "b=/adapters/b"],
+        "max_loras": 3,
+        "max_lora_rank": 32,
+    },
 }
 
 # The same settings on the command line.
@@ -101,6 +107,12 @@ ARGV = {
         "--master-port", "1234",
         "--max-num-batched-tokens", "1000",
     ],
+    "lora": [
+        "--enable-lora",
+        "--lora-modules", "a=/adapters/a", "b=/adapters/b",
+        "--max-loras", "3",
+        "--max-lora-rank", "32",
+    ],
 }  # fmt: skip
 
 # The same settings in a --config file: flag names or the fields' names, as a file may write them.
@@ -138,6 +150,12 @@ FILES = {
         "master-addr": "node0",
         "master_port": 1234,
         "max_num_batched_tokens": 1000,
+    },
+    "lora": {
+        "enable-lora": True,
+        "lora-modules": ["a=/adapters/a", "b=/adapters/b"],  # a list, not flag text
+        "max_loras": 3,
+        "max-lora-rank": 32,
     },
 }
 
@@ -207,6 +225,8 @@ def test_the_same_settings_give_the_same_config_from_every_source(tmp_path, name
             value = {"1GiB": 2**30, "512MiB": 2**29}[value]
         elif keyword == "speculative_config":
             value = SpeculativeConfig(**value)
+        elif keyword == "lora_modules":
+            value = dict(item.split("=") for item in value)
         assert got == value, keyword
 
 
@@ -274,6 +294,10 @@ def test_the_keywords_are_the_fields():
             "master_port",
             "device",
             "gpu_memory_utilization",
+            "enable_lora",
+            "lora_modules",
+            "max_loras",
+            "max_lora_rank",
         ]
     )
     assert make_engine_config(num_blocks=12).cache.num_blocks_override == 12  # no flag

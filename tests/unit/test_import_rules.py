@@ -41,6 +41,8 @@ RULES: dict[str, set[str]] = {
         "runner.pipeline_parallel",
     },
     "spec": {"runner", "core", "model", "ops", "config", "sampling_params"},
+    # LoRA adapters: read from PEFT directories, applied inside the model's Linears (duck-typed)
+    "lora": {"config"},
     "structured": {"model.tokenizer", "config", "sampling_params"},
     "engine": {
         "core",
@@ -49,6 +51,7 @@ RULES: dict[str, set[str]] = {
         "ops",
         "spec",
         "structured",
+        "lora",
         "config",
         "sampling_params",
         "outputs",

@@ -6,6 +6,7 @@ worker rank (tensor or pipeline)   its own loop runs the model (runner/worker.py
 cuda                               CudaBackend: Triton attention, CUDA graphs for decodes
 cpu                                LayerStackBackend when CLayerStack takes the model and its
                                    KV pools, else TorchForward naming what declined
+--enable-lora (cpu)                TorchForward: the LoRA deltas are added in the Linears
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvserve.runner.layer_stack import CLayerStack
 
 WORKER = "a worker rank: rank 0 sends its steps"
 ONE_WINDOW = "the C layer stack takes one attention window for every layer"
+LORA = "LoRA adapters run on the PyTorch forward"
 
 
 def select_backend(
@@ -41,20 +43,22 @@ def select_backend(
     tp=None,
     pp=None,
     worker: bool = False,
+    lora: bool = False,
 ) -> tuple[StepBackend, str | None]:
     """The backend every step of this runner takes, and the reason a faster path declined with
     the setting that gets it back ("to get the C layer stack back: ..."), or None where the
     fastest path for the device runs. `tp`/`pp`: rank 0's TensorParallelGroup / PipelineGroup;
     `worker`: a worker rank's runner, whose own loop runs the model; `prepare`:
-    ModelRunner.prepare (pipeline stages flatten each micro-batch)."""
+    ModelRunner.prepare (pipeline stages flatten each micro-batch); `lora`: --enable-lora (the
+    C layer stack runs no Python between layers, so it cannot add the adapters' deltas)."""
     if worker:
         return TorchForward(model, kv_caches, WORKER), None
     if tp is not None:
         backend = TensorParallelBackend(tp, model, kv_caches, arch.vocab_size)
         return backend, f"{backend.declined}; to get it back: --tensor-parallel-size 1"
     if pp is not None:
-        backend = PipelineParallelBackend(pp, model, kv_caches, arch.vocab_size, prepare)
-        return backend, f"{backend.declined}; to get it back: --pipeline-parallel-size 1"
+        backend = PipelineParallelBackend(pp, model, kv_caches, arch.vocab_size, prepare, lora=lora)
+        return backend, None if backend.declined is None else _get_back(backend.fix)
     if device.type == "cuda":
         backend = CudaBackend.build(
             model,
@@ -67,6 +71,8 @@ def select_backend(
             num_kv_heads=arch.num_kv_heads,
         )
         return backend, None
+    if lora:
+        return TorchForward(model, kv_caches, LORA), _get_back("drop --enable-lora")
     windows = {arch.window_of(i) for i in range(arch.num_layers)}
     if len(kv_groups) != 1 or len(windows) != 1:
         return TorchForward(model, kv_caches, ONE_WINDOW), _get_back(None)
