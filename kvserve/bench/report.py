@@ -125,6 +125,8 @@ def machine_class(res: dict) -> str:
 
 def model_name(res: dict) -> str:
     path = (res.get("args") or {}).get("model")
+    if res.get("kind") == "host" and not path:
+        return "tiny random, SmolLM2 vocabulary (null forward)"
     return Path(path).name.removesuffix(".gguf") if path else "default (SmolLM2-135M)"
 
 
@@ -401,6 +403,26 @@ def rows_gpu_kernels(res: dict) -> list[dict]:
     return out
 
 
+def rows_host(res: dict) -> list[dict]:
+    """`bench host`: the host's time per decode step with a null forward, per batch size."""
+    w = res["workload"]
+    out = []
+    for b in res["runs"][0]["batches"]:
+        ph = b["phases_us"]
+        top = sorted((p for p in ph if p != "other"), key=lambda p: -ph[p])[:2]
+        out.append(
+            dict(
+                what=f"host {w.get('clock', 'cpu')} us per decode step (tok/s), "
+                f"median of {w['rounds']} rounds",
+                metric="host",
+                load=f"batch {b['batch']}, prompt {w['prompt_tokens']}",
+                ours=f"{b['step_us']:,.0f} ({fmt_rate(b['tok_s'])}); "
+                + ", ".join(f"{p} {ph[p]:,.0f}" for p in top),
+            )
+        )
+    return out
+
+
 KINDS = {
     "latency": ("latency", rows_latency),
     "throughput": ("throughput", rows_throughput),
@@ -410,6 +432,7 @@ KINDS = {
     "soak": ("soak", rows_soak),
     "roofline": ("roofline", rows_roofline),
     "gpu-kernels": ("GPU kernels", rows_gpu_kernels),
+    "host": ("host", rows_host),
 }
 
 

@@ -13,9 +13,14 @@ sends its hidden states on without waiting (isend); stage s receives, runs its l
 on, so stage 1 works on micro-batch 1 while stage 0 works on micro-batch 2. The last stage sends
 each micro-batch's logits back to rank 0, which samples.
 
-The layers are those of the loaded model (any weight format the PyTorch forward runs: GGUF
-packed, int8, float), run by the same modules in the same order as without stages, so the
-numbers are those of a single process's PyTorch forward. The Llama family, one KV group.
+Each stage runs its layers on the path one process would run them on: the C layer stack
+(runner/layer_stack.py) over the stage's own layer table when it takes the model (GGUF blocks,
+float32; stage 0 embeds, the last stage applies the final norm; the hidden states between stages
+are float32 rows, exactly what the next layer would read in one process), else the same PyTorch
+modules in the same order (any weight format: int8, float). On the C stack every token's numbers
+are computed on their own, so the tokens equal one process's exactly; on the PyTorch forward only
+the shapes of the matrix products change (micro-batches). Each stage's start-up log names its
+path and why. The Llama family, one KV group.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.runner.layer_stack import CLayerStack, Refusal
 from kvserve.runner.ranks import Ranks, receive, start_ranks, steps
 from kvserve.runner.tensor_parallel import even_split
 
@@ -85,6 +91,24 @@ def micro_batches(out: SchedulerOutput, stages: int) -> list[list[int]]:
     return runs
 
 
+def stage_stack(model, kv_caches, lora: bool = False) -> tuple[CLayerStack | None, Refusal | None]:
+    """(the C layer stack over this stage's layers and KV pools, None), or (None, why not): what
+    select_backend decides for one process, for the stage's share of the model."""
+    if lora:
+        return None, Refusal("LoRA adapters run on the PyTorch forward", "drop --enable-lora")
+    windows = {model.arch.window_of(i) for i in range(len(model.layers))}
+    if len(windows) != 1:
+        return None, Refusal("the C layer stack takes one attention window for every layer")
+    return CLayerStack.build_with_reason(model, kv_caches)
+
+
+def stage_path(stack: CLayerStack | None, why: Refusal | None) -> str:
+    """The path a stage's steps take, for its start-up log."""
+    if stack is not None:
+        return f"C layer stack, {stack.isa} kernels"
+    return f"PyTorch forward ({why.why if why else 'no C layer stack'})"
+
+
 def run_layers(model, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> torch.Tensor:
     """The stage's layers on hidden states h (LlamaForCausalLM.forward without embedding and
     norm)."""
@@ -99,24 +123,35 @@ class PipelineGroup(Ranks):
     (the step's backend, runner/backends/pipeline_parallel.py, cuts it into micro-batches)."""
 
     def run_step(
-        self, model, kv_caches, vocab_size: int, parts: list[tuple], copy_blocks
+        self,
+        model,
+        kv_caches,
+        vocab_size: int,
+        parts: list[tuple],
+        copy_blocks,
+        stack: CLayerStack | None = None,
     ) -> list[torch.Tensor]:
-        """parts: per micro-batch (input_ids, positions, meta, rows); returns their logits."""
+        """parts: per micro-batch (input_ids, positions, meta, rows, prompt_lens); returns their
+        logits. `stack`: stage 0's C layer stack (None: the PyTorch forward)."""
         self.broadcast(
             (
                 "step",
                 copy_blocks,
-                [(pos, meta, rows, ids.shape[0]) for ids, pos, meta, rows in parts],
+                [(pos, meta, rows, ids.shape[0], lens) for ids, pos, meta, rows, lens in parts],
             )
         )
         pending = []
         try:
             with torch.inference_mode():
-                for ids, positions, meta, _ in parts:
-                    h = run_layers(model, model.embed_tokens(ids), positions, meta, kv_caches)
+                for ids, positions, meta, _, lens in parts:
+                    if stack is not None:
+                        every = torch.arange(ids.shape[0])
+                        h = stack(ids, positions, meta, kv_caches, every, lens, final_norm=False)
+                    else:
+                        h = run_layers(model, model.embed_tokens(ids), positions, meta, kv_caches)
                     pending.append((h, dist.isend(h.contiguous(), dst=1)))
             logits = []
-            for _, _, _, rows in parts:
+            for _, _, _, rows, _ in parts:
                 out = torch.empty(len(rows), vocab_size)
                 if len(rows):  # no row, nothing sent back
                     dist.recv(out, src=self.world - 1)
@@ -141,24 +176,40 @@ def worker_main(rank: int, stages: int, config) -> None:
     from kvserve.runner.model_runner import ModelRunner
 
     loaded = load_model(config.model)
+    layers = stage_layers(loaded.arch.num_layers, stages, rank)
     loaded = keep_stage(loaded, rank, stages)
     context = config.model.context_len(loaded.arch.max_position_embeddings)
     # the KV blocks rank 0 sized; this loop runs the stage's layers itself (worker=True)
     runner = ModelRunner(loaded, config, receive(), max_model_len=context, worker=True)
     model, hidden_size, last = runner.model, loaded.arch.hidden_size, rank == stages - 1
+    stack, why = stage_stack(model, runner.kv_caches, lora=config.enable_lora)
     log.info(
-        "pipeline stage %d/%d ready (pid %d, %d layers)",
+        "pipeline stage %d/%d ready (pid %d, layers [%d, %d)): steps: %s",
         rank,
         stages,
         os.getpid(),
-        len(model.layers),
+        layers.start,
+        layers.stop,
+        stage_path(stack, why),
     )
     for parts in steps(runner):
         sends = []
         with torch.inference_mode():
-            for positions, meta, rows, tokens in parts:
+            for positions, meta, rows, tokens, lens in parts:
                 h = torch.empty(tokens, hidden_size)
                 dist.recv(h, src=rank - 1)
+                if stack is not None:
+                    ids = torch.zeros(tokens, dtype=torch.long)  # not read: h_in replaces them
+                    out_rows = rows if last else torch.arange(tokens)
+                    h = stack(
+                        ids, positions, meta, runner.kv_caches, out_rows, lens, h, final_norm=last
+                    )
+                    if last and len(rows):
+                        out = model.compute_logits(h).contiguous()
+                        sends.append((out, dist.isend(out, dst=0)))
+                    elif not last:
+                        sends.append((h, dist.isend(h, dst=rank + 1)))
+                    continue
                 h = run_layers(model, h, positions, meta, runner.kv_caches)
                 if last:
                     if len(rows):

@@ -3,7 +3,12 @@ what else runs in the same steps (other requests, chunked prompts, sampling neig
 the ISA build of the kernels (every build computes the same bits: ops/csrc/gguf_gemv.h).
 
 Each ISA build the host can execute is tested (KVSERVE_ISA); the portable C build, which is
-slow, only in the cross-ISA comparison on a short run."""
+slow, only in the cross-ISA comparison on a short run.
+
+Float weights (--quantization none) run the PyTorch forward, whose dense matrix products round a
+row differently with the rows sharing the call, so there only the ISA axis is exact (its one C
+kernel, the paged attention, computes the same bits in every build); batch, chunk and prefix-hit
+drift is bounded in tests/model/test_prefix_caching.py (docs/architecture.md, determinism)."""
 
 import os
 
@@ -110,3 +115,25 @@ def test_forced_isa_that_the_cpu_lacks_is_refused(default_gguf, isa_env):
     with pytest.raises(ValueError, match="cannot execute"):
         LLM(default_gguf, kv_cache_memory="32MiB")
     assert os.environ["KVSERVE_ISA"] == missing[0]
+
+
+def test_float_weights_tokens_and_logprobs_do_not_depend_on_the_isa(default_gguf, isa_env):
+    """--quantization none: the PyTorch forward with the C paged attention of each fast build
+    (decodes read the pool there) gives the same tokens and logprobs, bit for bit."""
+    from kvserve import SamplingParams
+
+    if len(FAST_ISAS) < 2:
+        pytest.skip("this CPU executes one fast build")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    results = {}
+    for isa in (FAST_ISAS[0], FAST_ISAS[-1]):
+        isa_env(isa)
+        llm = _llm(default_gguf, threads=1, quantization="none")
+        assert llm.engine.runner.layer_stack is None
+        outs = llm.generate(GREEDY[:3], params, use_tqdm=False)
+        results[isa] = [
+            (o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in outs
+        ]
+        del llm
+    a, b = results.values()
+    assert a == b, f"{FAST_ISAS[0]} and {FAST_ISAS[-1]} differ"

@@ -1,10 +1,12 @@
 """Pipeline parallelism on the default model: 2 stages (15 + 15 layers), one process and one thread
 each, gloo over 127.0.0.1, micro-batches in flight.
 
-The stages run the same modules in the same order as one process's PyTorch forward; only the
-shapes of the matrix products change (a step's batch is cut into micro-batches), so PP=2 gives the
-greedy tokens of PP=1 and logprobs within 1e-4 (float weights and KV here); chunked prompts and
-prompt logprobs go through; a killed stage stops the engine at once."""
+Float weights (--quantization none): the stages run the same modules in the same order as one
+process's PyTorch forward; only the shapes of the matrix products change (a step's batch is cut
+into micro-batches), so PP=2 gives the greedy tokens of PP=1 and logprobs within 1e-4; chunked
+prompts and prompt logprobs go through. GGUF blocks (gguf, gguf-mixed): each stage runs its layers
+on the C layer stack, whose tokens do not depend on the batch, so PP=2 gives one process's tokens
+and logprobs bit for bit."""
 
 import pytest
 
@@ -73,3 +75,44 @@ def test_pp2_gives_the_tokens_and_logprobs_of_one_process(default_gguf):
         assert llm.engine.scheduler.num_used_blocks == 0
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("quantization", ["gguf", None])  # None: the default, gguf-mixed
+def test_pp2_on_the_c_layer_stack_gives_one_process_bits(default_gguf, quantization):
+    """Every stage on the C layer stack (its own layers; stage 0 embeds, the last stage norms):
+    the greedy tokens and logprobs of one process exactly, prompts chunked and batched."""
+
+    def llm(pp):
+        return LLM(
+            default_gguf,
+            quantization=quantization,
+            pipeline_parallel_size=pp,
+            num_threads=1,
+            max_model_len=1024,
+            kv_cache_memory="64MiB",
+            max_num_batched_tokens=32,
+        )
+
+    prompts = PROMPTS[:4] + [" ".join(PROMPTS) * 2]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    one = llm(1)
+    if one.engine.runner.layer_stack is None:
+        pytest.skip("no C layer stack here (no compiler)")
+    ref = [
+        (o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs])
+        for o in one.generate(prompts, params, use_tqdm=False)
+    ]
+    del one
+    pp = llm(2)
+    try:
+        runner = pp.engine.runner
+        assert runner.pp is not None and runner.layer_stack is not None, runner.step_path
+        assert runner.step_path.startswith("C layer stack"), runner.step_path
+        got = [
+            (o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs])
+            for o in pp.generate(prompts, params, use_tqdm=False)
+        ]
+        assert got == ref
+        assert pp.engine.scheduler.num_used_blocks == 0
+    finally:
+        pp.engine.close()
