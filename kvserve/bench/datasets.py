@@ -11,6 +11,7 @@ multiturn conversations of several turns, each with its own system prompt; round
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,7 +228,17 @@ def sharegpt_requests(
 
 
 def gguf_vocab_size(path: str) -> int:
-    """Vocabulary size from a GGUF file's tokenizer metadata (no model load)."""
+    """Vocabulary size from a GGUF file's tokenizer metadata, or a Hugging Face directory's
+    config.json (no model load)."""
+    if os.path.isdir(path):
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                vocab = json.load(f).get("vocab_size")
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: cannot read config.json ({e}): pass --vocab-size") from e
+        if not isinstance(vocab, int) or vocab <= 0:
+            raise SystemExit(f"{path}/config.json has no vocab_size: pass --vocab-size")
+        return vocab
     from gguf import GGUFReader
 
     field = GGUFReader(path).fields.get("tokenizer.ggml.tokens")
