@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stop_firsts = {s[0] for s in self.stop if s}  # where a held-back tail can begin
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -115,9 +116,13 @@ class IncrementalDetokenizer:
         return end if self.params.include_stop_str_in_output else start
 
     def _stop_prefix_len(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
-        for k in range(min(self._max_stop_len - 1, len(buf)), 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
+        """Length of the longest suffix of `buf`, shorter than the longest stop string, that a
+        stop string begins with. Only suffixes starting with some stop string's first character
+        are compared."""
+        n = len(buf)
+        for i in range(n - min(self._max_stop_len - 1, n), n):  # the longest suffix first
+            if buf[i] in self._stop_firsts:
+                tail = buf[i:]
+                if any(s.startswith(tail) for s in self.stop):
+                    return n - i
         return 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -156,3 +158,19 @@ def test_skip_special_tokens(tokenizer, skip):
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
     text = "".join(detok.add_tokens([i])[0] for i in ids) + detok.flush()
     assert text == ("Hello there" if skip else "Hello there" + EOS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    buf=st.text(alphabet="abST🙂 ", max_size=12),
+    stop=st.lists(st.text(alphabet="abST🙂 ", min_size=1, max_size=5), min_size=1, max_size=3),
+)
+def test_held_back_tail_is_the_longest_stop_prefix(tokenizer, buf, stop):
+    """The text held back is the longest suffix of the buffer, shorter than the longest stop
+    string, that a stop string begins with (a whole match was cut before this is asked)."""
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stop))
+    window = min(max(map(len, stop)) - 1, len(buf))
+    longest = max(
+        (k for k in range(1, window + 1) if any(s.startswith(buf[-k:]) for s in stop)), default=0
+    )
+    assert det._stop_prefix_len(buf) == longest
