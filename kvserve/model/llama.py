@@ -128,7 +128,8 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype)
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, rotary, dtype, i) for i in range(arch.num_layers)
+            DecoderLayer(arch, rotary, dtype, i, mlp=self.make_mlp(arch, dtype))
+            for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = (
@@ -137,6 +138,10 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
             else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
         )
         self.tied_head = False  # lm_head is a packed copy of the embedding (loaded with it)
+
+    def make_mlp(self, arch: ModelArch, dtype: torch.dtype) -> nn.Module | None:
+        """A layer's feed-forward block; None: SwiGLU (subclasses put experts there)."""
+        return None
 
     @torch.inference_mode()
     def forward(
@@ -171,12 +176,9 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
             names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            if self.arch.name == "phi3":  # one tensor for q/k/v, one for gate/up
-                names |= {f"{p}self_attn.{x}_proj.weight" for x in ("qkv", "o")}
-                names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate_up", "down")}
-            else:
-                names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-                names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+            attn = ("qkv", "o") if self.arch.name == "phi3" else "qkvo"  # Phi-3: q/k/v fused
+            names |= {f"{p}self_attn.{x}_proj.weight" for x in attn}
+            names |= self.mlp_weight_names(p)
             if self.arch.qk_norm:
                 names |= {f"{p}self_attn.{x}_norm.weight" for x in "qk"}
             if self.arch.attention_bias:
@@ -184,6 +186,11 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
             if self.arch.o_proj_bias:
                 names.add(f"{p}self_attn.o_proj.bias")
         return names
+
+    def mlp_weight_names(self, p: str) -> set[str]:
+        """The tensors of the feed-forward block of the layer whose names begin with `p`."""
+        mlp = ("gate_up", "down") if self.arch.name == "phi3" else ("gate", "up", "down")
+        return {f"{p}mlp.{x}_proj.weight" for x in mlp}
 
     def load_weight(self, name: str, w: torch.Tensor) -> None:
         """Load one tensor named as in a HF checkpoint (model.layers.3.self_attn.q_proj.weight)."""
@@ -193,7 +200,7 @@ class LlamaForCausalLM(TiedHeadMixin, nn.Module):
             module = getattr(self.layers[int(layer)], block)
             if proj in ("q_norm", "k_norm"):
                 norm = getattr(module, proj, None)
-                if norm is None:
+                if norm is None or kind != "weight":
                     raise KeyError(f"unexpected weight {name!r}: the model has no q/k norms")
                 norm.load_weight(w)
                 return

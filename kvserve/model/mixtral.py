@@ -24,17 +24,12 @@ from torch import nn
 
 from kvserve.model.arch import ModelArch
 from kvserve.model.layers import (
-    Embedding,
     GatedMLP,
     Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    TiedHeadMixin,
     UnquantizedMethod,
     dense,
 )
-from kvserve.model.llama import DecoderLayer
-from kvserve.ops.attention import AttentionMetadata
+from kvserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("kvserve.model")
 
@@ -138,8 +133,9 @@ def expert_format(linear: Linear, gguf: bool) -> str:
     return f"packed by {type(method).__name__}"
 
 
-class MixtralForCausalLM(TiedHeadMixin, nn.Module):
-    """MixtralForCausalLM; subclasses change only the checkpoint's names (`_MOE`, `_W`)."""
+class MixtralForCausalLM(LlamaForCausalLM):
+    """The Llama model with a SparseMoE in each layer's `mlp`; its own checkpoint names.
+    Subclasses change only those names (`_MOE`, `_W`)."""
 
     # Not sharded: runner/tensor_parallel.py and pipeline_parallel.py know the dense MLP's names.
     supports_parallel = False
@@ -147,81 +143,31 @@ class MixtralForCausalLM(TiedHeadMixin, nn.Module):
     def __init__(
         self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None
     ):
-        super().__init__()
         if arch.num_experts <= 0:
             raise ValueError(f"{arch.name}: a mixture-of-experts model needs num_experts > 0")
-        self.arch = arch
-        self.dtype = dtype
-        self.rotary = RotaryEmbedding(
-            arch.head_dim,
-            max_positions or arch.max_position_embeddings,
-            arch.rope_theta,
-            arch.rope_scaling,
-        )
-        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(arch, self.rotary, dtype, i, mlp=SparseMoE(arch, dtype))
-            for i in range(arch.num_layers)
-        )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
-        )
-        self.tied_head = False
+        super().__init__(arch, dtype, max_positions)
         self._format_logged = False
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, H] (final norm applied)."""
-        h = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, h.dtype)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            h = layer(rope, h, meta.for_layer(i), k_cache, v_cache)
-        return self.norm(h)
+    def make_mlp(self, arch: ModelArch, dtype: torch.dtype) -> nn.Module:
+        return SparseMoE(arch, dtype)
 
     # ---- weights (HF names: the per-expert layout of the checkpoints) ----
     _MOE = "block_sparse_moe"  # the MoE block's module name
     _W = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
-    _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_(proj|norm)\.(weight|bias)$")
     _MOE_PART = re.compile(r"^model\.layers\.(\d+)\.(\w+)\.(?:experts\.(\d+)\.(\w+)|gate)\.weight$")
-    _NORM = re.compile(
-        r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$"
-    )
 
-    def weight_names(self) -> set[str]:
-        """Every tensor (HF names, the per-expert layout) the checkpoint must provide."""
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if self.lm_head is not None and not self.tied_head:
-            names.add("lm_head.weight")
-        for i in range(self.arch.num_layers):
-            p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-            if self.arch.attention_bias:
-                names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
-            if self.arch.o_proj_bias:
-                names.add(f"{p}self_attn.o_proj.bias")
-            if self.arch.qk_norm:
-                names |= {f"{p}self_attn.{x}_norm.weight" for x in "qk"}
-            names.add(f"{p}{self._MOE}.gate.weight")
-            names |= {
-                f"{p}{self._MOE}.experts.{e}.{w}.weight"
-                for e in range(self.arch.num_experts)
-                for w in self._W
-            }
-        return names
+    def mlp_weight_names(self, p: str) -> set[str]:
+        """The router and the experts of a layer (the per-expert layout of the checkpoints)."""
+        return {f"{p}{self._MOE}.gate.weight"} | {
+            f"{p}{self._MOE}.experts.{e}.{w}.weight"
+            for e in range(self.arch.num_experts)
+            for w in self._W
+        }
 
     def load_weight(self, name: str, w) -> None:
         """Load one tensor named as in a HF checkpoint (Mixtral: model.layers.3.block_sparse_moe.
-        experts.5.w1.weight); GGUF files come here under the same names (gguf_loader)."""
+        experts.5.w1.weight); GGUF files come here under the same names (gguf_loader). All but
+        the router and the experts load as the Llama model's."""
         if (m := self._MOE_PART.match(name)) and m.group(2) == self._MOE:
             layer, _, expert, which = m.groups()
             moe = self.layers[int(layer)].mlp
@@ -234,30 +180,10 @@ class MixtralForCausalLM(TiedHeadMixin, nn.Module):
             linear = getattr(moe.experts[int(expert)], target)
             linear.load_weight(w, shard)
             self._log_expert_format(linear, gguf=hasattr(w, "qtype") or hasattr(w, "gguf_qtype"))
-        elif m := self._ATTN.match(name):
-            layer, proj, part, kind = m.groups()
-            attn = self.layers[int(layer)].self_attn
-            if part == "norm":  # Qwen3's per-head q/k norms
-                if proj not in "qk" or getattr(attn, "q_norm", None) is None or kind != "weight":
-                    raise KeyError(f"unexpected weight {name!r} (this model has no {proj}_norm)")
-                getattr(attn, f"{proj}_norm").load_weight(w)
-                return
-            target, shard = ("o_proj", 0) if proj == "o" else ("qkv_proj", "qkv".index(proj))
-            linear = getattr(attn, target)
-            (linear.load_weight if kind == "weight" else linear.load_bias)(w, shard)
-        elif m := self._NORM.match(name):
-            getattr(self.layers[int(m.group(1))], m.group(2)).load_weight(w)
-        elif name == "model.embed_tokens.weight":
-            self.load_embedding(w)
-        elif name == "lm_head.weight":
-            if self.lm_head is not None and not self.tied_head:
-                self.lm_head.load_weight(w)
-        elif name == "model.norm.weight":
-            self.norm.load_weight(w)
-        elif "rotary_emb.inv_freq" in name:
-            pass  # recomputed from rope_theta
+        elif ".mlp." in name:
+            raise KeyError(f"unexpected weight {name!r} (the experts are under {self._MOE})")
         else:
-            raise KeyError(f"unexpected weight {name!r}")
+            super().load_weight(name, w)
 
     def _log_expert_format(self, linear: Linear, gguf: bool) -> None:
         """Once, when the first expert weight is complete: how the experts run (dense, and why)."""
