@@ -74,14 +74,11 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
             __m256i lo1 = four ? _mm256_and_si256(v1, low4) : v1;
             __m256i hi0 = four ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : v0;
             __m256i hi1 = four ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : v1;
-            if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
-                const __m256i bit4 = _mm256_set1_epi8(0x10);
-                const __m256i t0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 256));
-                const __m256i t1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 256 + 32));
-                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16(t0, 4 - c), bit4));
-                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16(t1, 4 - c), bit4));
-                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_srli_epi16(t0, c), bit4));
-                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_srli_epi16(t1, c), bit4));
+            if (kind == GGUF_K5) {
+                lo0 = _mm256_or_si256(lo0, k5_top(wg + qo, c, 0));
+                lo1 = _mm256_or_si256(lo1, k5_top(wg + qo, c, 1));
+                hi0 = _mm256_or_si256(hi0, k5_top(wg + qo, c + 4, 0));
+                hi1 = _mm256_or_si256(hi1, k5_top(wg + qo, c + 4, 1));
             }
             for (int r = 0; r < R; r++) {
                 const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);

@@ -1,6 +1,6 @@
-/* The K-quant kinds' scales and kind 26's integers for the 256-bit x86 kernels (gguf_gemv_avx2.c,
- * gguf_gemv_avxvnni.c), which take a group's 16 rows as two halves of 8. Include after
- * immintrin.h. */
+/* The K-quant kinds' scales and the integers of kinds 15 and 26 for the 256-bit x86 kernels
+ * (gguf_gemv_avx2.c, gguf_gemv_avxvnni.c), which take a group's 16 rows as two halves of 8.
+ * Include after immintrin.h. */
 #ifndef KVSERVE_K_SCALES_AVX_H
 #define KVSERVE_K_SCALES_AVX_H
 
@@ -22,6 +22,15 @@ static inline __attribute__((always_inline)) __m256i k6_chunk(const uint8_t *q4,
     const __m256i hi = (c & 3) == 0 ? _mm256_slli_epi16(t, 4) : (c & 3) == 1 ? _mm256_slli_epi16(t, 2)
                      : (c & 3) == 2 ? t : _mm256_srli_epi16(t, 2);
     return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
+/* Kind 15: rows 8h..8h+7's top bits (bit 4 of q) of kind 18's chunk c, in place for an OR with
+ * the chunk's 4 low bits: bit c of the block's top-bit chunk (q4: the block's integers) moved to
+ * bit 4. */
+static inline __attribute__((always_inline)) __m256i k5_top(const uint8_t *q4, const int c, const int h) {
+    const __m256i t = _mm256_loadu_si256((const __m256i *)(q4 + 256 + 32 * h));
+    return _mm256_and_si256(c < 4 ? _mm256_slli_epi16(t, 4 - c) : _mm256_srli_epi16(t, c - 4),
+                            _mm256_set1_epi8(0x10));
 }
 
 /* -v, the sign bit flipped (as C's unary minus: -0.0 for 0). */
