@@ -64,7 +64,6 @@ class EngineCore:
         self.processor = OutputProcessor(self.tokenizer)
         self.beams = BeamGroups()
         self.lora: LoRAManager | None = None  # the loaded LoRA adapters (--enable-lora)
-        self._lora_of: dict[str, str] = {}  # request id -> the adapter it runs with
         if self.config.enable_lora:
             self.lora = LoRAManager(
                 self.runner.model, self.config.max_loras, self.config.max_lora_rank
@@ -132,25 +131,21 @@ class EngineCore:
             cache_salt=cache_salt,
             lora_key=None if lora_name is None else self.lora.key_of(lora_name),
         )
-        if lora_name is not None:
-            if len(self._lora_of) > 2 * len(self.processor.requests) + 64:  # drop finished ones
-                self._lora_of = {
-                    r: n for r, n in self._lora_of.items() if r in self.processor.requests
-                }
-            self._lora_of[request_id] = lora_name
         if params.use_beam_search:
             run = beam_run(request_id, prompt, params, self.eos_token_ids, max_tokens, **common)
             self.scheduler.add_sequence(run.seqs[0])
             state = self.processor.add(
                 request_id, prompt, params, common["arrival_time"], run.seqs, beam=run
             )
+            state.lora_name = lora_name
             self.beams.add(state)
             return
         seqs = sample_sequences(
             request_id, prompt, params, self.eos_token_ids, max_tokens=max_tokens, **common
         )
         self.scheduler.add_sequences(seqs)
-        self.processor.add(request_id, prompt, params, common["arrival_time"], seqs)
+        state = self.processor.add(request_id, prompt, params, common["arrival_time"], seqs)
+        state.lora_name = lora_name
         if params.structured_outputs is not None:
             for seq in seqs:
                 self.grammar.add(seq.seq_id, params.structured_outputs)
@@ -205,9 +200,7 @@ class EngineCore:
         if self.lora is None or self.lora.get(name) is None:
             loaded = self.lora.names() if self.lora is not None else []
             raise KeyError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded or 'none'})")
-        live = self.processor.requests
-        self._lora_of = {rid: n for rid, n in self._lora_of.items() if rid in live}
-        users = sum(n == name for n in self._lora_of.values())
+        users = sum(s.lora_name == name for s in self.processor.requests.values())
         if users:
             raise ValueError(
                 f"LoRA adapter {name!r} is in use by {users} request(s): unload it once they "
@@ -241,7 +234,6 @@ class EngineCore:
         self.processor.clear()
         self.beams.clear()
         self._pending.clear()
-        self._lora_of.clear()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.requests) or bool(self._pending)

@@ -47,6 +47,7 @@ class RequestState:
     prompt_logprobs: list[Logprob | None] | None = None  # by prompt position; [0] stays None
     prompt_logprobs_missing: int = 0  # positions still to come
     beam: BeamRun | None = None  # beam search: its beams (the samples fill at the end)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def finished(self) -> bool:
