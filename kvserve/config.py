@@ -920,7 +920,8 @@ class EngineConfig:
         False,
         "serve LoRA adapters (PEFT directories) next to the base model: a request names one by "
         "its model field; --lora-modules loads some at start, /v1/load_lora_adapter at run time. "
-        "Steps run on the PyTorch forward (default: %(default)s)",
+        "On the CPU the C layer stack adds the deltas for GGUF models, else the PyTorch forward "
+        "(default: %(default)s)",
         flag="--enable-lora",
     )
     lora_modules: dict[str, str] | None = knob(

@@ -6,6 +6,12 @@ its TTFT and its decode tokens/s = (O - 1) / (last token - first token). Figures
 of --repeat runs with min..max. kvserve runs offline through kvserve.LLM (or, with --base-url,
 through a running server); prefix caching is turned off so every repeat recomputes the prompt.
 Peers: hf (transformers generate, TTFT = prefill time), llamacpp (its server, streamed).
+
+With --lora-mix N (and --enable-lora --lora-modules naming at least N adapters) each repeat
+sends N + 1 requests together instead of one: first all on the base model, then the base and the
+first N adapters round-robin, one request each, so every decode step holds N adapters beside the
+base. The two batches are reported as two rows (kvserve, kvserve+lora) and their decode step
+times (per request, (last token - first token) / (O - 1), the median over the batch) compared.
 """
 
 from __future__ import annotations
@@ -55,6 +61,15 @@ def add_args(p) -> None:
         "--base-url", default=None, help="measure kvserve through this running server instead"
     )
     g.add_argument(
+        "--lora-mix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send N + 1 requests at once, round-robin over the base and the first N of "
+        "--lora-modules, against the same batch on the base alone (needs --enable-lora; "
+        "default: %(default)s, one request on the base)",
+    )
+    g.add_argument(
         "--api-key",
         default=os.environ.get("KVSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         help="bearer key for --base-url (default: $KVSERVE_API_KEY or $OPENAI_API_KEY)",
@@ -93,13 +108,43 @@ def _sample(prefill: float, ttft: float, decode_time: float, e2e: float, out_tok
     }
 
 
-def run_kvserve(args, req: BenchRequest) -> dict:
+def lora_mix_names(args) -> list[str] | str:
+    """The adapters --lora-mix sends requests to (the first N of --lora-modules), or the reason
+    the flags do not allow it."""
+    from kvserve.config import engine_config_from_args
+
+    n = args.lora_mix
+    if n < 0:
+        return f"--lora-mix must be >= 0, got {n}"
+    if n == 0:
+        return []
+    if args.base_url:
+        return "--lora-mix measures the offline engine: drop --base-url"
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        return str(e)
+    names = list(config.lora_modules or {})
+    if not config.enable_lora or len(names) < n:
+        return (
+            f"--lora-mix {n} needs --enable-lora and at least {n} adapters in --lora-modules "
+            f"(got {len(names)})"
+        )
+    return names[:n]
+
+
+def run_kvserve(args, req: BenchRequest) -> dict | list[dict]:
     from kvserve import LLM, SamplingParams
     from kvserve.config import engine_config_from_args
 
     args.no_prefix_caching = True
     llm = LLM(config=engine_config_from_args(args))
     print(llm.engine.describe(), file=sys.stderr)
+    if args.lora_mix:
+        runs = run_lora_mix(llm, args, req)
+        llm = None
+        gc.collect()
+        return runs
     prompt = [{"prompt_token_ids": req.prompt_ids}]
 
     def gen(n: int):
@@ -139,6 +184,79 @@ def run_kvserve(args, req: BenchRequest) -> dict:
         "samples": samples,
         "summary": summarize_runs(samples),
     }
+
+
+def run_lora_mix(llm, args, req: BenchRequest) -> list[dict]:
+    """Per repeat, N + 1 requests on the base, then the same batch spread over the base and N
+    adapters: two runs (kvserve, kvserve+lora) whose figures are per request (medians over the
+    batch) and whose decode_step_s are compared by print_lora_mix."""
+    from kvserve import SamplingParams
+
+    names = lora_mix_names(args)
+    mixes = {"kvserve": [None] * (len(names) + 1), "kvserve+lora": [None, *names]}
+    prompts = [{"prompt_token_ids": req.prompt_ids}] * (len(names) + 1)
+
+    def gen(loras, n: int):
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=list(loras))
+        return outs, time.perf_counter() - t0
+
+    for loras in mixes.values():
+        gen(loras, 4)  # warm-up
+    samples: dict[str, list[dict]] = {k: [] for k in mixes}
+    for _ in range(args.repeat):
+        for label, loras in mixes.items():
+            _, prefill = gen(loras, 1)
+            outs, e2e = gen(loras, req.max_tokens)
+            ms = [o.metrics for o in outs]
+            decode = statistics.median(m.last_token_time - m.first_token_time for m in ms)
+            ttft = statistics.median(m.first_token_time - m.arrival_time for m in ms)
+            n_out = len(outs[0].outputs[0].token_ids)
+            sample = _sample(prefill, ttft, decode, e2e, n_out)
+            sample["decode_step_s"] = decode / (n_out - 1)
+            samples[label].append(sample)
+    config = {
+        "dtype": llm.engine.config.model.dtype,
+        "device": llm.engine.config.device,
+        "quantization": llm.engine.quantization,
+        "steps": llm.engine.step_path,
+        "batch": len(names) + 1,
+    }
+    return [
+        {
+            "engine": label,
+            "mode": "offline",
+            "config": {**config, "loras": [n or "base" for n in loras]},
+            "samples": samples[label],
+            "summary": {
+                **summarize_runs(samples[label]),
+                "decode_step_s": summarize_list([s["decode_step_s"] for s in samples[label]]),
+            },
+        }
+        for label, loras in mixes.items()
+    ]
+
+
+def summarize_list(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def print_lora_mix(runs: list[dict]) -> None:
+    """The decode step of the batch with adapters against the same batch on the base."""
+    by = {r["engine"]: r for r in runs}
+    if "kvserve+lora" not in by:
+        return
+    base = by["kvserve"]["summary"]["decode_step_s"]
+    mixed = by["kvserve+lora"]["summary"]["decode_step_s"]
+    adapters = len([n for n in by["kvserve+lora"]["config"]["loras"] if n != "base"])
+    print(
+        f"decode step, batch of {by['kvserve']['config']['batch']}: base "
+        f"{base['median'] * 1e3:.2f} ms ({base['min'] * 1e3:.2f}-{base['max'] * 1e3:.2f}), "
+        f"with {adapters} adapters {mixed['median'] * 1e3:.2f} ms "
+        f"({mixed['min'] * 1e3:.2f}-{mixed['max'] * 1e3:.2f}): "
+        f"x{common.ratio(mixed['median'], base['median']):.2f}"
+    )
 
 
 def run_hf(args, req: BenchRequest, gguf: str) -> dict:
@@ -270,6 +388,9 @@ def main(args, argv: list[str]) -> int:
     msg = check_peers(args)
     if msg:
         return common.die(msg)
+    names = lora_mix_names(args)
+    if isinstance(names, str):
+        return common.die(names)
     gguf = common.model_path(args.model)
     req = the_request(args, gguf)
     print(
@@ -283,14 +404,16 @@ def main(args, argv: list[str]) -> int:
         "prompt_tokens": len(req.prompt_ids),
         "output_tokens": req.max_tokens,
     }
+    if names:
+        result["workload"]["lora_mix"] = names
     if not args.only_peers:
-        result["runs"].append(
-            run_server_kvserve(args, req) if args.base_url else run_kvserve(args, req)
-        )
+        run = run_server_kvserve(args, req) if args.base_url else run_kvserve(args, req)
+        result["runs"].extend(run if isinstance(run, list) else [run])
     for peer in args.peer:
         result["runs"].append(
             run_hf(args, req, gguf) if peer == "hf" else run_llamacpp(args, req, gguf)
         )
     print_table(result["runs"])
+    print_lora_mix(result["runs"])
     common.save_result(result, args.output, args.save, f"latency-{result['workload']['name']}")
     return 0

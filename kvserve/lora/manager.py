@@ -41,8 +41,9 @@ class LoRAStep:
 
 
 class LoRALinear:
-    """The adapters of one base Linear: per slot, its parts' stacked A (one shrink matmul) and
-    per part (output offset, width, rank offset, rank, B scaled)."""
+    """The adapters of one base Linear: per slot, its parts' A^T stacked along the rank [in,
+    sum of ranks] (one shrink matmul) and per part (output offset, width, rank offset, rank,
+    B^T [r, width] scaled). Transposed so that the C layer stack reads both along rows."""
 
     def __init__(self, step: LoRAStep, shard_sizes: list[int]) -> None:
         self.step = step
@@ -57,9 +58,9 @@ class LoRALinear:
         for shard, (a, b) in sorted(parts.items()):
             r = a.shape[0]
             a_all.append(a)
-            plan.append((self.offsets[shard], self.shard_sizes[shard], r0, r, b))
+            plan.append((self.offsets[shard], self.shard_sizes[shard], r0, r, b.t().contiguous()))
             r0 += r
-        self.slots[slot] = (torch.cat(a_all, dim=0), plan)
+        self.slots[slot] = (torch.cat(a_all, dim=0).t().contiguous(), plan)
 
     def clear_slot(self, slot: int) -> None:
         self.slots.pop(slot, None)
@@ -78,10 +79,10 @@ class LoRALinear:
             entry = self.slots.get(slot)
             if entry is None:  # this adapter does not target this layer
                 continue
-            a_all, plan = entry
-            shrunk = x.index_select(0, rows) @ a_all.t()  # [k, sum of ranks]
-            for offset, width, r0, r, b in plan:
-                delta = shrunk[:, r0 : r0 + r] @ b.t()  # [k, width]
+            a_t, plan = entry
+            shrunk = x.index_select(0, rows) @ a_t  # [k, sum of ranks]
+            for offset, width, r0, r, b_t in plan:
+                delta = shrunk[:, r0 : r0 + r] @ b_t  # [k, width]
                 y[:, offset : offset + width].index_add_(0, rows, delta.to(y.dtype))
         return y
 
@@ -101,6 +102,7 @@ class LoRAManager:
         self._slot_of: dict[str, int] = {}  # adapter name -> slot
         self._slot_of_key: dict[str, int] = {}
         self._generation = itertools.count()
+        self.version = 0  # counts loads and unloads: the C layer stack rebuilds its table on change
         self.targets: dict[tuple[int, str], tuple[object, int]] = {}
         for layer in range(len(model.layers)):
             for module in TARGETS:
@@ -155,6 +157,7 @@ class LoRAManager:
         key = f"{name}#{next(self._generation)}"
         self.adapters[free], self.keys[free] = adapter, key
         self._slot_of[name], self._slot_of_key[key] = free, free
+        self.version += 1
         return adapter
 
     def unload(self, name: str) -> None:
@@ -166,3 +169,4 @@ class LoRAManager:
             linear.lora.clear_slot(slot)
         self._slot_of_key.pop(self.keys[slot], None)
         self.adapters[slot], self.keys[slot] = None, None
+        self.version += 1

@@ -138,11 +138,18 @@ class GGUFFile:
 
     # -- tensors --
     def raw(self, t: GGUFTensor) -> np.ndarray:
-        """The stored bytes of one tensor, [rows, bytes_per_row] uint8 (a fresh, owned buffer)."""
+        """The stored bytes of one tensor, [rows, bytes_per_row] uint8. Quantized blocks come as
+        a private (copy-on-write) memory map of the file: packing reads them once from the page
+        cache without a copy, and the map goes when the array does. F32 tensors, which
+        dequantize_rows hands on as views, come as a fresh, owned buffer."""
         with open(self.path, "rb") as f:
-            f.seek(t.offset)
-            data = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
-        if data.size != t.nbytes:
-            raise ValueError(f"{self.path}: tensor {t.name} is truncated")
+            size = f.seek(0, 2)
+            if t.offset + t.nbytes > size:
+                raise ValueError(f"{self.path}: tensor {t.name} is truncated")
+            if t.qtype == GGMLQuantizationType.F32 or not t.nbytes:
+                f.seek(t.offset)
+                data = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
+            else:
+                data = np.memmap(f, dtype=np.uint8, mode="c", offset=t.offset, shape=(t.nbytes,))
         rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
         return data.reshape(rows, -1)

@@ -2,8 +2,9 @@
 
 csrc/ holds the kernels: the GGUF block GEMV (a driver, gguf_gemv.c, and one kernel file per
 instruction set: gguf_gemv_avx512vnni.c, gguf_gemv_avx2.c, gguf_gemv_neon.c and the portable C
-reference gguf_gemv_portable.c), paged attention (paged_attention.c) and the whole-model layer
-stack (layer_stack.c). A library is built per ISA from the common files plus that ISA's kernel,
+reference gguf_gemv_portable.c), paged attention (paged_attention.c), the whole-model layer
+stack (layer_stack.c) and the load-time repacking of GGUF blocks (gguf_repack.c). A library is
+built per ISA from the common files plus that ISA's kernel,
 every file compiled with that ISA's target flags (never -march=native), and loaded with ctypes.
 No torch headers are involved (a torch C++ extension takes a minute to compile on 2 cores; this
 takes a few seconds). Libraries are cached under $KVSERVE_CACHE_DIR (default ~/.cache/kvserve)
@@ -39,7 +40,7 @@ from kvserve.ops import gguf_blocks
 log = logging.getLogger("kvserve")
 
 _CSRC = Path(__file__).parent / "csrc"
-_COMMON = ("gguf_gemv.c", "paged_attention.c", "layer_stack.c")
+_COMMON = ("gguf_gemv.c", "paged_attention.c", "layer_stack.c", "gguf_repack.c")
 # Values never depend on the ISA: no fused multiply-add contraction, no reassociation.
 _BASE_FLAGS = [
     "-O3",
@@ -182,7 +183,9 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.gguf_gemv_isa.restype = ctypes.c_char_p
     lib.gguf_gemv_isa.argtypes = []
     lib.layer_stack.restype = ctypes.c_int
-    lib.layer_stack.argtypes = [p, p, p, p, p, p, p, i64, p, i64, p, i64, p, i64, i64]
+    lib.layer_stack.argtypes = [p, p, p, p, p, p, p, i64, p, i64, p, i64, p, i64, i64, p]
+    lib.gguf_repack.restype = ctypes.c_int
+    lib.gguf_repack.argtypes = [i64, p, p, p, p, i64, i64, p, i64, i64]
 
 
 def _compiler() -> str | None:
@@ -425,6 +428,21 @@ class StackLayer(ctypes.Structure):
     ]
 
 
+LORA_LINEARS = 4  # qkv, o, gate_up, down: a layer's linears in the LoRA table (csrc/lora_delta.h)
+
+
+class StackLora(ctypes.Structure):
+    """stack_lora_t of csrc/lora_delta.h: one adapter slot on one linear: its parts' stacked A
+    [rank, K] and per part B [width, r] (times the scale), output offset, width, rank offset,
+    rank; a NULL `a`: the slot's adapter leaves the linear alone."""
+
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("b", ctypes.c_void_p * STACK_MAX_PARTS),
+    ] + [(n, ctypes.c_int64 * STACK_MAX_PARTS) for n in ("off", "width", "r0", "r")]
+
+
 class StackModel(ctypes.Structure):
     """stack_model_t of csrc/layer_stack.c: shapes, embedding (float32 rows, or NULL and a tied
     head's packed rows and kind), final norm, rope tables, layers."""
@@ -453,6 +471,7 @@ class StackModel(ctypes.Structure):
         + [(n, ctypes.c_void_p) for n in ("norm", "cos", "sin")]
         + [("layers", ctypes.POINTER(StackLayer)), ("act_parts", ctypes.c_int64)]
         + [("rotary_dim", ctypes.c_int64)]
+        + [("lora", ctypes.POINTER(StackLora)), ("lora_slots", ctypes.c_int64)]
     )
 
 
@@ -489,6 +508,7 @@ def layer_stack(
     isa: str | None = None,
     h_in: torch.Tensor | None = None,
     final_norm: bool = True,
+    lora_slots: torch.Tensor | None = None,
 ) -> None:
     """Every layer of a flat batch in one call (csrc/layer_stack.c): token ids, positions, KV
     slots and sequence indices int64 [T], `prompt` bool [T] (prompt tokens take the float32
@@ -496,7 +516,14 @@ def layer_stack(
     GEMV), block tables int64 [B, nblk] (rows contiguous) ->
     out [len(out_rows), hidden] float32, the final-normed hidden states of rows out_rows.
     A pipeline stage (model's layer table: its layers): h_in float32 [T, hidden] (contiguous)
-    replaces the embedding of ids, and final_norm=False gives the rows of h unnormed."""
+    replaces the embedding of ids, and final_norm=False gives the rows of h unnormed.
+    lora_slots: int64 [T] contiguous, each token's adapter slot in model.lora (-1: the base)."""
+    if lora_slots is not None and (
+        lora_slots.dtype != torch.int64
+        or not lora_slots.is_contiguous()
+        or lora_slots.shape != ids.shape
+    ):
+        raise ValueError("lora_slots must be a contiguous int64 [T] tensor, one slot per token")
     if h_in is not None and (h_in.dtype != torch.float32 or not h_in.is_contiguous()):
         raise ValueError("h_in must be a contiguous float32 [T, hidden] tensor")
     rc = library(isa).layer_stack(
@@ -515,6 +542,7 @@ def layer_stack(
         out.data_ptr(),
         int(final_norm),
         torch.get_num_threads(),
+        None if lora_slots is None else lora_slots.data_ptr(),
     )
     if rc != 0:
         raise RuntimeError(f"layer_stack failed ({rc})")

@@ -9,17 +9,21 @@ packed kinds (pack_gguf_parts / pack_gguf_rows); back to float32 with unpack_ggu
     14    Q4_K            u8 sc, u8 mn, 4-bit q (0..15)              w = D sc q - DMIN mn      288
     15    Q5_K            u8 sc, u8 mn, 5-bit q (4 + 1 bits)         w = D sc q - DMIN mn      352
     18                    s8 s0 (weights 0..15), s8 s1 (16..31),
-          Q3_K, IQ4_XS    u8 mn, 8-bit q (stored q + 128)            w = D s_half q - DMIN mn  560
+                          u8 mn, 8-bit q (stored q + 128)            w = D s_half q - DMIN mn  560
     19    Q5_1            fp32 d0 = d1 = d, fp32 m, 8-bit q          w = d q + m               704
     26    Q6_K            s8 s0, s1, 6-bit u = q + 32 (4 + 2 bits)   w = D s_half q            416
+    13    Q3_K            s8 s0, s1, 3-bit u = q + 4 (2 + 1 bits)    w = D s_half q            224
+    24    IQ4_XS          s8 s, 4-bit index i (0..15)                w = D s value[i]          272
     10    Q2_K            u8 sc0, sc1, mn0, mn1 (per 16 weights),
                           4-bit q (0..3)                             w = D sc_half q
                                                                          - DMIN mn_half       320
-    32    F32, F16, BF16  float32 weights (exact for all three)      w                        2048
+    32    F32             float32 weights                            w                        2048
+    33    F16             fp16 weights                               w                        1024
+    34    BF16            bf16 weights                               w                        1024
 
-Kinds 14, 15, 18, 26 and 10 keep the file's fp16 super-block scales D, DMIN (per 256 weights) once:
-after a group's blocks, 64 bytes per super-block (16 rows' D, then their DMIN; kind 26: D, 32
-bytes).
+Kinds 14, 15, 18, 26, 13, 24 and 10 keep the file's fp16 super-block scales D, DMIN (per 256
+weights) once: after a group's blocks, 64 bytes per super-block (16 rows' D, then their DMIN;
+kinds 26, 13 and 24: D, 32 bytes).
 
 Every value is the file's: Q5_0's q - 16 is a signed 8-bit integer with the block's fp16 d; a
 K-quant's sub-block scale (fp16 super-block d times a 4..8-bit sub-scale) and min are exact
@@ -27,11 +31,13 @@ float32 products (the kernels form them from D and the sub-scale), and d_half q 
 float32 (at most 24 significant bits), so the one rounding of d q + m is gguf's own
 (gguf.quants.dequantize). Formats without an offset store mn = 0 (m = -0.0), which leaves every
 d q (signed zeros included) unchanged.
-IQ4_NL and IQ4_XS store indices into a table of 16 signed 8-bit values: the value is q (IQ4_XS:
-its 6-bit sub-scale - 32 is s0 = s1). Q5_1 (an fp16 min beside its fp16 d per block, no
+IQ4_NL and IQ4_XS store indices into a table of 16 signed 8-bit values: the value is q (IQ4_NL:
+kind 8 holds the values; IQ4_XS: kind 24 keeps the 4-bit indices, and its 6-bit sub-scale - 32 is
+s). Q5_1 (an fp16 min beside its fp16 d per block, no
 super-block) takes kind 19. Q2_K (a scale and a min per 16 weights) takes kind 10. Float weights
 (F32, F16, BF16 tensors, which the loader hands over as float32: every F16 and BF16 value is a
-float32) take kind 32 through pack_float_parts.
+float32) pack through pack_float_parts: a weight all of whose parts were F16 (BF16) in the file as
+its 16-bit values again (kind 33, 34: the kernels widen each exactly), any other as kind 32.
 
 `w` is any object with the GGUF tensor's `raw` blocks ([rows, bytes_per_row] uint8), `qtype` and
 `shape` (kvserve.model.quant.BlockTensor). Imports numpy and torch only (GGUF's type codes:
@@ -51,14 +57,29 @@ GROUP = 32  # weights per packed block (and per GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 b
 SUPER = 256  # weights per GGUF K-quant super-block
 
 # Bytes of one block of 32 weights of 16 rows, per kind (gguf_packed_block_bytes in gguf_gemv.h).
-BLOCK_BYTES = {4: 320, 8: 544, 14: 288, 15: 352, 18: 560, 19: 704, 26: 416, 10: 320, 32: 2048}
-SUPER_KINDS = (14, 15, 18, 26, 10)  # kinds with super-block scales after a group's blocks
-SUPER_BYTES = 64  # per super-block of a group: 16 fp16 D, 16 fp16 DMIN (kind 26: D only)
+BLOCK_BYTES = {
+    4: 320,
+    8: 544,
+    14: 288,
+    15: 352,
+    18: 560,
+    19: 704,
+    26: 416,
+    13: 224,
+    24: 272,
+    10: 320,
+    32: 2048,
+    33: 1024,
+    34: 1024,
+}
+SUPER_KINDS = (14, 15, 18, 26, 13, 24, 10)  # kinds with super-block scales after a group's blocks
+NO_MIN_KINDS = (26, 13, 24)  # super-block kinds with D only (no DMIN) and no m
+SUPER_BYTES = 64  # per super-block of a group: 16 fp16 D, 16 fp16 DMIN (NO_MIN_KINDS: D only)
 
 
 def super_bytes(kind: int) -> int:
     """Bytes of a group's super-block scales per 8 blocks (gguf_super_bytes in gguf_gemv.h)."""
-    return 32 if kind == 26 else SUPER_BYTES if kind in SUPER_KINDS else 0
+    return 32 if kind in NO_MIN_KINDS else SUPER_BYTES if kind in SUPER_KINDS else 0
 
 
 def group_bytes(kind: int, nb: int) -> int:
@@ -77,15 +98,17 @@ def packed_kind(qtype) -> int | None:
         Q.Q4_K: 14,
         Q.Q5_K: 15,
         Q.Q6_K: 26,
-        Q.Q3_K: 18,
+        Q.Q3_K: 13,
         Q.Q5_1: 19,
-        Q.IQ4_XS: 18,
+        Q.IQ4_XS: 24,
         Q.Q2_K: 10,
     }.get(qtype)
 
 
 FLOAT_KIND = 32  # float weights (pack_float_parts)
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)  # GGUF types whose float32 values kind 32 holds exactly
+HALF_KINDS = {33: torch.float16, 34: torch.bfloat16}  # float weights in 16 bits
+_HALF_KIND_OF = {Q.F16: 33, Q.BF16: 34}
 
 
 # The 16 values an IQ4_NL / IQ4_XS index stands for (ggml's kvalues_iq4nl).
@@ -104,8 +127,9 @@ class _Decoded:
     """One tensor's blocks of 32, decoded: `ints` [N, nb, 16 | 32] uint8 as the kind stores them
     (4-bit kinds: byte t = q[t] | q[t + 16] << 4; 8-bit kinds: q + 128, or with `signed` the
     file's int8 q, to which packing adds 128), `scales` one [N, nb] array per scale in the kind's
-    order (kinds 4 / 8: fp16 d, m; 14: u8 sc, mn; 18: s8 s0, s1, u8 mn; 19: fp32 d0, d1, m) and,
-    for kinds 14 / 18, `supers` the fp16 D and DMIN [N, nb / 8]. All may be views of the file's
+    order (kinds 4 / 8: fp16 d, m; 14: u8 sc, mn; 18: s8 s0, s1, u8 mn; 19: fp32 d0, d1, m;
+    26 / 13: s8 s0, s1; 24: s8 s) and, for the super-block kinds, `supers` the fp16 D and DMIN
+    [N, nb / 8] (NO_MIN_KINDS: D only). All may be views of the file's
     blocks (strided over blocks, each block's bytes contiguous): packing copies them once,
     straight into place."""
 
@@ -198,7 +222,8 @@ def _decode_iq4_nl(w, N) -> _Decoded:
 
 
 def _decode_iq4_xs(w, N) -> _Decoded:
-    """Super-block: fp16 d, 6-bit sub-scales, table indices."""
+    """Super-block: fp16 d, 6-bit sub-scales, table indices; kind 24 keeps the indices as nibbles
+    (the kernels look their values up) and ls - 32 as s."""
     b = _blocks(w, 136)
     lo = (b[..., 4:8].reshape(N, -1, 4, 1) >> np.array([0, 4], np.uint8)) & 15  # [N, ns, 4, 2]
     hi = b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))  # [N, ns, 8]
@@ -206,12 +231,7 @@ def _decode_iq4_xs(w, N) -> _Decoded:
     s = _per_32((ls - 32).astype(np.int8), N)  # [N, nb]: d0 = d1 = D (ls - 32)
     qs = b[..., 8:].reshape(N, -1, 8, 16)
     idx = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, ns, 8, 32]
-    return _Decoded(
-        18,
-        [s, s, np.zeros(s.shape, np.uint8)],
-        _per_32(IQ4_VALUES[idx] + 128, N).astype(np.uint8),
-        supers=_supers(b, 0, None),
-    )
+    return _Decoded(24, [s], _nibbles_of(_per_32(idx, N)), supers=_supers(b, 0, None)[:1])
 
 
 def _supers(b, d_at, dmin_at):
@@ -269,7 +289,9 @@ def _k6_ints(u):
 
 
 def _decode_q3_k(w, N) -> _Decoded:
-    """w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear)."""
+    """w = (d (sc_16 - 32)) q, q = 2 low bits - 4 (hmask bit clear): kind 13, the file's 3 bits
+    u = q + 4 (the 2 low bits as kind 26 keeps its top 2, then the high bit as kind 15 keeps its
+    top bit)."""
     b = _blocks(w, 110)
     s = b[..., 96:108]
     low = (s[..., 0:8].reshape(N, -1, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
@@ -280,10 +302,20 @@ def _decode_q3_k(w, N) -> _Decoded:
         b[..., 32:96].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
     ) & 3
     hm = (b[..., 0:32].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
-    q = ql.reshape(N, -1, 8, 32).astype(np.int16) - 4 * (1 - hm.astype(np.int16))
-    return _Decoded(
-        18, _halves(sc, N), _per_32(q + 128, N).astype(np.uint8), supers=_supers(b, 108, None)
-    )
+    u = _per_32(ql.reshape(N, -1, 8, 32) | (hm.reshape(N, -1, 8, 32) << 2), N)  # q + 4
+    return _Decoded(13, _halves(sc, N)[:2], _k3_ints(u), supers=_supers(b, 108, None)[:1])
+
+
+def _k3_ints(u):
+    """u [N, nb, 32] in 0..7 -> kind 13's 12 bytes per block and row: for each half h and t < 4
+    the low 2 bits of weights 16 h + 4 c + t at bits 2c, 2c + 1 (c < 4), then 4 bytes whose bit c
+    is bit 2 of weight 4c + t (t: the byte)."""
+    low = (u & 3).reshape(*u.shape[:-1], 2, 4, 4)  # [.., h, c, t]
+    shift = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    lows = np.bitwise_or.reduce(low << shift, axis=-2).reshape(*u.shape[:-1], 8)
+    top = (u >> 2).reshape(*u.shape[:-1], 8, 4)  # [.., c, t]
+    tops = np.bitwise_or.reduce(top << np.arange(8, dtype=np.uint8).reshape(8, 1), axis=-2)
+    return np.concatenate([lows.astype(np.uint8), tops.astype(np.uint8)], axis=-1)
 
 
 def _decode_q2_k(w, N) -> _Decoded:
@@ -342,6 +374,14 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
     in the interleaved layout of kvserve/ops/csrc/gguf_gemv.h: per group of 16 rows and block of
     32 weights, the 16 rows' scales (each scale array in turn), then the integers, 4 weights of
     each row side by side in 64-byte chunks."""
+    from kvserve.ops.gguf_repack import repack_parts  # C, the same bytes; None: not covered
+
+    done = repack_parts(parts)
+    return done if done is not None else pack_gguf_parts_numpy(parts)
+
+
+def pack_gguf_parts_numpy(parts) -> tuple[torch.Tensor, int]:
+    """pack_gguf_parts in numpy: every packed kind (the C repack covers the common types)."""
     for p in parts:
         if packed_kind(p.qtype) is None:
             raise ValueError(
@@ -380,7 +420,7 @@ def pack_gguf_parts(parts) -> tuple[torch.Tensor, int]:
         if n % 16:  # its last group, padded with q = 0, scales 0
             pad = 16 - n % 16
             scales = [_pad_rows(s[16 * full :], pad) for s in d.scales]
-            fill = 0 if kind in (4, 14, 15, 26, 10) or d.signed else 128
+            fill = 0 if kind in (4, 14, 15, 26, 13, 24, 10) or d.signed else 128
             ints = np.concatenate(
                 [d.ints[16 * full :], np.full((pad, *d.ints.shape[1:]), fill, np.uint8)]
             )
@@ -420,7 +460,7 @@ def _place(out, scales, ints, signed) -> None:
     weights each (4 bytes moved as one uint32), signed 8-bit ones offset by 128 on the way."""
     at = _place_scales(out, scales)
     G, nb = out.shape[:2]
-    chunks = ints.shape[-1] // 4  # 4 (4-bit kinds), 5 (kind 15), 6 (kind 26) or 8
+    chunks = ints.shape[-1] // 4  # 4 (4-bit kinds), 5 (kind 15), 6 (kind 26), 3 (kind 13) or 8
     assert at + chunks * 64 == out.shape[-1]
     dst = out[..., at:].view(np.uint32).reshape(G, nb, chunks, 16)  # splits the last axis: a view
     src = ints.view(np.uint32).reshape(G, 16, nb, chunks).transpose(0, 2, 3, 1)
@@ -444,20 +484,30 @@ def _place_scales(out, scales) -> int:
 
 def pack_float_parts(parts) -> tuple[torch.Tensor, int]:
     """Float weights [n, K] (fused shards: their rows one after the other; F32, F16 or BF16
-    tensors as float32, which holds each of their values exactly) -> (uint8 tensor, 32): per group
-    of 16 rows and block of 32 weights, weight j of the 16 rows as 16 float32 at byte 64 j (rows
-    past the end zero)."""
+    tensors as float32, which holds each of their values exactly) -> (uint8 tensor, kind): per
+    group of 16 rows and block of 32 weights, weight j of the 16 rows as 16 values at byte
+    16 j times the value's bytes (rows past the end zero). Kind 33 (fp16) or 34 (bf16) where every
+    part is a file's F16 (BF16) tensor (its `gguf_qtype`, as kvserve.model.gguf_loader hands it
+    over) whose values the 16 bits hold exactly, else kind 32 (float32)."""
     w = torch.cat([torch.as_tensor(p).float() for p in parts])
+    qtypes = {getattr(p, "gguf_qtype", None) for p in parts}
+    kind = _HALF_KIND_OF.get(qtypes.pop()) if len(qtypes) == 1 else None
     N, K = w.shape
     if K % GROUP:
         raise ValueError(
             f"float weights pack in blocks of {GROUP} columns, got shape {tuple(w.shape)}: "
             "keep such a weight dense"
         )
+    if kind is not None:
+        half = w.to(HALF_KINDS[kind])
+        if torch.equal(half.float().view(torch.int32), w.view(torch.int32)):  # every bit kept
+            w = half
+        else:
+            kind = None
     G = -(-N // 16)
     w = torch.cat([w, w.new_zeros(G * 16 - N, K)]) if G * 16 != N else w
     packed = w.reshape(G, 16, K // GROUP, GROUP).permute(0, 2, 3, 1).contiguous()
-    return packed.view(torch.uint8).reshape(-1), FLOAT_KIND
+    return packed.view(torch.uint8).reshape(-1), kind or FLOAT_KIND
 
 
 def pack_gguf_rows(w) -> tuple[torch.Tensor, int]:
@@ -482,19 +532,27 @@ def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) ->
         18: [np.int8, np.int8, np.uint8],
         19: [np.float32] * 3,
         26: [np.int8, np.int8],
+        13: [np.int8, np.int8],
+        24: [np.int8],
         10: [np.uint8] * 4,
         32: [],
+        33: [],
+        34: [],
     }[kind]
     if kind == FLOAT_KIND:
         w = a.view(np.float32).reshape(G, nb, 32, 16).transpose(0, 3, 1, 2)
         return torch.from_numpy(np.ascontiguousarray(w.reshape(G * 16, K)[:N]))
+    if kind in HALF_KINDS:
+        w = torch.from_numpy(a.copy()).view(HALF_KINDS[kind]).float()  # [G, nb, 32 * 16]
+        w = w.reshape(G, nb, 32, 16).permute(0, 3, 1, 2).reshape(G * 16, K)
+        return w[:N].contiguous()
     s, at = [], 0
     for t in types:
         size = 16 * np.dtype(t).itemsize
         v = a[..., at : at + size].copy().view(t).astype(np.float32).transpose(0, 2, 1)
         s.append(v[..., None])  # [G, row, nb, 1]
         at += size
-    if kind == 26:  # d = D s (exact), no m
+    if kind in NO_MIN_KINDS:  # d = D s (exact), no m
         sup = flat[:, nb * BLOCK_BYTES[kind] :].reshape(G, nb // 8, 32).copy()
         sup = sup.view(np.float16).astype(np.float32)  # [G, ns, 16]
         d_ = np.repeat(sup.transpose(0, 2, 1), 8, -1)[..., None]
@@ -517,6 +575,18 @@ def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) ->
         q = (low | (top.reshape(G, 16, nb, 32) << 4)).astype(np.float32) - 32
         d = np.concatenate([np.repeat(s[0], 16, -1), np.repeat(s[1], 16, -1)], axis=-1)
         w = q * d
+    elif kind == 13:
+        byts = ints.reshape(G, nb, 3, 16, 4).transpose(0, 3, 1, 2, 4)  # [G, row, nb, chunk, t]
+        low = byts[..., :2, :].reshape(G, 16, nb, 2, 1, 4)  # [.., h, 1, t]
+        low = (low >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [.., h, c, t]
+        top = (byts[..., 2:, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [.., c, t]
+        u = low.reshape(G, 16, nb, 32) | (top.reshape(G, 16, nb, 32) << 2)
+        d = np.concatenate([np.repeat(s[0], 16, -1), np.repeat(s[1], 16, -1)], axis=-1)
+        w = (u.astype(np.float32) - 4) * d
+    elif kind == 24:
+        qs = ints.reshape(G, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(G, 16, nb, 16)
+        idx = np.concatenate([qs & 15, qs >> 4], axis=-1)  # j = 0..15, 16..31
+        w = IQ4_VALUES[idx].astype(np.float32) * s[0]
     elif kind == 15:
         byts = ints.reshape(G, nb, 5, 16, 4).transpose(0, 3, 1, 2, 4)  # [G, row, nb, chunk, t]
         nib = byts[..., :4, :].reshape(G, 16, nb, 16)

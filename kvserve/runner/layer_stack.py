@@ -9,6 +9,10 @@ fixed order, so a request's tokens at temperature 0 do not depend on the thread 
 its prompt was chunked, on what else shares the step, nor on the ISA build. Other models (dense
 or int4/int8 weights, bf16) run the PyTorch forward; `refusal()` names what keeps one off and
 the setting that brings it back.
+
+LoRA adapters (--enable-lora) run here too: the model's LoRAManager (model.lora_step) holds each
+targeted linear's stacked A and scaled B per slot; the C side gets them as a table per layer,
+linear and slot (rebuilt whenever an adapter is loaded or unloaded) and each token's slot per step.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class CLayerStack:
         self._kv_caches = None  # the pools the layer table points at
         self._layers = None
         self._struct = None
+        self._lora_key = None  # (struct, manager version) the LoRA table was built for
+        self._lora_table = None  # the StackLora array and the tensors it points into
 
     @classmethod
     def build(cls, model) -> CLayerStack | None:
@@ -172,6 +178,7 @@ class CLayerStack:
             m.rotary.cos.shape[1],  # rotated dims (partial rotary: fewer than head_dim)
         )
         self._layers, self._kv_caches = layers, kv_caches
+        self._lora_key = None  # a new struct: its LoRA table is set on the next step with adapters
 
     def _embed_packed(self) -> tuple:
         """(pointer, kind) of the packed blocks the embedding's rows are read from, if any."""
@@ -210,6 +217,7 @@ class CLayerStack:
             torch.tensor(prompt_lens, dtype=torch.long), q_lens
         )
         out = torch.empty(out_rows.shape[0], self.model.arch.hidden_size)
+        lora_slots = self._lora_slots(input_ids.shape[0])
         cpu_kernels.layer_stack(
             self._struct,
             input_ids.contiguous(),
@@ -223,8 +231,28 @@ class CLayerStack:
             isa=self.isa,
             h_in=None if h_in is None else h_in.contiguous(),
             final_norm=final_norm,
+            lora_slots=lora_slots,
         )
         return out
+
+    def _lora_slots(self, T: int) -> torch.Tensor | None:
+        """This step's per-token adapter slots for the C call (None: every token is the base
+        model's), the LoRA table brought up to date with the loaded adapters first."""
+        step = getattr(self.model, "lora_step", None)
+        if step is None or not step.groups:
+            return None
+        if step.indices is None or step.indices.shape[0] != T:
+            n = 0 if step.indices is None else step.indices.shape[0]
+            raise RuntimeError(f"LoRA step holds {n} token slots, the C stack got {T} tokens")
+        manager = step.manager
+        key = (id(self._struct), manager.version)
+        if key != self._lora_key:
+            self._lora_table = _lora_table(self.model, manager.max_loras)
+            table = self._lora_table[0]
+            self._struct.lora = ctypes.cast(table, ctypes.POINTER(cpu_kernels.StackLora))
+            self._struct.lora_slots = manager.max_loras
+            self._lora_key = key
+        return step.indices.to(torch.int64).contiguous()
 
 
 class Refusal(NamedTuple):
@@ -269,6 +297,33 @@ def _linears(model):
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         yield from (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+
+def _lora_table(model, slots: int) -> tuple:
+    """(StackLora array [layers][LORA_LINEARS][slots], the float32 tensors it points into) from
+    the adapters installed on the model's linears (lora/manager.py's LoRALinear slots)."""
+    n = cpu_kernels.LORA_LINEARS
+    table = (cpu_kernels.StackLora * (len(model.layers) * n * slots))()
+    keep = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for j, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            lora = getattr(lin, "lora", None)
+            for s in range(slots):
+                entry = None if lora is None else lora.slots.get(s)
+                if entry is None:
+                    continue
+                a_t, plan = entry  # A^T [in, sum of ranks], per part B^T [r, width] scaled
+                a_t = a_t.to(torch.float32).contiguous()
+                e = table[(i * n + j) * slots + s]
+                e.a, e.rank = a_t.data_ptr(), a_t.shape[1]
+                keep.append(a_t)
+                for p, (offset, width, r0, r, b_t) in enumerate(plan):
+                    b_t = b_t.to(torch.float32).contiguous()
+                    keep.append(b_t)
+                    e.b[p] = b_t.data_ptr()
+                    e.off[p], e.width[p], e.r0[p], e.r[p] = offset, width, r0, r
+    return table, keep
 
 
 def _act_parts(model) -> str:

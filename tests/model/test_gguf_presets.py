@@ -79,7 +79,7 @@ def test_every_preset_runs_the_c_layer_stack(preset_files, preset):
         assert max(parts) == 2
 
 
-@pytest.mark.parametrize("preset", ["q4_k_m", "q2_k", "f16", "bf16"])
+@pytest.mark.parametrize("preset", ["q4_k_m", "q3_k_m", "iq4_xs", "q2_k", "f16", "bf16"])
 def test_mixed_kinds_on_the_c_stack_compute_what_the_pytorch_layers_do(preset_files, preset):
     """In the gguf format (two activation parts, as the layer-stack test of the default model):
     final hidden states and logits of a step of decodes beside a prompt chunk agree; the rows

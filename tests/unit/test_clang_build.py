@@ -12,9 +12,11 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 from test_attention import make_batch, run_kernel, token_rows
 from test_gguf_gemv import acts, weights
+from test_gguf_kquants import random_blocks
 
 from kvserve.ops import cpu_kernels
 from kvserve.ops.cpu_kernels import _CSRC
+from kvserve.ops.gguf_blocks import pack_gguf_rows
 
 CLANG = shutil.which("clang")
 pytestmark = pytest.mark.skipif(
@@ -35,6 +37,8 @@ def test_clang_builds_give_gccs_bits(monkeypatch, tmp_path, isa):
     libs = _gcc_and_clang(monkeypatch, tmp_path, isa)
     _, packed, kind = weights(Q.Q4_1, 40, 576, seed=2)
     x = acts(9, 576, seed=4)
+    compact = [pack_gguf_rows(random_blocks(t, 40, 512, seed=5)) for t in (Q.Q3_K, Q.IQ4_XS)]
+    xk = acts(9, 512, seed=6)
     q, _, _, kc, vc, meta = make_batch(
         random.Random(3), [(40, 3), (5, 1), (0, 9)], 16, 12, 9, 3, 64
     )
@@ -47,6 +51,7 @@ def test_clang_builds_give_gccs_bits(monkeypatch, tmp_path, isa):
                 cpu_kernels.gguf_gemv(packed, kind, 40, x),
                 cpu_kernels.gguf_gemv(packed, kind, 40, x, f32=True),
                 run_kernel(q, kc.half(), vc.half(), meta, rows, 0.125, None),
+                *(cpu_kernels.gguf_gemv(w, k, 40, xk) for w, k in compact),
             )
         )
     for got, want in zip(outs[1], outs[0]):

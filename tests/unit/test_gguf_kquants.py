@@ -1,5 +1,5 @@
-"""GGUF Q5_0 and K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) kept packed
-(kvserve/ops/gguf_blocks.py, kinds 8, 10, 14, 18, 19 and 26 of kvserve/ops/csrc/gguf_gemv.h):
+"""GGUF Q5_0, IQ4 and K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) kept packed
+(kvserve/ops/gguf_blocks.py, kinds 8, 10, 13, 14, 15, 19, 24 and 26 of csrc/gguf_gemv.h):
 packing keeps gguf's dequantized values bit for bit (random blocks of every type, and the real
 tensors of the Gemma 3 270M Q4_K_M file when its package is installed); every ISA build the host
 runs gives the portable build's bits in the integer GEMV and in the float32 GEMM of prompt
@@ -36,10 +36,10 @@ KINDS = {
     Q.Q4_K: 14,
     Q.Q5_K: 15,
     Q.Q6_K: 26,
-    Q.Q3_K: 18,
+    Q.Q3_K: 13,
     Q.Q5_1: 19,
     Q.IQ4_NL: 8,
-    Q.IQ4_XS: 18,
+    Q.IQ4_XS: 24,
     Q.Q2_K: 10,
 }
 HOST_ISAS = cpu_kernels.host_isas()
@@ -94,7 +94,7 @@ def acts(m, k, seed):
 def pieces(packed, kind, shape):
     """|d q| + |m| per weight, bounded by |w| + 2 |m| (m: the weights with every q set to 0)."""
     W = unpack_gguf_rows(packed, kind, shape).double()
-    if kind == 26:  # no m
+    if kind in (26, 13, 24):  # no m
         return W.abs()
     N, K = shape
     nb = K // 32
@@ -150,8 +150,9 @@ def test_bytes_per_weight_of_the_kinds():
     """The packed kinds' size per weight, scales included (a group of 16 rows and 256 weights):
     5 (kind 4), 8.5 (kind 8), 4.625 (kind 14: Q4_K is 4.5 in the file), 5.625 (kind 15: Q5_K is
     5.5), 8.875 (kind 18), 11
-    (kind 19), 6.5625 (kind 26: Q6_K's own size), 5.125 (kind 10: Q2_K's 2 bits in nibbles, its
-    4-bit scales and mins in bytes), 32 (kind 32: float32) bits."""
+    (kind 19), 6.5625 (kind 26: Q6_K's own size), 3.5625 (kind 13: Q3_K is 3.4375, its 6-bit
+    scales in bytes), 4.3125 (kind 24: IQ4_XS is 4.25), 5.125 (kind 10: Q2_K's 2 bits in nibbles,
+    its 4-bit scales and mins in bytes), 32 (kind 32: float32) bits."""
     bits = {kind: group_bytes(kind, 8) * 8 / (16 * 256) for kind in BLOCK_BYTES}
     assert bits == {
         4: 5.0,
@@ -161,6 +162,8 @@ def test_bytes_per_weight_of_the_kinds():
         18: 8.875,
         19: 11.0,
         26: 6.5625,
+        13: 3.5625,
+        24: 4.3125,
         10: 5.125,
         32: 32.0,
     }

@@ -1,8 +1,9 @@
-"""Kinds 10 (Q2_K) and 32 (float weights: F32, F16, BF16) of kvserve/ops/csrc/gguf_gemv.h: every
-build computes exactly the arithmetic the header writes down, checked against independent numpy
-float32 versions that read the file's own bytes (not the packed layout); packing float weights
-keeps their values; GgufMethod packs F16/BF16/F32 tensors of a GGUF file as kind 32 and leaves
-other float weights dense."""
+"""Kinds 10 (Q2_K), 32 (float weights: F32, F16, BF16) and 33, 34 (F16, BF16 in 16 bits) of
+kvserve/ops/csrc/gguf_gemv.h: every build computes exactly the arithmetic the header writes down,
+checked against independent numpy float32 versions that read the file's own bytes (not the packed
+layout); packing float weights keeps their values; kinds 33 and 34 give kind 32's bits; GgufMethod
+packs F16/BF16 tensors of a GGUF file as kinds 33/34, F32 ones as kind 32, and leaves other float
+weights dense."""
 
 import shutil
 
@@ -149,6 +150,40 @@ def test_float_weights_gemv_is_the_contract_bit_for_bit(isa, qtype):
     assert torch.equal(cpu_kernels.gguf_rows(packed, kind, n, k, ids, isa=isa), W[ids])
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16])
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_16_bit_float_kinds_give_kind_32s_bits(isa, qtype):
+    """A file's F16 / BF16 weight packed in its 16 bits (kind 33 / 34, half kind 32's bytes):
+    unpacked, every value is the file's; the GEMV (each activation parts), the float32 GEMM and row
+    reads give the bits of kind 32 holding the same values."""
+    _lib_or_skip(isa)
+    n, k = 37, 160
+    W, _ = _float_weights(qtype, n, k, seed=5)
+    parts = [W[:20].clone(), W[20:].clone()]
+    for p in parts:
+        p.gguf_qtype = qtype
+    packed, kind = pack_float_parts(parts)
+    want_packed, want_kind = pack_float_parts([W])
+    assert kind == {Q.F16: 33, Q.BF16: 34}[qtype] and want_kind == 32
+    assert packed.numel() * 2 == want_packed.numel()
+    assert torch.equal(
+        unpack_gguf_rows(packed, kind, (n, k)).view(torch.int32), W.view(torch.int32)
+    )
+    x = _acts(9, k)
+    for parts_ in PARTS:
+        got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, parts=parts_)
+        want = cpu_kernels.gguf_gemv(want_packed, 32, n, x, isa=isa, parts=parts_)
+        assert torch.equal(got, want), parts_
+    got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True)
+    assert torch.equal(got, cpu_kernels.gguf_gemv(want_packed, 32, n, x, isa=isa, f32=True))
+    ids = torch.tensor([36, 0, 16, 15, 3])
+    assert torch.equal(cpu_kernels.gguf_rows(packed, kind, n, k, ids, isa=isa), W[ids])
+    odd = W.clone()
+    odd[3, 7] = 1 + 2**-20  # not a 16-bit value: such a weight stays float32
+    odd.gguf_qtype = qtype
+    assert pack_float_parts([odd])[1] == 32
+
+
 def test_gguf_method_packs_a_files_float_tensors_and_only_those():
     _lib_or_skip(None)
     x = _acts(3, 64)
@@ -159,7 +194,8 @@ def test_gguf_method_packs_a_files_float_tensors_and_only_those():
         lin = Linear(64, [32, 8], quant_method=GgufMethod())
         lin.load_weight(q, 0)
         lin.load_weight(v, 1)
-        assert lin.dense_weight is None and lin.gguf_kind == 32 and lin.dense_reason is None
+        kind = {Q.F16: 33, Q.BF16: 34, Q.F32: 32}[qtype]
+        assert lin.dense_weight is None and lin.gguf_kind == kind and lin.dense_reason is None
         assert torch.equal(lin.quant_method.dequantized(lin), W)
         assert torch.equal(lin(x), torch.from_numpy(reference_float(W, x, "two")))
     lin = Linear(64, 40, quant_method=GgufMethod())  # a float checkpoint's weight: not a file's
@@ -197,7 +233,7 @@ def test_the_neon_build_prints_the_host_bits(tmp_path):
     portable one: the same output bits (the host's ISA builds are compared above)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     want = _build_and_run(cc, [], "portable", tmp_path / "portable")
-    assert want.count("\n") == 58
+    assert want.count("\n") == 132
     try:
         got = _build_and_run(
             "aarch64-linux-gnu-gcc",

@@ -24,10 +24,11 @@ from kvserve.ops.gguf_blocks import (
 class GgufMethod(_PackedMethod):
     """The file's blocks, decoded without changing a value and interleaved 16 rows at a time
     (kvserve.ops.gguf_blocks: Q4_0/Q4_1 as 4-bit kind 4, Q8_0/Q5_0/IQ4_NL as 8-bit kind 8, Q4_K
-    as 4-bit kind 14, Q5_K as 5-bit kind 15, Q3_K/IQ4_XS as 8-bit kind 18, Q6_K as 6-bit kind
-    26, Q2_K as kind 10, all
-    with the file's super-block scales, Q5_1 as kind 19, and the float32 values of F32, F16 and
-    BF16 tensors as kind 32) and run by the C kernel kvserve/ops/csrc/gguf_gemv.c
+    as 4-bit kind 14, Q5_K as 5-bit kind 15, Q6_K as 6-bit kind 26, Q3_K as 3-bit kind 13,
+    IQ4_XS as kind 24 (its 4-bit indices), Q2_K as kind 10, all with the file's super-block
+    scales, Q5_1 as kind 19, F16 and BF16 tensors in their 16 bits as kinds 33 and 34, F32 ones
+    (and fused shards of mixed float types) as float32 kind 32) and run by the C kernel
+    kvserve/ops/csrc/gguf_gemv.c
     at every batch size, on every ISA build: integer dot products of the weights with the
     activations as two 8-bit parts per block of 32 (~15 bits), weights read once per call for any
     number of rows. No other copy of the weights exists. Fused shards (q/k/v, gate/up) pack
@@ -143,7 +144,8 @@ class GgufMethod(_PackedMethod):
 
 def _kind(part) -> int | None:
     """The packed kind of one shard: its blocks' (packed_kind), kind 32 for the float32 values of
-    an F32, F16 or BF16 tensor of the file, None for anything else."""
+    an F32, F16 or BF16 tensor of the file (pack_float_parts keeps a run of F16 or BF16 shards in
+    16 bits, kinds 33, 34), None for anything else."""
     if isinstance(part, BlockTensor):
         return packed_kind(part.qtype)
     if getattr(part, "gguf_qtype", None) in FLOAT_TYPES and part.dtype == torch.float32:

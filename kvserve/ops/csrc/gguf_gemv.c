@@ -200,7 +200,7 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
                 const int R = (int)(c1 - r0 < GGUF_TILE_M ? c1 - r0 : GGUF_TILE_M);
                 const gguf_acts_t a = {q.xq + r0 * K * 2, q.x16 + r0 * K, q.dx + r0 * nb, q.sx + r0 * nb,
                                        q.sq + r0 * nb, q.sq0 + r0 * nb, (int)parts};
-                if (kind == GGUF_K2 || kind == GGUF_W32) gguf_group_dot_generic(wg, kind, nb, &a, R, out);
+                if (gguf_generic_kind(kind)) gguf_group_dot_generic(wg, kind, nb, &a, R, out);
                 else gguf_group_dot(wg, kind, nb, &a, R, out);
                 for (int r = 0; r < R; r++)
                     write_row(y + (rows ? rows[r0 + r] : r0 + r) * ldy + g * GGUF_ROWS, out + r * GGUF_ROWS, n,
@@ -257,12 +257,13 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
 
 /* Blocks b0 .. b1 - 1 of a group of nb packed blocks (wg: the group) -> wt[k][16] float32 (the
  * block's first weight at row 0, row k at wt + k ld), w = d q + m (8-bit kinds:
- * q = u - 128; kind 8: no m, kinds 18, 19: d per half; kind 26: d per half, q = u - 32, no m); the
- * product is exact, so each weight is rounded once (kinds 4, 14, 18, 19) or not at all (kinds 8,
- * 26), as gguf's dequantization rounds it. */
+ * q = u - 128; kind 8: no m, kinds 18, 19: d per half; kind 26: d per half, q = u - 32, no m;
+ * kind 13: d per half, q = u - 4, no m; kind 24: q the index's value, no m); the product is
+ * exact, so each weight is rounded once (kinds 4, 14, 18, 19) or not at all (kinds 8, 26, 13,
+ * 24), as gguf's dequantization rounds it. */
 static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_t b0, int64_t b1, float *wt,
                              int64_t ld) {
-    if (kind == GGUF_K2 || kind == GGUF_W32) {
+    if (gguf_generic_kind(kind)) {
         gguf_dequantize_group_generic(wg, kind, nb, b0, b1, wt, ld);
         return;
     }
@@ -275,8 +276,8 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_
         float *o = wt + (b - b0) * 32 * ld;
         const int chunks = nibbles ? 4 : 8;
         for (int c = 0; c < chunks; c++) {
-            uint32_t u[GGUF_ROWS];                 /* row i's 4 bytes of the chunk (kind 26: gguf_k6_byte) */
-            if (kind != GGUF_K6) memcpy(u, wg + qo + 64 * c, sizeof(u));
+            uint32_t u[GGUF_ROWS];                 /* row i's 4 bytes of the chunk (kinds 26, 13, 24: by byte) */
+            if (kind != GGUF_K6 && kind != GGUF_K3 && kind != GGUF_X4) memcpy(u, wg + qo + 64 * c, sizeof(u));
             for (int t = 0; t < 4; t++) {
                 float *row = o + (4 * c + t) * ld;
                 if (nibbles) {
@@ -293,6 +294,11 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_
                 } else if (kind == GGUF_K6) {
                     const float *d = c < 4 ? d0 : d1;
                     for (int i = 0; i < GGUF_ROWS; i++) row[i] = d[i] * (float)(gguf_k6_byte(wg, c, i, t) - 32);
+                } else if (kind == GGUF_K3) {
+                    const float *d = c < 4 ? d0 : d1;
+                    for (int i = 0; i < GGUF_ROWS; i++) row[i] = d[i] * (float)(gguf_k3_byte(wg, c, i, t) - 4);
+                } else if (kind == GGUF_X4) {
+                    for (int i = 0; i < GGUF_ROWS; i++) row[i] = d0[i] * (float)(gguf_x4_byte(wg, c, i, t) - 128);
                 } else {
                     const float *d = c < 4 ? d0 : d1;
                     for (int i = 0; i < GGUF_ROWS; i++)
@@ -306,7 +312,7 @@ static void dequantize_group(const uint8_t *wg, int64_t kind, int64_t nb, int64_
 /* Row r of a packed weight of K columns -> out[K] float32, each weight as dequantize_group gives it
  * (an embedding lookup in a tied head's packed rows: the same floats as the file's dequantization). */
 void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, float *out) {
-    if (kind == GGUF_K2 || kind == GGUF_W32) {
+    if (gguf_generic_kind(kind)) {
         gguf_dequantize_row_generic(w, kind, K, r, out);
         return;
     }
@@ -317,8 +323,8 @@ void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, f
         float d0, d1, m;
         gguf_row_scales(blk, kind, nb, b, i, &d0, &d1, &m);
         for (int c = 0; c < (nibbles ? 4 : 8); c++) {
-            uint32_t u = 0;                        /* the row's 4 bytes of chunk c (kind 26: gguf_k6_byte) */
-            if (kind != GGUF_K6) memcpy(&u, blk + qo + 64 * c + 4 * i, 4);
+            uint32_t u = 0;                        /* the row's 4 bytes of chunk c (kinds 26, 13, 24: by byte) */
+            if (kind != GGUF_K6 && kind != GGUF_K3 && kind != GGUF_X4) memcpy(&u, blk + qo + 64 * c + 4 * i, 4);
             for (int t = 0; t < 4; t++) {
                 const int32_t q = (int32_t)((u >> (8 * t)) & 255);
                 if (nibbles) {
@@ -330,6 +336,10 @@ void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, f
                     out[4 * c + t] = d0 * (float)(q - 128);
                 } else if (kind == GGUF_K6) {
                     out[4 * c + t] = (c < 4 ? d0 : d1) * (float)(gguf_k6_byte(blk, c, i, t) - 32);
+                } else if (kind == GGUF_K3) {
+                    out[4 * c + t] = (c < 4 ? d0 : d1) * (float)(gguf_k3_byte(blk, c, i, t) - 4);
+                } else if (kind == GGUF_X4) {
+                    out[4 * c + t] = d0 * (float)(gguf_x4_byte(blk, c, i, t) - 128);
                 } else {
                     out[4 * c + t] = (c < 4 ? d0 : d1) * (float)(q - 128) + m;
                 }

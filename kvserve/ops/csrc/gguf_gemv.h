@@ -13,10 +13,11 @@
  *           (as u8) of row i at offset 4 i + t, q signed (Q5_0: its 5-bit q - 16).      544 bytes
  *   kind 14 (Q4_K):  sc[16] u8, mn[16] u8 (row i's 6-bit scale and min of the sub-block),
  *           then kind 4's nibble chunks.                                                288 bytes
- *   kind 18 (Q5_K, Q6_K, Q3_K):  s0[16] s8 (weights 0..15), s1[16] s8 (weights 16..31),
- *           mn[16] u8 (Q5_K: its 6-bit min, s0 = s1 its scale; Q6_K, Q3_K: 0, their scales are
- *           per 16 weights), then kind 8's chunks of q + 128, q signed (Q6_K: q - 32; Q3_K: -4..3;
- *           Q5_K: 0..31): chunks 0..3 are weights 0..15, chunks 4..7 weights 16..31.    560 bytes
+ *   kind 18 (K-quant-like 8-bit weights; no GGUF type packs into it, its compact kinds 15, 26, 13
+ *           and 24 unpack into its chunks):  s0[16] s8 (weights 0..15), s1[16] s8 (weights 16..31),
+ *           mn[16] u8 (a 6-bit min, or 0 where the scales are per 16 weights), then kind 8's
+ *           chunks of q + 128, q signed: chunks 0..3 are weights 0..15, chunks 4..7 weights
+ *           16..31.                                                                     560 bytes
  *   kind 19 (Q5_1):  d0[16] fp32, d1[16] fp32, m[16] fp32 (d0 = d1: the block's d, m its min),
  *           then kind 18's chunks (q in 0..31): kind 18's sums with the scales as they are. 704 bytes
  *   kind 15 (Q5_K, in the file's 5 bits):  kind 14's scales and nibble chunks (the low 4 bits of
@@ -30,16 +31,31 @@
  *           2c, 2c + 1 are those of weight 16 h + 4c + t of row i. Unpacked, it is kind 18's
  *           chunk 4h + c with u in place of q + 128 (gguf_k6_byte): kind 18's sums less 32 sq
  *           instead of 128 sq, and no m term.                                           416 bytes
+ *   kind 13 (Q3_K, in the file's 3 bits):  s0[16] s8, s1[16] s8 (as kind 26: the scales of
+ *           weights 0..15 and 16..31), then 2 chunks of 64 bytes holding the low 2 bits of
+ *           u = q + 4 (0..7): chunk h, byte 4 i + t, bits 2c, 2c + 1 are those of weight
+ *           16 h + 4c + t of row i (kind 26's top-bit chunks), then one chunk of 64 bytes holding
+ *           bit 2 of u as kind 15 holds its top bits (byte 4 i + t, bit c: kind 18's chunk c).
+ *           Unpacked, it is kind 18's chunk c with u in place of q + 128 (gguf_k3_byte): kind
+ *           26's sums, less 4 sq instead of 32 sq.                                     224 bytes
+ *   kind 24 (IQ4_XS, in the file's 4 bits):  s[16] s8 (row i's 6-bit sub-scale less 32, one per
+ *           block), then kind 4's nibble chunks of the 4-bit indices into the IQ4_NL table
+ *           (gguf_iq4_values). Unpacked, it is kind 8's chunk c with value + 128 of the index
+ *           (gguf_x4_byte): kind 8's sums with d = D s.                               272 bytes
  *   kind 10 (Q2_K):  sc0[16] u8, sc1[16] u8 (the 4-bit scales of weights 0..15 and 16..31),
  *           mn0[16] u8, mn1[16] u8 (their 4-bit mins), then kind 4's nibble chunks (q in 0..3).
  *                                                                                       320 bytes
  *   kind 32 (F32, F16, BF16 weights, all exact in float32):  32 rows of 16 float32, weight j of
  *           row i at byte 64 j + 4 i.                                                  2048 bytes
- *   Kinds 10 and 32 run one kernel source in every build (gguf_gemv_generic.h: 16-lane vector
+ *   kind 33 (F16 weights, in the file's 16 bits):  kind 32's layout with fp16 values, weight j of
+ *           row i at byte 32 j + 2 i; kind 34 (BF16) the same with bf16 values. Each value
+ *           widened to float32 (exactly) is kind 32's, and so is every result.        1024 bytes
+ *   Kinds 10, 32, 33 and 34 run one kernel source in every build (gguf_gemv_generic.h: 16-lane vector
  *   types each build compiles with its own target flags), called by the driver.
- *   The K-quant kinds (14, 15, 18, 26, 10) keep the file's super-block scales once per 8 blocks: after
- *   a group's nb blocks (nb a multiple of 8), per super-block of 256 weights d[16] fp16, then
- *   (kinds 14, 15, 18, 10) dmin[16] fp16 of its 16 rows (gguf_super_scales): 64 bytes, 32 for kind 26.
+ *   The K-quant kinds (14, 15, 18, 26, 13, 24, 10) keep the file's super-block scales once per 8
+ *   blocks: after a group's nb blocks (nb a multiple of 8), per super-block of 256 weights d[16]
+ *   fp16, then (kinds 14, 15, 18, 10) dmin[16] fp16 of its 16 rows (gguf_super_scales): 64 bytes,
+ *   32 for kinds 26, 13 and 24 (no min).
  *   A row's float scales are then d0 = d s0, d1 = d s1 (kind 14: d sc), m = -(dmin mn): an fp16
  *   times an integer below 2^8, exact in float32, the values the file's own dequantization
  *   multiplies by.
@@ -68,11 +84,11 @@
  *   for each of the 16 rows i and each activation row r < R:
  *     acc = 0
  *     for each block b, in order:
- *       kinds 4, 8, 14, 15:
+ *       kinds 4, 8, 14, 15, 24:
  *         s   = sum_j q_ij (256 xa_rj + xb_rj)          integers, exact in int32
  *         acc = acc + (float)s * (d_i * dx_rb)           float32, rounded after each operation
  *         kinds 4, 14, 15: acc = acc + m_i * sx_rb           sx: the float sum of the block's x (a one-part block: dx sq)
- *       kinds 18, 19, 26:
+ *       kinds 18, 19, 26, 13:
  *         s0  = sum_{j<16} q_ij (256 xa_rj + xb_rj),  s1 = the same over j >= 16
  *         acc = acc + (float)s0 * (d0_i * dx_rb)
  *         acc = acc + (float)s1 * (d1_i * dx_rb)
@@ -83,7 +99,7 @@
  *         acc = acc + (float)s1 * (d1_i * dx_rb)
  *         acc = acc + m0_i * (dx_rb * (float)sq0_rb)
  *         acc = acc + m1_i * (dx_rb * (float)(sq_rb - sq0_rb))
- *       kind 32 (w the float weights, x16 = 256 xa + xb):
+ *       kinds 32, 33, 34 (w the float weights, x16 = 256 xa + xb):
  *         s   = 0;  for j = 0 .. 31 in order:  s = s + w_ij * (float)x16_rj
  *         acc = acc + s * dx_rb
  *     out[r * 16 + i] = acc
@@ -117,12 +133,21 @@
 
 /* The packed kinds (above) and the bytes of one block of 32 weights of a group; 0: not a kind. */
 enum { GGUF_Q4 = 4, GGUF_Q8 = 8, GGUF_K4 = 14, GGUF_K8 = 18, GGUF_F8 = 19, GGUF_K6 = 26, GGUF_K2 = 10, GGUF_W32 = 32,
-       GGUF_K5 = 15 };
+       GGUF_K5 = 15, GGUF_K3 = 13, GGUF_X4 = 24, GGUF_W16 = 33, GGUF_B16 = 34 };
 static inline int64_t gguf_packed_block_bytes(int64_t kind) {
     return kind == GGUF_Q4 ? 320 : kind == GGUF_Q8 ? 544 : kind == GGUF_K4 ? 288 : kind == GGUF_K8 ? 560
          : kind == GGUF_F8 ? 704 : kind == GGUF_K6 ? 416 : kind == GGUF_K2 ? 320 : kind == GGUF_W32 ? 2048
-         : kind == GGUF_K5 ? 352 : 0;
+         : kind == GGUF_K5 ? 352 : kind == GGUF_K3 ? 224 : kind == GGUF_X4 ? 272
+         : kind == GGUF_W16 || kind == GGUF_B16 ? 1024 : 0;
 }
+
+/* Whether a kind runs the kernels of gguf_gemv_generic.h (kinds 10, 32, 33, 34). */
+static inline int gguf_generic_kind(int64_t kind) {
+    return kind == GGUF_K2 || kind == GGUF_W32 || kind == GGUF_W16 || kind == GGUF_B16;
+}
+
+/* The 16 values an IQ4_NL / IQ4_XS index stands for (ggml's kvalues_iq4nl). */
+static const int8_t gguf_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Whether a kind keeps 4-bit values in kind 4's nibble chunks (kind 15: plus a top bit each). */
 static inline int gguf_nibble_kind(int64_t kind) { return kind == GGUF_Q4 || kind == GGUF_K4 || kind == GGUF_K5; }
@@ -134,16 +159,22 @@ static inline int32_t gguf_k5_top(const uint8_t *blk, int c, int i, int t) {
 }
 
 /* Whether a kind sums weights 0..15 and 16..31 apart, each with its own scale (kinds 18, 19, 26). */
-static inline int gguf_two_halves(int64_t kind) { return kind == GGUF_K8 || kind == GGUF_F8 || kind == GGUF_K6; }
+static inline int gguf_two_halves(int64_t kind) {
+    return kind == GGUF_K8 || kind == GGUF_F8 || kind == GGUF_K6 || kind == GGUF_K3;
+}
 
 /* Whether a kind keeps super-block scales after its blocks (the K-quant kinds). */
 static inline int gguf_has_super(int64_t kind) {
-    return kind == GGUF_K4 || kind == GGUF_K8 || kind == GGUF_K6 || kind == GGUF_K2 || kind == GGUF_K5;
+    return kind == GGUF_K4 || kind == GGUF_K8 || kind == GGUF_K6 || kind == GGUF_K2 || kind == GGUF_K5
+        || kind == GGUF_K3 || kind == GGUF_X4;
 }
+
+/* Whether a kind's super-block scales are d only (no dmin) and its weights no m. */
+static inline int gguf_no_min_super(int64_t kind) { return kind == GGUF_K6 || kind == GGUF_K3 || kind == GGUF_X4; }
 
 /* The bytes of a group's super-block scales per 8 blocks (0: none). */
 static inline int64_t gguf_super_bytes(int64_t kind) {
-    return kind == GGUF_K6 ? 32 : gguf_has_super(kind) ? 64 : 0;
+    return gguf_no_min_super(kind) ? 32 : gguf_has_super(kind) ? 64 : 0;
 }
 
 /* The bytes of one group of nb blocks: its blocks, then (K-quant kinds) their super-block scales. */
@@ -162,6 +193,20 @@ static inline const uint8_t *gguf_super_scales(const uint8_t *blk, int64_t kind,
 static inline int32_t gguf_k6_byte(const uint8_t *blk, int c, int i, int t) {
     const uint8_t lo = blk[32 + 64 * (c & 3) + 4 * i + t], hi = blk[32 + 256 + 64 * (c >> 2) + 4 * i + t];
     return (int32_t)(((c < 4 ? lo & 15 : lo >> 4)) | (((hi >> (2 * (c & 3))) & 3) << 4));
+}
+
+/* Kind 13: the byte u = q + 4 (0..7) of row i's weight 4c + t (c < 4) or 16 + 4(c - 4) + t
+ * (c >= 4) of a block (blk: the block), as kind 18's chunk c would hold q + 128 less 124. */
+static inline int32_t gguf_k3_byte(const uint8_t *blk, int c, int i, int t) {
+    const uint8_t lo = blk[32 + 64 * (c >> 2) + 4 * i + t], hi = blk[32 + 128 + 4 * i + t];
+    return (int32_t)(((lo >> (2 * (c & 3))) & 3) | (((hi >> c) & 1) << 2));
+}
+
+/* Kind 24: value + 128 of row i's weight 4c + t (c < 4) or 16 + 4(c - 4) + t (c >= 4) of a block
+ * (blk: the block), as kind 8's chunk c holds it. */
+static inline int32_t gguf_x4_byte(const uint8_t *blk, int c, int i, int t) {
+    const uint8_t v = blk[16 + 64 * (c & 3) + 4 * i + t];
+    return (int32_t)gguf_iq4_values[c < 4 ? v & 15 : v >> 4] + 128;
 }
 
 /* Every kernel prefetches the block GGUF_PREFETCH blocks ahead of the one it multiplies (all its
@@ -234,7 +279,8 @@ static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, i
 }
 
 /* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
- * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_F8 or GGUF_K6. */
+ * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K5, GGUF_K8, GGUF_F8, GGUF_K6,
+ * GGUF_K3 or GGUF_X4. */
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);
 
 /* The per-ISA float32 tile: acc[r * 32 + i] for r < gguf_f32_tile_rows(), continued over kc
@@ -254,7 +300,7 @@ static inline uint16_t gguf_load_u16(const uint8_t *p) { uint16_t h; memcpy(&h, 
 static inline float gguf_load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 
 /* Row i's scales of block b of a group of nb packed blocks (blk: block b's bytes): d (kinds 18,
- * 19, 26: d0), the second half's d1 (others: d), and m (0 for kinds 8 and 26). */
+ * 19, 26, 13: d0), the second half's d1 (others: d), and m (0 for kinds 8, 26, 13 and 24). */
 static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb, int64_t b, int i, float *d0,
                                    float *d1, float *m) {
     if (kind == GGUF_Q4 || kind == GGUF_Q8) {
@@ -270,7 +316,12 @@ static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb,
     }
     const uint8_t *sup = gguf_super_scales(blk, kind, nb, b);
     const float d = half_to_float(gguf_load_u16(sup + 2 * i));
-    if (kind == GGUF_K6) {
+    if (kind == GGUF_X4) {
+        *d0 = *d1 = d * (float)(int8_t)blk[i];
+        *m = 0.f;
+        return;
+    }
+    if (kind == GGUF_K6 || kind == GGUF_K3) {
         *d0 = d * (float)(int8_t)blk[i];
         *d1 = d * (float)(int8_t)blk[16 + i];
         *m = 0.f;
@@ -290,7 +341,7 @@ static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb,
 /* Byte offset of a packed block's integer chunks (after its scales). */
 static inline int64_t gguf_ints_offset(int64_t kind) {
     return kind == GGUF_Q4 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 32 : kind == GGUF_K8 ? 48
-         : kind == GGUF_K6 || kind == GGUF_K5 ? 32 : 192;
+         : kind == GGUF_K6 || kind == GGUF_K5 || kind == GGUF_K3 ? 32 : kind == GGUF_X4 ? 16 : 192;
 }
 
 #endif

@@ -120,7 +120,7 @@ q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
-/* An 8-bit group (kinds 8, 18, 19 and 26, 16 rows) against R <= 2 activation rows. Chunk c's 64 bytes
+/* An 8-bit group (kinds 8, 18, 19, 26, 13 and 24, 16 rows; 26, 13 and 24 unpacked to 8 bits) against R <= 2 activation rows. Chunk c's 64 bytes
  * hold u = q[4c .. 4c+3] + 128 of rows 0..3, 4..7, 8..11, 12..15: widened to 16 bits once for
  * both rows (four registers), each multiplied by the row's broadcast 4 values of x16; vpmaddwd
  * leaves two int32 sums a row, joined by one hadd a block. Kind 18 closes its first sum after
@@ -138,9 +138,10 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
             for (int c = part * cn; c < part * cn + cn; c++) {
                 const uint8_t *wc = wg + qo + 64 * c;
                 __m256i w[2][2];
-                if (kind == GGUF_K6)
+                if (kind == GGUF_K6 || kind == GGUF_K3 || kind == GGUF_X4)
                     for (int h = 0; h < 2; h++) {
-                        const __m256i u = k6_chunk(wg + qo, c, h);
+                        const __m256i u = kind == GGUF_K6 ? k6_chunk(wg + qo, c, h)
+                                        : kind == GGUF_K3 ? k3_chunk(wg + qo, c, h) : x4_chunk(wg + qo, c, h);
                         w[h][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
                         w[h][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
                     }
@@ -166,15 +167,16 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                                                    : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * part, h, 1);
                 for (int r = 0; r < R; r++) {
                     const int64_t rb = r * nb + b;
-                    const int32_t sq = kind == GGUF_Q8 ? a->sq[rb] : part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
+                    const int32_t sq = parts == 1 ? a->sq[rb] : part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
                     /* hadd: rows 0 1 4 5 | 2 3 6 7 (64-bit pairs), put in order */
                     const __m256i su = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][h][0], s[r][h][1]), 0xD8);
-                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(unbias(su, sq, kind == GGUF_K6 ? 32 : 128),
+                    const int32_t bias = kind == GGUF_K6 ? 32 : kind == GGUF_K3 ? 4 : 128;   /* the stored u less q */
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(unbias(su, sq, bias),
                                                                        _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
                 }
             }
         }
-        if (gguf_two_halves(kind) && kind != GGUF_K6)
+        if (gguf_two_halves(kind) && !gguf_no_min_super(kind))
             for (int h = 0; h < 2; h++) {
                 const __m256 m = kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
                                                  : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + 32, h, 0));

@@ -1,7 +1,9 @@
 /* gguf_group_dot (gguf_gemv.h) for AVX-512 VNNI: one 512-bit vpdpbusd multiplies 4 weights of
  * all 16 rows of a group by 4 activation bytes (u8 weights x s8 activations, summed in int32),
  * so no horizontal sums are needed. 8-bit weights are stored + 128 (u8); the 128 sum(x) that
- * adds is taken off with the precomputed sq (kind 18: sq0 and sq - sq0, one per half).
+ * adds is taken off with the precomputed sq (kind 18: sq0 and sq - sq0, one per half). The
+ * compact kinds are unpacked to such bytes in registers: kind 26's 6-bit and kind 13's 3-bit u
+ * (q + 32, q + 4: their own offsets taken off), kind 24's indices by a vpshufb table lookup.
  * Build: -mavx512f -mavx512bw -mavx512vnni -mf16c. */
 #include <immintrin.h>
 
@@ -81,12 +83,26 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
             }
         }
-    } else if (kind == GGUF_Q8) {
+    } else if (kind == GGUF_Q8 || kind == GGUF_X4) {
+        /* kind 24: each nibble looked up in the table of value + 128 (vpshufb, per 128-bit lane),
+         * the low nibbles give kind 8's chunk c, the high ones chunk c + 4 (gguf_x4_byte) */
+        const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)gguf_iq4_values)),
+                                               _mm512_set1_epi8((char)0x80));
+        const __m512i low4 = _mm512_set1_epi8(0x0f);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg));
+            const __m512 d = kind == GGUF_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg))
+                                             : k_scale(gguf_super_scales(wg, kind, nb, b), wg, 1);
             __m512i q[8];
-            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+            if (kind == GGUF_X4) {
+                for (int c = 0; c < 4; c++) {
+                    const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
+                    q[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+                    q[c + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+                }
+            } else {
+                for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+            }
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
                 const __m512i si = _mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 8, P),
@@ -95,18 +111,31 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
             }
         }
-    } else {                   /* GGUF_K8, GGUF_F8, GGUF_K6: a scale per half, then m (not kind 26) */
-        const int k6 = kind == GGUF_K6, bias = k6 ? 32 : 128;  /* the stored u less q */
+    } else {                   /* GGUF_K8, GGUF_F8, GGUF_K6, GGUF_K3: a scale per half, then m (not 26, 13) */
+        const int k6 = kind == GGUF_K6, k3 = kind == GGUF_K3, bias = k6 ? 32 : k3 ? 4 : 128;  /* stored u less q */
         const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+        const __m512i low2 = _mm512_set1_epi8(0x03), bit2 = _mm512_set1_epi8(0x04);
         for (int64_t b = 0; b < nb; b++, wg += pb) {
             gguf_prefetch_block(wg, pb);
             const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
             const __m512 d0 = kind == GGUF_F8 ? _mm512_loadu_ps(wg) : k_scale(sup, wg, 1);
             const __m512 d1 = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 64) : k_scale(sup, wg + 16, 1);
             const __m512 m = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 128)
-                             : k6          ? _mm512_setzero_ps() : neg(k_scale(sup + 32, wg + 32, 0));
+                             : k6 || k3    ? _mm512_setzero_ps() : neg(k_scale(sup + 32, wg + 32, 0));
             __m512i q[8];
-            if (k6) {                          /* u = low 4 bits | top 2 bits << 4 (gguf_k6_byte) */
+            if (k3) {                          /* u = low 2 bits | high bit << 2 (gguf_k3_byte) */
+                const __m512i l0 = _mm512_loadu_si512(wg + qo), l1 = _mm512_loadu_si512(wg + qo + 64);
+                const __m512i t = _mm512_loadu_si512(wg + qo + 128);
+                for (int c = 0; c < 8; c++) {
+                    const __m512i l = c < 4 ? l0 : l1;
+                    const int sh = 2 * (c & 3);
+                    const __m512i lo = _mm512_and_si512(sh == 0 ? l : sh == 2 ? _mm512_srli_epi16(l, 2)
+                                                        : sh == 4 ? _mm512_srli_epi16(l, 4) : _mm512_srli_epi16(l, 6), low2);
+                    const __m512i tc = c == 0 ? _mm512_slli_epi16(t, 2) : c == 1 ? _mm512_slli_epi16(t, 1)
+                                     : c == 2 ? t : _mm512_srli_epi16(t, c - 2);
+                    q[c] = _mm512_ternarylogic_epi32(lo, tc, bit2, 0xF8);     /* a | (b & c) */
+                }
+            } else if (k6) {                          /* u = low 4 bits | top 2 bits << 4 (gguf_k6_byte) */
                 const __m512i h0 = _mm512_loadu_si512(wg + qo + 256), h1 = _mm512_loadu_si512(wg + qo + 320);
                 for (int c = 0; c < 4; c++) {
                     const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
@@ -130,7 +159,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                 const __m512 dx = _mm512_set1_ps(a->dx[rb]);
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s0, _mm512_mul_ps(d0, dx)));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s1, _mm512_mul_ps(d1, dx)));
-                if (!k6) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
+                if (!k6 && !k3) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
             }
         }
     }
@@ -157,6 +186,8 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
         case GGUF_K5: KIND(GGUF_K5); break;
         case GGUF_K8: KIND(GGUF_K8); break;
         case GGUF_K6: KIND(GGUF_K6); break;
+        case GGUF_K3: KIND(GGUF_K3); break;
+        case GGUF_X4: KIND(GGUF_X4); break;
         default: KIND(GGUF_F8); break;
     }
 }

@@ -66,9 +66,11 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
         for (int c = k * cn; c < k * cn + cn; c++) {
-            const __m256i v0 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0)
+            const __m256i v0 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 0)
+                             : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 0)
                                                : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
-            const __m256i v1 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 1)
+            const __m256i v1 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 1) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 1)
+                             : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 1)
                                                : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
             __m256i lo0 = four ? _mm256_and_si256(v0, low4) : v0;
             __m256i lo1 = four ? _mm256_and_si256(v1, low4) : v1;
@@ -103,14 +105,14 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
                                  : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * k, h, !four);
             for (int r = 0; r < R; r++) {
                 const int64_t rb = r * nb + b;
-                const int32_t sq = four ? 0 : kind == GGUF_Q8 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
-                const int32_t bias = (kind == GGUF_K6 ? 32 : 128) * sq;   /* the stored u less q */
+                const int32_t sq = four ? 0 : sums == 1 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
+                const int32_t bias = (kind == GGUF_K6 ? 32 : kind == GGUF_K3 ? 4 : 128) * sq;   /* the stored u less q */
                 const __m256 sf = P == 2 ? two_parts(s[r][0][h], s[r][1][h], bias) : one_part(s[r][0][h], bias);
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
             }
         }
     }
-    if (kind != GGUF_Q8 && kind != GGUF_K6)
+    if (kind != GGUF_Q8 && !gguf_no_min_super(kind))
         for (int h = 0; h < 2; h++) {
             const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
                            : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))

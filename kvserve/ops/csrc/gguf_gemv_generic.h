@@ -1,4 +1,4 @@
-/* The kernels of kinds 10 (Q2_K) and 32 (float weights), gguf_gemv.h: one source for every build,
+/* The kernels of kinds 10 (Q2_K) and 32, 33, 34 (float weights: float32, fp16, bf16), gguf_gemv.h: one source for every build,
  * written with GCC/clang vector types of 8 lanes (half the 16 rows of a group), which each build
  * compiles with its own target flags (AVX-512, AVX2, NEON or the baseline); kind 10's integer sums
  * take AVX-512 VNNI's vpdpbusd where the build has it (the same integers). Lane-wise integer and
@@ -11,6 +11,9 @@
 #include "gguf_gemv.h"
 #if defined(__F16C__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 /* 8 lanes: half a group's rows (32 bytes, a register of AVX2 and wider; two on NEON). */
@@ -45,11 +48,29 @@ static inline gguf_v8f gguf_v8f_halves(const uint8_t *p) {
 #if defined(__F16C__)
     const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     memcpy(&v, &f, 32);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    const float16x8_t h = vreinterpretq_f16_u8(vld1q_u8(p));
+    const float32x4_t lo = vcvt_f32_f16(vget_low_f16(h)), hi = vcvt_high_f32_f16(h);
+    memcpy(&v, &lo, 16);
+    memcpy((char *)&v + 16, &hi, 16);
 #else
     for (int i = 0; i < 8; i++) v[i] = half_to_float(gguf_load_u16(p + 2 * i));
 #endif
     return v;
 }
+
+/* 8 float weights of kind 32 (float32), 33 (fp16) or 34 (bf16: its bits are a float32's top
+ * half) at p, as float32 lanes: every value exact. */
+static inline __attribute__((always_inline)) gguf_v8f gguf_v8f_weights(const uint8_t *p, const int64_t kind) {
+    if (kind == GGUF_W32) return gguf_v8f_load(p);
+    if (kind == GGUF_W16) return gguf_v8f_halves(p);
+    gguf_v8h h;
+    memcpy(&h, p, 16);
+    return (gguf_v8f)(__builtin_convertvector(h, gguf_v8u) << 16);
+}
+
+/* Bytes of one weight of the float kinds (32: 4, 33 and 34: 2). */
+static inline int64_t gguf_float_bytes(int64_t kind) { return kind == GGUF_W32 ? 4 : 2; }
 
 /* Kind 10's super-block scales D and DMIN of block b's 16 rows, as two halves of 8 lanes. */
 static inline void gguf_k2_supers(const uint8_t *blk, int64_t nb, int64_t b, gguf_v8f d[2], gguf_v8f dmin[2]) {
@@ -157,11 +178,12 @@ static inline __attribute__((always_inline)) void gguf_k2_rows(const uint8_t *wg
     for (int r = 0; r < R; r++) memcpy(out + r * GGUF_ROWS, acc[r], 64);
 }
 
-/* Kind 32 against R (a constant, <= 4) activation rows (gguf_gemv.h's formula for kind 32): each
- * weight vector loaded once for the R rows, one half of the rows at a time. */
-static inline __attribute__((always_inline)) void gguf_w32_rows(const uint8_t *wg, int64_t nb, const gguf_acts_t *a,
-                                                                const int R, float *out) {
-    const int64_t pb = gguf_packed_block_bytes(GGUF_W32);
+/* Kinds 32, 33, 34 against R (a constant, <= 4) activation rows (gguf_gemv.h's formula for kind
+ * 32): each weight vector loaded (and widened) once for the R rows, one half of the rows at a
+ * time. */
+static inline __attribute__((always_inline)) void gguf_wf_rows(const int64_t kind, const uint8_t *wg, int64_t nb,
+                                                               const gguf_acts_t *a, const int R, float *out) {
+    const int64_t pb = gguf_packed_block_bytes(kind), wb = gguf_float_bytes(kind);
     gguf_v8f acc[4][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (gguf_v8f){0};
     for (int64_t b = 0; b < nb; b++, wg += pb) {
@@ -173,7 +195,7 @@ static inline __attribute__((always_inline)) void gguf_w32_rows(const uint8_t *w
             gguf_v8f s[4];
             for (int r = 0; r < R; r++) s[r] = (gguf_v8f){0};
             for (int j = 0; j < 32; j++) {
-                const gguf_v8f w = gguf_v8f_load(wg + 64 * j + 32 * h);
+                const gguf_v8f w = gguf_v8f_weights(wg + 16 * wb * j + 8 * wb * h, kind);
                 for (int r = 0; r < R; r++) s[r] = s[r] + w * xf[r][j];
             }
             for (int r = 0; r < R; r++) acc[r][h] = acc[r][h] + s[r] * a->dx[r * nb + b];
@@ -182,7 +204,20 @@ static inline __attribute__((always_inline)) void gguf_w32_rows(const uint8_t *w
     for (int r = 0; r < R; r++) memcpy(out + r * GGUF_ROWS, acc[r], 64);
 }
 
-/* Kinds 10 and 32 against R <= GGUF_TILE_M activation rows: up to 4 rows a pass over the group's
+static inline __attribute__((always_inline)) void gguf_w32_rows(const uint8_t *wg, int64_t nb, const gguf_acts_t *a,
+                                                                const int R, float *out) {
+    gguf_wf_rows(GGUF_W32, wg, nb, a, R, out);
+}
+static inline __attribute__((always_inline)) void gguf_w16_rows(const uint8_t *wg, int64_t nb, const gguf_acts_t *a,
+                                                                const int R, float *out) {
+    gguf_wf_rows(GGUF_W16, wg, nb, a, R, out);
+}
+static inline __attribute__((always_inline)) void gguf_b16_rows(const uint8_t *wg, int64_t nb, const gguf_acts_t *a,
+                                                                const int R, float *out) {
+    gguf_wf_rows(GGUF_B16, wg, nb, a, R, out);
+}
+
+/* Kinds 10, 32, 33 and 34 against R <= GGUF_TILE_M activation rows: up to 4 rows a pass over the group's
  * weights (R a constant in each pass: the sums stay in registers). */
 static void gguf_group_dot_generic(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R,
                                    float *out) {
@@ -195,6 +230,10 @@ static void gguf_group_dot_generic(const uint8_t *wg, int64_t kind, int64_t nb, 
                      case 3: F(wg, nb, &ar, 3, o); break; default: F(wg, nb, &ar, 4, o); break; }
         if (kind == GGUF_K2) {
             GGUF_GENERIC_ROWS(gguf_k2_rows)
+        } else if (kind == GGUF_W16) {
+            GGUF_GENERIC_ROWS(gguf_w16_rows)
+        } else if (kind == GGUF_B16) {
+            GGUF_GENERIC_ROWS(gguf_b16_rows)
         } else {
             GGUF_GENERIC_ROWS(gguf_w32_rows)
         }
@@ -202,8 +241,9 @@ static void gguf_group_dot_generic(const uint8_t *wg, int64_t kind, int64_t nb, 
     }
 }
 
-/* Blocks b0 .. b1 - 1 of a kind-10 or kind-32 group -> wt[k][16] (row k at wt + k ld): kind 10
- * w = d q + m (the product exact: one rounding, as gguf's dequantization), kind 32 the floats. */
+/* Blocks b0 .. b1 - 1 of a kind-10, 32, 33 or 34 group -> wt[k][16] (row k at wt + k ld): kind 10
+ * w = d q + m (the product exact: one rounding, as gguf's dequantization), the float kinds their
+ * values. */
 static void gguf_dequantize_group_generic(const uint8_t *wg, int64_t kind, int64_t nb, int64_t b0, int64_t b1,
                                           float *wt, int64_t ld) {
     const int64_t pb = gguf_packed_block_bytes(kind);
@@ -212,6 +252,14 @@ static void gguf_dequantize_group_generic(const uint8_t *wg, int64_t kind, int64
         float *o = wt + (b - b0) * 32 * ld;
         if (kind == GGUF_W32) {
             for (int j = 0; j < 32; j++) memcpy(o + j * ld, wg + 64 * j, 64);
+            continue;
+        }
+        if (kind == GGUF_W16 || kind == GGUF_B16) {
+            for (int j = 0; j < 32; j++)
+                for (int h = 0; h < 2; h++) {
+                    const gguf_v8f w = gguf_v8f_weights(wg + 32 * j + 16 * h, kind);
+                    memcpy(o + j * ld + 8 * h, &w, 32);
+                }
             continue;
         }
         gguf_v8f d[2], dmin[2];
@@ -233,7 +281,7 @@ static void gguf_dequantize_group_generic(const uint8_t *wg, int64_t kind, int64
     }
 }
 
-/* Row r of a kind-10 or kind-32 weight of K columns -> out[K], as gguf_dequantize_group_generic. */
+/* Row r of a kind-10, 32, 33 or 34 weight of K columns -> out[K], as gguf_dequantize_group_generic. */
 static void gguf_dequantize_row_generic(const uint8_t *w, int64_t kind, int64_t K, int64_t r, float *out) {
     const int64_t nb = K / 32;
     float wt[32 * GGUF_ROWS];

@@ -9,7 +9,7 @@
  *   w[4 + c] weights j = 16+4c..16+4c+3 (Q4: chunk c's high nibbles; Q8: chunk 4 + c)
  * dotted with lane c of the part's x[0..15] and x[16..31]. Q4 nibbles (0..15) are valid s8 as
  * they are; 8-bit kinds' bytes (q + 128) become s8 q by flipping the top bit (kind 26: its
- * 6-bit u less 32). Both parts (xa, xb) go into one exact int32: s = 256 sum q xa + sum q xb
+ * 6-bit u less 32; kind 13: its 3-bit u less 4; kind 24: each index's s8 value by tbl). Both parts (xa, xb) go into one exact int32: s = 256 sum q xa + sum q xb
  * (|s| < 2^28; kind 18: one per half); every kind multiplies the parts apart, so a block whose xb are all zero (one-part activations, and
  * with mixed parts the runs of such blocks: group_dot) takes the xa products only. The
  * float steps are the portable kernel's: (float)s * (d dx), then a separate add (vmulq_f32 +
@@ -140,16 +140,32 @@ INLINE uint8x16_t k5_top(uint8x16_t t, const int c) {
          : c == 6 ? vandq_u8(vshrq_n_u8(t, 2), m) : vandq_u8(vshrq_n_u8(t, 3), m);
 }
 
+/* Kind 13: bits 2c, 2c + 1 of l (the low 2 bits of u), written out per c (a literal). */
+INLINE uint8x16_t k3_low(uint8x16_t l, const int c) {
+    const uint8x16_t m = vdupq_n_u8(0x03);
+    return c == 0 ? vandq_u8(l, m) : c == 1 ? vandq_u8(vshrq_n_u8(l, 2), m)
+         : c == 2 ? vandq_u8(vshrq_n_u8(l, 4), m) : vshrq_n_u8(l, 6);
+}
+
+/* Kind 13: bit c of t (bit 2 of chunk c's u) moved to bit 2, written out per c (a literal). */
+INLINE uint8x16_t k3_top(uint8x16_t t, const int c) {
+    const uint8x16_t m = vdupq_n_u8(0x04);
+    return c == 0 ? vandq_u8(vshlq_n_u8(t, 2), m) : c == 1 ? vandq_u8(vshlq_n_u8(t, 1), m)
+         : c == 2 ? vandq_u8(t, m) : c == 3 ? vandq_u8(vshrq_n_u8(t, 1), m)
+         : c == 4 ? vandq_u8(vshrq_n_u8(t, 2), m) : c == 5 ? vandq_u8(vshrq_n_u8(t, 3), m)
+         : c == 6 ? vandq_u8(vshrq_n_u8(t, 4), m) : vandq_u8(vshrq_n_u8(t, 5), m);
+}
+
 /* Block b of a group (wg: the block) against R <= R_MAX activation rows, added to acc. */
 INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R,
                       const int P, float32x4_t acc[R_MAX][4]) {
     const int64_t qo = gguf_ints_offset(kind);
-    const int nibbles = gguf_nibble_kind(kind);
+    const int nibbles = gguf_nibble_kind(kind), no_m = kind == GGUF_Q8 || gguf_no_min_super(kind);
     const uint8x16_t low4 = vdupq_n_u8(0x0f), top = vdupq_n_u8(0x80);
     float dx[R_MAX], sx[R_MAX];
     UNROLL for (int r = 0; r < R; r++) {
         dx[r] = a->dx[r * nb + b];
-        if (kind != GGUF_Q8 && kind != GGUF_K6) sx[r] = a->sx[r * nb + b];
+        if (!no_m) sx[r] = a->sx[r * nb + b];
     }
     float32x4_t d[4], d1[4], m[4];
     if (kind == GGUF_Q4 || kind == GGUF_Q8) {
@@ -164,8 +180,8 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
     } else {
         const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
         k_scales(sup, wg, !nibbles, 0, d);
-        if (!nibbles) k_scales(sup, wg + 16, 1, 0, d1);
-        if (kind != GGUF_K6) k_scales(sup + 32, wg + (nibbles ? 16 : 32), 0, 1, m);
+        if (gguf_two_halves(kind)) k_scales(sup, wg + 16, 1, 0, d1);
+        if (!no_m) k_scales(sup + 32, wg + (nibbles ? 16 : 32), 0, 1, m);
     }
     UNROLL for (int v = 0; v < 4; v++) {   /* rows 4v..4v+3 */
         int8x16_t w[8];
@@ -178,6 +194,22 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
             if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
                 const uint8x16_t t = vld1q_u8(wg + qo + 256 + 16 * v);
                 UNROLL for (int c = 0; c < 8; c++) w[c] = vorrq_s8(w[c], vreinterpretq_s8_u8(k5_top(t, c)));
+            }
+        } else if (kind == GGUF_X4) {          /* q = the table's value of each nibble (gguf_x4_byte, less 128) */
+            const int8x16_t table = vld1q_s8(gguf_iq4_values);
+            UNROLL for (int c = 0; c < 4; c++) {
+                const uint8x16_t p = vld1q_u8(wg + qo + 64 * c + 16 * v);
+                w[c] = vqtbl1q_s8(table, vandq_u8(p, low4));
+                w[c + 4] = vqtbl1q_s8(table, vshrq_n_u8(p, 4));
+            }
+        } else if (kind == GGUF_K3) {          /* q = (low 2 bits | high bit << 2) - 4 (gguf_k3_byte) */
+            const uint8x16_t l0 = vld1q_u8(wg + qo + 16 * v), l1 = vld1q_u8(wg + qo + 64 + 16 * v);
+            const uint8x16_t t = vld1q_u8(wg + qo + 128 + 16 * v);
+            UNROLL for (int c = 0; c < 4; c++) {
+                const uint8x16_t u0 = vorrq_u8(k3_low(l0, c), k3_top(t, c));
+                const uint8x16_t u1 = vorrq_u8(k3_low(l1, c), k3_top(t, c + 4));
+                w[c] = vsubq_s8(vreinterpretq_s8_u8(u0), vdupq_n_s8(4));
+                w[c + 4] = vsubq_s8(vreinterpretq_s8_u8(u1), vdupq_n_s8(4));
             }
         } else if (kind == GGUF_K6) {          /* q = (low 4 bits | top 2 bits << 4) - 32 (gguf_k6_byte) */
             const uint8x16_t t0 = vld1q_u8(wg + qo + 256 + 16 * v), t1 = vld1q_u8(wg + qo + 320 + 16 * v);
@@ -202,7 +234,7 @@ INLINE void block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, 
                 const float32x4_t s = vcvtq_f32_s32(block_s(w, a->xq + (r * nb + b) * 64, R, P));
                 acc[r][v] = vaddq_f32(acc[r][v], vmulq_f32(s, vmulq_n_f32(d[v], dx[r])));
             }
-            if (kind != GGUF_Q8 && kind != GGUF_K6) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
+            if (!no_m) acc[r][v] = vaddq_f32(acc[r][v], vmulq_n_f32(m[v], sx[r]));
         }
     }
 }
@@ -236,7 +268,9 @@ INLINE void group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_
                        : kind == GGUF_K4 ? group_dot(wg, GGUF_K4, nb, a, R, P, out) \
                        : kind == GGUF_K5 ? group_dot(wg, GGUF_K5, nb, a, R, P, out) \
                        : kind == GGUF_K8 ? group_dot(wg, GGUF_K8, nb, a, R, P, out) \
-                       : kind == GGUF_K6 ? group_dot(wg, GGUF_K6, nb, a, R, P, out) : group_dot(wg, GGUF_F8, nb, a, R, P, out))
+                       : kind == GGUF_K6 ? group_dot(wg, GGUF_K6, nb, a, R, P, out) \
+                       : kind == GGUF_K3 ? group_dot(wg, GGUF_K3, nb, a, R, P, out) \
+                       : kind == GGUF_X4 ? group_dot(wg, GGUF_X4, nb, a, R, P, out) : group_dot(wg, GGUF_F8, nb, a, R, P, out))
 #define KINDS(R) (a->parts == GGUF_ONE_PART ? KINDS_P(R, 1) : KINDS_P(R, 2))
 
 static void group_dot_upto4(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {

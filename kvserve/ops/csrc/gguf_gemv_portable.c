@@ -31,8 +31,10 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
                     for (int c = 0; c < 8; c++)
                         for (int t = 0; t < 4; t++) {
                             const int32_t j = 4 * c + t;
-                            const int32_t q = kind == GGUF_K6 ? gguf_k6_byte(wg, c, i, t) - 32
-                                                              : (int32_t)wg[qo + 64 * c + 4 * i + t] - 128;
+                            const int32_t q = kind == GGUF_K6   ? gguf_k6_byte(wg, c, i, t) - 32
+                                            : kind == GGUF_K3   ? gguf_k3_byte(wg, c, i, t) - 4
+                                            : kind == GGUF_X4   ? gguf_x4_byte(wg, c, i, t) - 128
+                                                                : (int32_t)wg[qo + 64 * c + 4 * i + t] - 128;
                             s[c >> 2] += q * (256 * xa[j] + xb[j]);
                         }
                 }
@@ -44,7 +46,7 @@ void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts
                 } else {
                     acc = acc + (float)(s[0] + s[1]) * (d0 * dx);
                 }
-                if (kind != GGUF_Q8 && kind != GGUF_K6) acc = acc + m * a->sx[r * nb + b];
+                if (kind != GGUF_Q8 && !gguf_no_min_super(kind)) acc = acc + m * a->sx[r * nb + b];
                 out[r * GGUF_ROWS + i] = acc;
             }
         }

@@ -23,6 +23,8 @@ static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const g
         case GGUF_Q8: PAIRS_KIND(GGUF_Q8); break;
         case GGUF_K8: PAIRS_KIND(GGUF_K8); break;
         case GGUF_K6: PAIRS_KIND(GGUF_K6); break;
+        case GGUF_K3: PAIRS_KIND(GGUF_K3); break;
+        case GGUF_X4: PAIRS_KIND(GGUF_X4); break;
         default: PAIRS_KIND(GGUF_F8); break;
     }
 }

@@ -24,6 +24,31 @@ static inline __attribute__((always_inline)) __m256i k6_chunk(const uint8_t *q4,
     return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
 }
 
+/* Kind 13: rows 8h..8h+7's bytes u = q + 4 of kind 18's chunk c (gguf_k3_byte), from the block's
+ * low-bit chunks (q4: the block's integers) and its high-bit chunk: bits 2(c & 3), 2(c & 3) + 1
+ * of low-bit chunk c / 4, and bit c of the high-bit chunk moved to bit 2. */
+static inline __attribute__((always_inline)) __m256i k3_chunk(const uint8_t *q4, const int c, const int h) {
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(q4 + 64 * (c >> 2) + 32 * h));
+    const __m256i t = _mm256_loadu_si256((const __m256i *)(q4 + 128 + 32 * h));
+    const int sh = 2 * (c & 3);
+    const __m256i lo = _mm256_and_si256(sh == 0 ? l : sh == 2 ? _mm256_srli_epi16(l, 2) : sh == 4 ? _mm256_srli_epi16(l, 4)
+                                                                                               : _mm256_srli_epi16(l, 6),
+                                        _mm256_set1_epi8(0x03));
+    const __m256i hi = c == 0 ? _mm256_slli_epi16(t, 2) : c == 1 ? _mm256_slli_epi16(t, 1)
+                     : c == 2 ? t : _mm256_srli_epi16(t, c - 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x04)));
+}
+
+/* Kind 24: rows 8h..8h+7's bytes value + 128 of kind 8's chunk c (gguf_x4_byte): the nibbles of
+ * chunk c & 3 (low: c < 4, high: c >= 4) looked up by vpshufb in the table of value + 128. */
+static inline __attribute__((always_inline)) __m256i x4_chunk(const uint8_t *q4, const int c, const int h) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q4 + 64 * (c & 3) + 32 * h));
+    const __m256i idx = _mm256_and_si256(c < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+    const __m256i table = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gguf_iq4_values)),
+                                           _mm256_set1_epi8((char)0x80));
+    return _mm256_shuffle_epi8(table, idx);
+}
+
 /* Kind 15: rows 8h..8h+7's top bits (bit 4 of q) of kind 18's chunk c, in place for an OR with
  * the chunk's 4 low bits: bit c of the block's top-bit chunk (q4: the block's integers) moved to
  * bit 4. */

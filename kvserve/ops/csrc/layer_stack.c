@@ -22,6 +22,11 @@
  * table is tables + seq[t] * table_stride; it attends over positions 0..positions[t] of that
  * table (its own key included: this step's K/V are written before attention runs).
  *
+ * LoRA adapters (lora_delta.h): with a per-token adapter slot (lora_slot, -1: the base model),
+ * each linear an adapter targets adds scale * (x A^T) B^T to the base output of the tokens using
+ * that adapter, x being the linear's float32 input (the normed state, the attention output, the
+ * SiLU product), never the quantized copy the integer GEMV reads.
+ *
  * Every linear is a GGUF-packed weight (gguf_gemv.c): prompt tokens (prompt[t] != 0) go through
  * its float32 GEMM, the others (decodes) through its integer GEMV. With activations as one 8-bit
  * part per block (act_parts GGUF_ONE_PART: the gguf-a8 format, llama.cpp's precision) or one or
@@ -69,6 +74,8 @@ typedef struct {
     int64_t kind, rows;
 } stack_part_t;
 
+#include "lora_delta.h"
+
 typedef struct {
     const float *ln1, *ln2;                          /* RMSNorm weights [hidden] */
     stack_part_t qkv[STACK_MAX_PARTS], o, gate_up[STACK_MAX_PARTS], down;
@@ -89,7 +96,14 @@ typedef struct {
     const stack_layer_t *layers;
     int64_t act_parts;             /* the activations' parts (gguf_gemv.h); not GGUF_TWO_PARTS: every token on the GEMV */
     int64_t rotary_dim;            /* dims of each head rope turns (cos/sin rows are this wide) */
+    const stack_lora_t *lora;      /* [num_layers][LORA_LINEARS][lora_slots] (lora_delta.h), or NULL */
+    int64_t lora_slots;
 } stack_model_t;
+
+/* Layer l's entries of linear `which` (LORA_QKV ..) in the LoRA table, one per slot; NULL: none. */
+static inline const stack_lora_t *lora_of(const stack_model_t *m, int64_t l, int which) {
+    return m->lora ? m->lora + (l * LORA_LINEARS + which) * m->lora_slots : NULL;
+}
 
 #define LANES 8
 
@@ -225,7 +239,7 @@ static void norm_and_quantize(const row_split_t *rs, int64_t T, const float *h, 
 int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, const int64_t *positions,
                 const int64_t *slots, const int64_t *seq, const uint8_t *prompt, int64_t T, const int64_t *tables,
                 int64_t table_stride, const int64_t *out_rows, int64_t n_out, float *out, int64_t final_norm,
-                int64_t num_threads) {
+                int64_t num_threads, const int64_t *lora_slot) {
     const int64_t H = m->hidden, D = m->head_dim, qs = m->num_heads * D, kvs = m->kv_heads * D;
     const int64_t nqkv = qs + 2 * kvs, I = m->intermediate;
     const float eps = (float)m->eps;
@@ -236,6 +250,9 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, c
             parts_check(L->gate_up, 2 * I, H) || gguf_gemv_check(L->down.kind, I) || L->down.rows != H)
             return -1;
     }
+    if (lora_slot && m->lora && lora_check(m->lora, m->num_layers * LORA_LINEARS, m->lora_slots,
+                                           (const int64_t[]){nqkv, H, 2 * I, H}, lora_slot, T))
+        return -1;
     const int64_t kmax = H > qs ? (H > I ? H : I) : (qs > I ? qs : I);
     const int64_t nmax = nqkv > 2 * I ? (nqkv > H ? nqkv : H) : (2 * I > H ? 2 * I : H);
     int64_t nf = 0;
@@ -251,8 +268,11 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, c
     void *ws = aligned_alloc(64, ws_bytes), *ws_f = aligned_alloc(64, wsf_bytes);
     int64_t *f_rows = malloc(sizeof(int64_t) * (nf + 1)), *i_rows = malloc(sizeof(int64_t) * (T - nf + 1));
     int64_t *i_index = malloc(sizeof(int64_t) * T);
+    lora_step_t ls = {0};
     int rc = -3;
     if (!h || !x || !qkv || !q || !att || !gu || !act || !qrow || !lens || !ws || !ws_f || !f_rows || !i_rows || !i_index) goto done;
+    if (lora_slot && m->lora && lora_step_init(&ls, m->lora, m->num_layers * LORA_LINEARS, m->lora_slots, lora_slot, T))
+        goto done;
     row_split_t rs = {f_rows, i_rows, i_index, 0, 0, ws_f, ws, m->act_parts};
     for (int64_t t = 0; t < T; t++) {
         if (via_f32(m, prompt, t)) {
@@ -277,6 +297,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, c
             const stack_layer_t *L = &m->layers[l];
             norm_and_quantize(&rs, T, h, L->ln1, eps, H, x);
             linear_parts_quantized(&rs, L->qkv, H, x, H, qkv, nqkv, L->qkv_bias);
+            lora_add(&ls, lora_of(m, l, LORA_QKV), H, nqkv, x, H, qkv, nqkv);
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *row = qkv + t * nqkv;
@@ -295,8 +316,10 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, c
                                  m->num_heads, m->kv_heads, D, m->block_size, (float)m->scale, m->window,
                                  m->kv_format);
             linear(&rs, L->o.w, L->o.kind, H, qs, att, qs, h, H, L->o_bias, 1);
+            lora_add(&ls, lora_of(m, l, LORA_O), qs, H, att, qs, h, H);
             norm_and_quantize(&rs, T, h, L->ln2, eps, H, x);
             linear_parts_quantized(&rs, L->gate_up, H, x, H, gu, 2 * I, NULL);
+            lora_add(&ls, lora_of(m, l, LORA_GATE_UP), H, 2 * I, x, H, gu, 2 * I);
             #pragma omp for schedule(static)
             for (int64_t tb = 0; tb < T * (I / 32); tb++) {   /* (token, block of 32): one token splits too */
                 const int64_t t = tb / (I / 32), b = tb % (I / 32);
@@ -306,6 +329,7 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, c
                 quantize_row_block(&rs, t, I, b, a);
             }
             linear_quantized(&rs, L->down.w, L->down.kind, H, I, act, I, h, H, NULL, 1);
+            lora_add(&ls, lora_of(m, l, LORA_DOWN), I, H, act, I, h, H);
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < n_out; r++) {
@@ -316,5 +340,6 @@ int layer_stack(const stack_model_t *m, const int64_t *ids, const float *h_in, c
     rc = 0;
 done:
     free(h); free(x); free(qkv); free(q); free(att); free(gu); free(act); free(qrow); free(lens); free(ws); free(ws_f); free(f_rows); free(i_rows); free(i_index);
+    lora_step_free(&ls);
     return rc;
 }

@@ -5,8 +5,9 @@ worker rank (tensor or pipeline)   its own loop runs the model (runner/worker.py
 --pipeline-parallel-size N         PipelineParallelBackend
 cuda                               CudaBackend: Triton attention, CUDA graphs for decodes
 cpu                                LayerStackBackend when CLayerStack takes the model and its
-                                   KV pools, else TorchForward naming what declined
---enable-lora (cpu)                TorchForward: the LoRA deltas are added in the Linears
+                                   KV pools, else TorchForward naming what declined; with
+                                   --enable-lora either adds the adapters' deltas (the C stack
+                                   from its LoRA table, the PyTorch forward in the Linears)
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from kvserve.runner.layer_stack import CLayerStack
 
 WORKER = "a worker rank: rank 0 sends its steps"
 ONE_WINDOW = "the C layer stack takes one attention window for every layer"
-LORA = "LoRA adapters run on the PyTorch forward"
 
 
 def select_backend(
@@ -50,7 +50,8 @@ def select_backend(
     fastest path for the device runs. `tp`/`pp`: rank 0's TensorParallelGroup / PipelineGroup;
     `worker`: a worker rank's runner, whose own loop runs the model; `prepare`:
     ModelRunner.prepare (pipeline stages flatten each micro-batch); `lora`: --enable-lora (the
-    C layer stack runs no Python between layers, so it cannot add the adapters' deltas)."""
+    pipeline stages run LoRA on the PyTorch forward; one process's C layer stack and PyTorch
+    forward both add the adapters' deltas)."""
     if worker:
         return TorchForward(model, kv_caches, WORKER), None
     if tp is not None:
@@ -71,8 +72,6 @@ def select_backend(
             num_kv_heads=arch.num_kv_heads,
         )
         return backend, None
-    if lora:
-        return TorchForward(model, kv_caches, LORA), _get_back("drop --enable-lora")
     windows = {arch.window_of(i) for i in range(arch.num_layers)}
     if len(kv_groups) != 1 or len(windows) != 1:
         return TorchForward(model, kv_caches, ONE_WINDOW), _get_back(None)

@@ -6,7 +6,8 @@
  * It packs deterministic pseudo-random weights straight into the interleaved layout of
  * gguf_gemv.h (Q4 with Q4_0-style m = -8 d and Q4_1-style m of either sign, Q8 including
  * q = -128, K4 and K8 with 6-bit sub-block scales under fp16 super-block scales (K8: Q5_K-like
- * with m, Q6_K-like with a signed scale per half and m = -0), F8 with float32 scales (Q5_1-like);
+ * with m, Q6_K-like with a signed scale per half and m = -0), F8 with float32 scales (Q5_1-like),
+ * K3 (Q3_K's 3 bits, a signed scale per half) and X4 (IQ4_XS's table indices, a signed scale);
  * fp16 scales normal, subnormal and zero; rows past N zero), makes activations with an
  * outlier, an all-zero block and a row small enough for subnormal d dx (compared bit for bit, not
  * with the reference below: such scales keep few significant bits), runs gguf_gemv over
@@ -85,6 +86,19 @@ static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
             for (int i = 0; i < 16; i++) {
                 if (g * 16 + i >= N) continue;                          /* rows past N stay zero */
                 const int extreme = below(16) == 0;                     /* all q at the range's end */
+                if (kind == GGUF_K3 || kind == GGUF_X4) {               /* the super-block's d, signed scales */
+                    if (b % 8 == 0) {
+                        uint8_t *sup = (uint8_t *)gguf_super_scales(p, kind, nb, b);
+                        const uint16_t d = random_scale();
+                        memcpy(sup + 2 * i, &d, 2);
+                    }
+                    p[i] = (uint8_t)(int8_t)((int)below(64) - 32);
+                    if (kind == GGUF_K3) p[16 + i] = (uint8_t)(int8_t)((int)below(64) - 32);
+                    const int at = kind == GGUF_K3 ? 32 : 16, chunks = kind == GGUF_K3 ? 3 : 4;
+                    for (int c = 0; c < chunks; c++)                    /* extreme: q = 3 (K3), index 15 */
+                        for (int t = 0; t < 4; t++) p[at + 64 * c + 4 * i + t] = extreme ? 0xff : (uint8_t)below(256);
+                    continue;
+                }
                 if (kind == GGUF_K4 || kind == GGUF_K8) {
                     if (b % 8 == 0) {                                   /* the super-block's d, dmin */
                         uint8_t *sup = (uint8_t *)gguf_super_scales(p, kind, nb, b);
@@ -148,6 +162,21 @@ static double weight(const uint8_t *w, int kind, int64_t K, int64_t n, int64_t k
     const uint8_t *p = w + (n / 16) * gguf_group_bytes(kind, nb) + b * pb;
     double d, m = 0;
     int q;
+    if (kind == GGUF_K3 || kind == GGUF_X4) {                 /* D sub-scale (K3: per half), no m */
+        static const int values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+        const uint8_t *sup = p + (nb - b) * pb + (b / 8) * 32;
+        const int c = (int)(j % 16) / 4, t = (int)(j % 4);
+        d = half_value(gguf_load_u16(sup + 2 * i)) * (int8_t)p[kind == GGUF_K3 && j >= 16 ? 16 + i : i];
+        if (kind == GGUF_K3) {                                /* 2 low bits of half j / 16, bit j / 4 */
+            const int low = (p[32 + 64 * (j / 16) + 4 * i + t] >> (2 * c)) & 3;
+            q = (low | (((p[32 + 128 + 4 * i + t] >> (j / 4)) & 1) << 2)) - 4;
+        } else {
+            const uint8_t byte = p[16 + 64 * c + 4 * i + t];
+            q = values[j < 16 ? byte & 15 : byte >> 4];
+        }
+        *pieces = fabs(d * q);
+        return d * q;
+    }
     if (kind == GGUF_K4 || kind == GGUF_K8) {                 /* D sub-scale, -(DMIN mn) */
         const uint8_t *sup = p + (nb - b) * pb + (b / 8) * 64;
         const double D = half_value(gguf_load_u16(sup + 2 * i)), DMIN = half_value(gguf_load_u16(sup + 32 + 2 * i));
@@ -197,11 +226,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "gemv_check: kernel %s\n", gguf_gemv_isa());
     rng_state = 20240601;
     for (size_t s = 0; s < sizeof SHAPES / sizeof SHAPES[0]; s++)
-        for (int variant = 0; variant < 7; variant++) {   /* Q4 (m = -8 d), Q4 (m), Q8, K4, K8 (m), K8 (-0), F8 */
+        for (int variant = 0; variant < 9; variant++) {   /* Q4 (m = -8 d), Q4 (m), Q8, K4, K8 (m), K8 (-0), F8, K3, X4 */
             const shape_t sh = SHAPES[s];
-            static const int kinds[7] = {GGUF_Q4, GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_K8, GGUF_F8};
+            static const int kinds[9] = {GGUF_Q4, GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K8, GGUF_K8, GGUF_F8, GGUF_K3, GGUF_X4};
             const int kind = kinds[variant];
             if (gguf_has_super(kind) && sh.K % 256) continue;          /* K-quants: whole super-blocks */
+            if (variant >= 7 && sh.K > 1024) continue;                 /* K3, X4: the shorter shapes (qemu's time) */
             const int64_t N = sh.N, K = sh.K, M = sh.M, ldx = K + sh.pad_x, ldy = N + sh.pad_y;
             uint8_t *w = make_weights(kind, kind == GGUF_K8 ? variant == 5 : variant, N, K);
             float *x = malloc(sizeof(float) * (size_t)(M * ldx)), *y = malloc(sizeof(float) * (size_t)(M * ldy));

@@ -1,8 +1,10 @@
-/* Kinds 10 (Q2_K) and 32 (float weights) of kvserve/ops/csrc/gguf_gemv.h, self-contained: packs
- * pseudo-random weights (kind 10: 4-bit scales and mins, fp16 super-block scales normal and
- * subnormal; kind 32: float32 of every magnitude), runs gguf_gemv (two, one and mixed parts) over
- * M = 1..9 rows, gguf_gemm_f32 and gguf_dequantize_rows, and prints a hash of the output bits per
- * case. Every build (any kernel file, any ISA) must print the same text: tests/unit/
+/* Kinds 10 (Q2_K), 32 (float weights), 33 and 34 (fp16 and bf16 weights) of
+ * kvserve/ops/csrc/gguf_gemv.h, self-contained: packs pseudo-random weights (kind 10: 4-bit scales
+ * and mins, fp16 super-block scales normal and subnormal; kind 32: float32 of every magnitude;
+ * kinds 33, 34: fp16 values normal and subnormal, bf16 values, each also packed as kind 32), runs
+ * gguf_gemv (two, one and mixed parts) over M = 1..9 rows, gguf_gemm_f32 and
+ * gguf_dequantize_rows, and prints a hash of the output bits per case; kinds 33 and 34 must give
+ * the bits of kind 32 holding the same values (exit status 1 if not). Every build (any kernel file, any ISA) must print the same text: tests/unit/
  * test_gguf_q2k_float.py compares a NEON and a portable aarch64 build under qemu with a host one.
  */
 #include <stdint.h>
@@ -87,6 +89,50 @@ int main(void) {
         if (gguf_dequantize_rows(w, kind, K, ids, N, rows)) return 1;
         printf("kind %d rows %016llx\n", kind, (unsigned long long)hash(rows, N * K));
         free(w);
+    }
+    for (int f = 0; f < 2; f++) {                                   /* fp16, bf16 against kind 32 */
+        const int kind = f ? GGUF_B16 : GGUF_W16;
+        const int64_t n16 = groups * gguf_group_bytes(kind, nb) / 2;
+        uint8_t *w16 = malloc(2 * n16), *w32 = malloc(4 * n16);     /* element e: the same weight in both */
+        for (int64_t e = 0; e < n16; e++) {
+            const uint16_t sign = (uint16_t)((next() & 1u) << 15);
+            const uint16_t h = kind == GGUF_W16 ? (uint16_t)(sign | next() % 0x7c00)      /* finite, subnormals too */
+                                                : (uint16_t)(sign | (97u + next() % 38) << 7 | (next() & 0x7f));
+            const uint32_t u = kind == GGUF_W16 ? 0 : (uint32_t)h << 16;
+            float v;
+            memcpy(&v, &u, 4);
+            if (kind == GGUF_W16) v = half_to_float(h);
+            memcpy(w16 + 2 * e, &h, 2);
+            memcpy(w32 + 4 * e, &v, 4);
+        }
+        float *y32 = malloc(sizeof(float) * N * K);
+        int same = 1;
+        for (int parts = 0; parts < 4; parts++)                     /* 3: the float32 GEMM */
+            for (int64_t M = 1; M <= 9; M++) {
+                const int64_t n = M * N;
+                for (int t = 0; t < 2; t++) {
+                    const uint8_t *w = t ? w16 : w32;
+                    const int64_t kk = t ? kind : GGUF_W32;
+                    float *o = t ? y : y32;
+                    if (parts < 3 ? gguf_gemv(w, kk, N, K, x, K, M, o, N, NULL, 0, 1, parts)
+                                  : gguf_gemm_f32(w, kk, N, K, x, K, M, o, N, NULL, 0, 1))
+                        return 1;
+                }
+                same &= memcmp(y, y32, sizeof(float) * n) == 0;
+                printf("kind %d parts %d M %d %s %016llx\n", kind, parts % 3, (int)M, parts < 3 ? "gemv" : "gemm_f32",
+                       (unsigned long long)hash(y, n));
+            }
+        if (gguf_dequantize_rows(w16, kind, K, ids, N, rows) || gguf_dequantize_rows(w32, GGUF_W32, K, ids, N, y32))
+            return 1;
+        same &= memcmp(rows, y32, sizeof(float) * N * K) == 0;
+        printf("kind %d rows %016llx\n", kind, (unsigned long long)hash(rows, N * K));
+        free(w16);
+        free(w32);
+        free(y32);
+        if (!same) {
+            printf("kind %d differs from kind 32 holding the same values\n", kind);
+            return 1;
+        }
     }
     return 0;
 }
