@@ -30,6 +30,7 @@ longest k for which every group still holds what it needs.
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 from kvserve.config import KVGroup, cdiv, first_needed_block
 from kvserve.core.block_pool import Block, BlockPool, hash_block_tokens
@@ -51,6 +52,10 @@ Tables = list[list["Block | None"]]
 
 __all__ = ["KVCacheManager", "NULL_BLOCK", "cdiv"]
 
+# Table versions, unique in the process (across managers too): a runner that keeps a copy of a
+# table knows it is current while the version it copied is the table's.
+_versions = itertools.count(1)
+
 
 class KVCacheManager:
     def __init__(
@@ -70,6 +75,11 @@ class KVCacheManager:
         ] = {}  # sequence id -> per group, leading None entries
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # sequence id -> its tables as block ids (table_ids), kept up to date by appends and
+        # dropped on any other change; and the version of its tables, new on every change
+        self._ids: dict[str, list[list[int]]] = {}
+        self._versions: dict[str, int] = {}
+        self._all_full = all(g.window is None for g in self.groups)
         # Usage weighs a group's blocks by its layers (memory); an unlabelled group counts as one.
         self._weights = [max(1, len(g.layers)) for g in self.groups]
 
@@ -96,6 +106,22 @@ class KVCacheManager:
         if tables is None:
             return [[] for _ in self.groups]
         return [[NULL_BLOCK if b is None else b.block_id for b in t] for t in tables]
+
+    def table_ids(self, seq_id: str) -> tuple[list[list[int]], int | None]:
+        """Per group, the sequence's table as block ids, and its version: the lists are the
+        manager's own, current until its next allocation or free (read them, do not keep them),
+        and the version changes whenever the table does."""
+        ids = self._ids.get(seq_id)
+        if ids is None:
+            ids = self.block_ids(seq_id)
+            if seq_id in self.tables:
+                self._ids[seq_id] = ids
+        return ids, self._versions.get(seq_id)
+
+    def _changed(self, rid: str) -> None:
+        """The sequence's table changed other than by appends: new version, ids rebuilt."""
+        self._ids.pop(rid, None)
+        self._versions[rid] = next(_versions)
 
     def num_held_blocks(self, seq_id: str) -> list[int]:
         """Per group, the blocks the sequence's table really holds (freed entries not counted)."""
@@ -191,10 +217,20 @@ class KVCacheManager:
         """
         bs = self.block_size
         rid = req.seq_id
-        num_computed = req.num_computed_tokens + num_new_computed_tokens
         old = self.tables.get(rid)
+        if (
+            old is not None
+            and self._all_full
+            and not new_computed_blocks
+            and not num_new_computed_tokens
+        ):
+            done = self._append_slots(rid, old, req.num_computed_tokens, num_new_tokens)
+            if done is not None:
+                return done
+        num_computed = req.num_computed_tokens + num_new_computed_tokens
         if old is not None:
             self._free_dead_blocks(rid, num_computed)
+            self._changed(rid)
         plans = []
         for g, pool in enumerate(self.pools):
             blocks = old[g] if old is not None else []
@@ -229,6 +265,38 @@ class KVCacheManager:
                 pool.free_blocks([src])
                 blocks[i] = dst
             blocks.extend(pool.get_new_blocks(num_new_blocks))
+        self._changed(rid)
+        return True
+
+    def _append_slots(
+        self, rid: str, tables: Tables, num_computed: int, num_new_tokens: int
+    ) -> bool | None:
+        """allocate_slots for a sequence whose tables exist, every group full attention and no
+        block shared where it writes: new blocks only where it crosses into them. None: the
+        general path decides (a copy-on-write, or too few free blocks)."""
+        bs = self.block_size
+        first, end = num_computed // bs, -(-(num_computed + num_new_tokens) // bs)
+        need = 0
+        for table, pool in zip(tables, self.pools):
+            for i in range(first, len(table)):
+                if table[i].ref_cnt > 1:
+                    return None
+            n = end - len(table)
+            if n > 0:
+                if n > pool.num_free_blocks:
+                    return None
+                need += 1
+        if not need:
+            return True
+        ids = self._ids.get(rid)
+        for g, (table, pool) in enumerate(zip(tables, self.pools)):
+            n = end - len(table)
+            if n > 0:
+                new = pool.get_new_blocks(n)
+                table.extend(new)
+                if ids is not None:
+                    ids[g].extend(b.block_id for b in new)
+        self._versions[rid] = next(_versions)
         return True
 
     def _free_dead_blocks(self, rid: str, first_query_pos: int) -> None:
@@ -256,11 +324,13 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
+        start = self.num_cached_blocks.get(req.seq_id, 0)
+        if num_computed_tokens // self.block_size <= start:  # no block filled since the last call
+            return
         tables = self.tables.get(req.seq_id)
         if not tables:
             return
         num_full = min(num_computed_tokens // self.block_size, max(len(t) for t in tables))
-        start = self.num_cached_blocks.get(req.seq_id, 0)
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
@@ -273,6 +343,8 @@ class KVCacheManager:
     def free(self, req: Sequence) -> None:
         """Drop the sequence's references, tail block first (so tail blocks are evicted first)."""
         tables = self.tables.pop(req.seq_id, None)
+        self._ids.pop(req.seq_id, None)
+        self._versions.pop(req.seq_id, None)
         if tables is not None:
             for table, pool in zip(tables, self.pools):
                 pool.free_blocks(b for b in reversed(table) if b is not None)

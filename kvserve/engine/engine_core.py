@@ -269,6 +269,8 @@ class EngineCore:
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
         for c in sched.chunks:
+            if c.seq.output_token_ids:  # it generated before: its request was scheduled then
+                continue
             state = self._request_of(c.seq.seq_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
@@ -278,33 +280,36 @@ class EngineCore:
     ) -> dict[str, RequestState]:
         """The scheduler takes the sampled tokens (its stop checks may cut them); the outputs
         take the tokens it kept; finished sequences finish their samples."""
-        before = {c.seq.seq_id: c.seq.num_output_tokens for c in sched.chunks}
-        ours = {
-            k: [t.token_id for t in v]
-            for k, v in sampled.items()
-            if k in self.processor.samples or k in self.beams
-        }
+        samples, beams = self.processor.samples, self.beams
+        ours: dict[str, list[int]] = {}
+        mine = []  # (sequence id, its tokens, its sample entry, its output tokens before)
+        for seq_id, toks in sampled.items():
+            entry = samples.get(seq_id)
+            if entry is not None:
+                mine.append((seq_id, toks, entry, len(entry[1].seq.output_token_ids)))
+            elif seq_id not in beams:
+                continue
+            ours[seq_id] = [toks[0].token_id] if len(toks) == 1 else [t.token_id for t in toks]
         finished = self.scheduler.update_from_output(sched, ours)
         self._fail_scheduler_rejects()
         now = time.monotonic()
-        touched = {
-            s.request_id: s
-            for s in self.beams.advance(
+        touched: dict[str, RequestState] = {}
+        if beams.by_seq:  # beam searches running
+            for s in beams.advance(
                 sampled, self.scheduler, self.processor, self._forget_sequence, now
-            )
-        }
-        for seq_id, toks in sampled.items():
-            entry = self.processor.sample_of(seq_id)
-            if entry is None:
+            ):
+                touched[s.request_id] = s
+        append_token, constrained = self.processor.append_token, self.grammar.constrained
+        for seq_id, toks, entry, before in mine:
+            if samples.get(seq_id) is not entry:  # failed (and emitted) since
                 continue
             state, sample = entry
-            seq = sample.seq
-            kept = seq.num_output_tokens - before.get(seq_id, seq.num_output_tokens)
-            for tok in toks[:kept]:
-                if self.processor.append_token(state, sample, tok, now):
+            kept = len(sample.seq.output_token_ids) - before
+            for tok in toks if kept == len(toks) else toks[:kept]:
+                if append_token(state, sample, tok, now):
                     self.scheduler.finish_sequence(seq_id, SequenceStatus.FINISHED_STOPPED)
                     self._forget_sequence(seq_id)
-                if self.grammar.constrained(seq_id):
+                if constrained(seq_id):
                     self._advance_grammar(state, sample, tok.token_id)
             touched[state.request_id] = state
         for seq in finished:

@@ -23,9 +23,11 @@ group; the metadata hands every layer its group's (AttentionMetadata.for_layer).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvserve.config import EngineConfig, KVGroup
@@ -40,6 +42,7 @@ from kvserve.runner.sampler import (
     SamplingRow,
     apply_token_bitmask,
     argmax_rows,
+    is_plain_greedy,
     take_rows,
 )
 from kvserve.runner.step_output import (
@@ -116,7 +119,7 @@ class ModelRunner:
         )
         reason = f"; {self.backend_reason}" if self.backend_reason else ""
         log.info("steps: %s%s", self.step_path, reason)
-        self._generators: dict[str, torch.Generator] = {}
+        self._init_sequence_state(config.scheduler.max_num_seqs)
         torch.manual_seed(config.seed)
 
     # ---- how steps run (the backend), as the engine, tests and benchmarks read it ----
@@ -149,13 +152,25 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     # ---- per-sequence state ----
+    def _init_sequence_state(self, max_num_seqs: int) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+        self._states: dict[str, _SeqState] = {}  # by sequence id: its row, its sampling kind
+        self._tables = _BlockTables(len(self.kv_groups))
+        self._max_states = 4 * max_num_seqs + 64  # past this, unscheduled ones are dropped
+
     def free_sequence(self, seq_id: str) -> None:
-        """Forget per-sequence state (its seeded generator) once it has finished."""
+        """Forget per-sequence state (its seeded generator, its block-table row) once it has
+        finished."""
         self._generators.pop(seq_id, None)
+        st = self._states.pop(seq_id, None)
+        if st is not None:
+            self._tables.release(st.row)
 
     def forget_sequences(self) -> None:
         """Drop the per-sequence state of every sequence (the engine reset)."""
         self._generators.clear()
+        self._states.clear()
+        self._tables = _BlockTables(len(self.kv_groups))
 
     def _generator(self, seq) -> torch.Generator | None:
         seed = seq.sampling_params.seed
@@ -181,62 +196,135 @@ class ModelRunner:
                 v[dst] = v[src]
 
     # ---- the flat batch ----
+    def _state(self, seq, keep: set[str]) -> _SeqState:
+        """The sequence's runner state, made on first sight (and again for another sequence
+        under the same id). When there are many, those of sequences not in `keep` (this batch's)
+        are dropped first: finished ones whose end the engine never reported."""
+        st = self._states.get(seq.seq_id)
+        if st is not None and st.seq is seq:
+            return st
+        if st is None and len(self._states) >= self._max_states:
+            for sid in [k for k in self._states if k not in keep]:
+                self._tables.release(self._states.pop(sid).row)
+        if st is None:
+            st = self._states[seq.seq_id] = _SeqState(self._tables.take())
+        st.bind(seq)
+        return st
+
+    def _flatten(self, out: SchedulerOutput) -> _Flat:
+        """The flat batch's ids and positions, each chunk's persistent block-table row (rewritten
+        only when its table changed: ScheduledChunk.table_version), the sampled rows, and whether
+        every sampling chunk is a plain greedy one. Per-chunk work is list comprehensions and
+        numpy over the whole batch; only new sequences and changed tables take a Python loop."""
+        bs, tables, states = self.block_size, self._tables, self._states
+        chunks = out.chunks
+        seqs = [c.seq for c in chunks]
+        sts = [states.get(seq.seq_id) for seq in seqs]
+        if None in sts or [st.seq for st in sts] != seqs:  # new sequences (or reused ids)
+            keep = {seq.seq_id for seq in seqs}
+            sts = [self._state(seq, keep) for seq in seqs]
+        versions = [c.table_version for c in chunks]
+        if None in versions or versions != [st.version for st in sts]:
+            for c, st, version in zip(chunks, sts, versions):
+                if version is None or version != st.version:
+                    tables.write(st.row, c.block_tables)
+                    st.version = version
+        rows = [st.row for st in sts]
+        starts = [c.start_pos for c in chunks]
+        input_ids = list(itertools.chain.from_iterable([c.token_ids for c in chunks]))
+        total = len(input_ids)
+        decode_only = total == len(chunks)  # every chunk feeds one token
+        samples = [c.sample for c in chunks]
+        every = all(samples)
+        drafted = any([c.draft_token_ids for c in chunks])
+        if drafted:  # per chunk: its last known token, then its drafts
+            sample_idx, end = [], 0
+            for c in chunks:
+                end += len(c.token_ids)
+                if c.sample:
+                    sample_idx.extend(range(end - 1 - len(c.draft_token_ids), end))
+        elif decode_only:
+            sample_idx = list(range(total)) if every else [i for i, x in enumerate(samples) if x]
+        else:
+            ends = itertools.accumulate([len(c.token_ids) for c in chunks])
+            sample_idx = [e - 1 for e, x in zip(ends, samples) if x]
+        greedy = False
+        if not drafted:
+            s_sts = sts if every else [st for st, x in zip(sts, samples) if x]
+            s_seqs = seqs if every else [seq for seq, x in zip(seqs, samples) if x]
+            greedy = (
+                all([st.greedy for st in s_sts])
+                and not any([seq.beam_candidates for seq in s_seqs])
+                and all(
+                    len(seq.output_token_ids) >= st.min_tokens
+                    for seq, st in zip(s_seqs, s_sts)
+                    if st.min_tokens
+                )
+            )
+        rows_np = np.array(rows, dtype=np.int64)
+        starts_np = np.array(starts, dtype=np.int64)
+        if decode_only:
+            positions, token_rows = starts_np, rows_np
+            query_start_loc = list(range(len(chunks) + 1))
+            seq_lens = (starts_np + 1).tolist()
+        else:
+            counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+            ends = np.cumsum(counts)
+            positions = np.arange(total, dtype=np.int64) + np.repeat(
+                starts_np - (ends - counts), counts
+            )
+            token_rows = np.repeat(rows_np, counts)
+            query_start_loc = [0] + ends.tolist()
+            seq_lens = (starts_np + counts).tolist()
+        block, offset = np.divmod(positions, bs)
+        metas = []
+        for g in range(len(self.kv_groups)):
+            table = tables.tables[g]
+            lens = tables.lens[g][rows_np]
+            width = int(lens.max())
+            if (block >= (lens if decode_only else np.repeat(lens, counts))).any():
+                raise ValueError("a scheduled position lies past its sequence's block table")
+            metas.append(
+                AttentionMetadata(
+                    slot_mapping=torch.from_numpy(table[token_rows, block] * bs + offset),
+                    query_start_loc=query_start_loc,
+                    seq_lens=seq_lens,
+                    block_tables=torch.from_numpy(table[rows_np, :width]),
+                    block_size=bs,
+                )
+            )
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.layers = [metas[g] for g in self.layer_group]
+        lora = getattr(self.model, "lora_step", None)  # LoRA adapters: each token's slot
+        if lora is not None:
+            slots = [lora.slot_of(c.seq.lora_key) for c in chunks]
+            counts = [len(c.token_ids) for c in chunks]
+            lora.set(torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts)))
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        return _Flat(ids, torch.from_numpy(positions), meta, sample_idx, greedy)
+
     def prepare(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled chunks into one batch; returns (input_ids, positions, meta,
         sample_idx): sample_idx holds, per chunk that samples, the rows of its last known token
         and its drafts."""
-        bs, num_groups = self.block_size, len(self.kv_groups)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(num_groups)]
-        query_start_loc, seq_lens, sample_idx = [0], [], []
-        width = [max(len(c.block_tables[g]) for c in out.chunks) for g in range(num_groups)]
-        tables = [torch.zeros((len(out.chunks), w), dtype=torch.long) for w in width]
-        for i, c in enumerate(out.chunks):
-            n = len(c.token_ids)
-            end = c.start_pos + n
-            input_ids.extend(c.token_ids)
-            pos = range(c.start_pos, end)
-            positions.extend(pos)
-            for g, table in enumerate(c.block_tables):
-                slots[g].extend(table[p // bs] * bs + p % bs for p in pos)
-                tables[g][i, : len(table)] = torch.tensor(table, dtype=torch.long)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-            if c.sample:  # the last known token, then every draft
-                last = query_start_loc[-1]
-                sample_idx.extend(range(last - 1 - len(c.draft_token_ids), last))
-        metas = [
-            AttentionMetadata(
-                slot_mapping=torch.tensor(slots[g], dtype=torch.long),
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_tables=tables[g],
-                block_size=bs,
-            )
-            for g in range(num_groups)
-        ]
-        meta = metas[0]
-        if num_groups > 1:
-            meta.layers = [metas[g] for g in self.layer_group]
-        lora = getattr(self.model, "lora_step", None)  # LoRA adapters: each token's slot
-        if lora is not None:
-            slots = [lora.slot_of(c.seq.lora_key) for c in out.chunks]
-            counts = [len(c.token_ids) for c in out.chunks]
-            lora.set(torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts)))
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        return ids, torch.tensor(positions, dtype=torch.long), meta, sample_idx
+        f = self._flatten(out)
+        return f.input_ids, f.positions, f.meta, f.sample_idx
 
     def batch(self, out: SchedulerOutput) -> StepBatch:
         """The step's flat batch with the rows it needs logits at: the sampling chunks' rows,
         then the prompt positions of the chunks whose sequence asked for prompt logprobs."""
-        input_ids, positions, meta, sample_idx = self.prepare(out)
-        spans = prompt_logprob_spans(out, meta.query_start_loc)
-        prompt_rows = [r for _, first, n, _ in spans for r in range(first, first + n)]
-        rows = torch.tensor(sample_idx + prompt_rows, dtype=torch.long)
-        return StepBatch(out, input_ids, positions, meta, rows, len(sample_idx), spans)
+        f = self._flatten(out)
+        spans = prompt_logprob_spans(out, f.meta.query_start_loc)
+        sample_idx = f.sample_idx
+        if spans:
+            sample_idx = sample_idx + [r for _, a, n, _ in spans for r in range(a, a + n)]
+        rows = torch.tensor(sample_idx, dtype=torch.long)
+        return StepBatch(
+            out, f.input_ids, f.positions, f.meta, rows, len(f.sample_idx), spans, f.greedy
+        )
 
     # ---- steps ----
     @torch.inference_mode()
@@ -257,7 +345,8 @@ class ModelRunner:
             return StepOutput()
         n = batch.num_sample_rows
         step = StepOutput(prompt_logprobs=prompt_logprobs(batch.spans, logits[n:]))
-        step.sampled = self._sample([c for c in out.chunks if c.sample], logits[:n], grammar)
+        sampling = [c for c in out.chunks if c.sample]
+        step.sampled = self._sample(sampling, logits[:n], grammar, batch.greedy)
         return step
 
     @torch.inference_mode()
@@ -274,10 +363,15 @@ class ModelRunner:
         return argmax_rows(self.backend.logits(batch)).tolist()
 
     # ---- sampling ----
-    def _sample(self, sampling: list, logits: torch.Tensor, grammar) -> dict:
+    def _sample(self, sampling: list, logits: torch.Tensor, grammar, greedy: bool = False) -> dict:
         """The tokens of the sampling chunks from their rows of `logits` (per chunk its last
         known token, then its drafts): drawn, or verified against the drafts. A failed step
-        draws nothing: the seeded generators are restored and the engine may run it again."""
+        draws nothing: the seeded generators are restored and the engine may run it again.
+        `greedy`: every chunk is a plain greedy one (StepBatch.greedy); unless a grammar masks
+        one of them, one argmax over the batch is what the sampler would take for each row."""
+        if greedy and (grammar is None or not grammar.rows):
+            tokens = argmax_rows(logits).tolist()
+            return {c.seq.seq_id: [SampledToken(t, None)] for c, t in zip(sampling, tokens)}
         first_rows, row = [], 0
         for c in sampling:
             first_rows.append(row)
@@ -351,3 +445,70 @@ class ModelRunner:
             )
             for j in range(1, len(drafts) + 1)
         ]
+
+
+class _SeqState:
+    """A sequence's runner state across steps: its row of the persistent block tables, the
+    version of its table written there, and how it samples (`greedy`: temperature 0 with no
+    penalties or logprobs; `min_tokens`: until then eos and stop ids are banned)."""
+
+    __slots__ = ("row", "version", "seq", "greedy", "min_tokens")
+
+    def __init__(self, row: int) -> None:
+        self.row = row
+        self.version: int | None = None  # None: nothing written yet, or an unversioned table
+        self.seq = None
+        self.greedy = False
+        self.min_tokens = 0
+
+    def bind(self, seq) -> None:
+        """Take `seq` (its parameters are fixed for its life); its table is written afresh."""
+        self.seq, self.version = seq, None
+        self.greedy = is_plain_greedy(seq.sampling_params)
+        self.min_tokens = seq.sampling_params.min_tokens
+
+
+class _BlockTables:
+    """Every running sequence's block tables, one row each, per KV group: a step reads the rows
+    of its chunks at once, and a row is rewritten only when its sequence's table changed. Rows
+    grow as needed; entries past a row's length are 0 (the padding the kernels see)."""
+
+    def __init__(self, num_groups: int, rows: int = 64, width: int = 16) -> None:
+        self.tables = [np.zeros((rows, width), dtype=np.int64) for _ in range(num_groups)]
+        self.lens = [np.zeros(rows, dtype=np.int64) for _ in range(num_groups)]
+        self.free = list(range(rows - 1, -1, -1))
+
+    def take(self) -> int:
+        if not self.free:
+            rows = self.tables[0].shape[0]
+            for g, t in enumerate(self.tables):
+                self.tables[g] = np.concatenate([t, np.zeros_like(t)])
+                self.lens[g] = np.concatenate([self.lens[g], np.zeros_like(self.lens[g])])
+            self.free = list(range(2 * rows - 1, rows - 1, -1))
+        return self.free.pop()
+
+    def release(self, row: int) -> None:
+        self.free.append(row)
+
+    def write(self, row: int, block_tables: list[list[int]]) -> None:
+        for g, ids in enumerate(block_tables):
+            n, table, lens = len(ids), self.tables[g], self.lens[g]
+            if n > table.shape[1]:
+                wider = np.zeros((table.shape[0], max(n, 2 * table.shape[1])), dtype=np.int64)
+                wider[:, : table.shape[1]] = table
+                table = self.tables[g] = wider
+            old = int(lens[row])
+            table[row, :n] = ids
+            if old > n:
+                table[row, n:old] = 0
+            lens[row] = n
+
+
+class _Flat:
+    """A step's chunks flattened (ModelRunner._flatten)."""
+
+    __slots__ = ("input_ids", "positions", "meta", "sample_idx", "greedy")
+
+    def __init__(self, input_ids, positions, meta, sample_idx, greedy) -> None:
+        self.input_ids, self.positions, self.meta = input_ids, positions, meta
+        self.sample_idx, self.greedy = sample_idx, greedy

@@ -114,9 +114,8 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLo
     needs_edit = _needs_min_tokens(rows) or any(_has_penalty(p) for p in params)
 
     logits = logits.float()
-    if needs_edit or not all(greedy):
-        logits = logits.clone()  # never modify the caller's tensor
     if needs_edit:
+        logits = logits.clone()  # never modify the caller's tensor
         _apply_min_tokens(logits, rows)
         _apply_penalties(logits, rows)
     sampled_rows = [i for i, g in enumerate(greedy) if not g]
@@ -124,13 +123,18 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> ProcessedLo
         return ProcessedLogits(logits, greedy, sampled_rows, None)
     temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
     if any(t != 1.0 for t in temps):
-        logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))
-    sub = logits[
-        torch.tensor(sampled_rows, device=logits.device)
-    ]  # a copy: logprobs read `logits` unfiltered
+        t = torch.tensor(temps, device=logits.device).unsqueeze(1)
+        logits = logits.div_(t) if needs_edit else logits.div(t)  # ours, else a new tensor
+    # From here `logits` is only read: it may be the caller's tensor.
     s_params = [params[i] for i in sampled_rows]
-    _apply_min_p(sub, s_params)
-    _apply_top_k_top_p(sub, s_params)
+    filtered = any(p.min_p > 0 or p.top_k > 0 or p.top_p < 1.0 for p in s_params)
+    if len(sampled_rows) < len(rows):
+        sub = logits[torch.tensor(sampled_rows, device=logits.device)]  # a copy
+    else:  # every row sampled: the filters below write a copy (logprobs read `logits`)
+        sub = logits.clone() if filtered else logits
+    if filtered:
+        _apply_min_p(sub, s_params)
+        _apply_top_k_top_p(sub, s_params)
     return ProcessedLogits(logits, greedy, sampled_rows, sub.softmax(dim=-1))
 
 
@@ -150,6 +154,12 @@ class Sampler:
 
 
 # ---------------------------------------------------------------- logits processors
+
+
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """A row with these parameters takes the argmax of its logits as they are (once its
+    min_tokens are out): greedy, no penalty, no logprobs."""
+    return p.temperature < _GREEDY_EPS and not _has_penalty(p) and p.logprobs is None
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -304,7 +314,10 @@ def _greedy_and_sample(proc: ProcessedLogits, rows: list[SamplingRow]) -> torch.
         gi = torch.tensor(g_idx, device=dev)
         tokens[gi] = argmax_rows(logits[gi])
     q = exponential_noise([rows[i].generator for i in proc.sampled_rows], logits.shape[1], dev)
-    tokens[torch.tensor(proc.sampled_rows, device=dev)] = argmax_rows(proc.probs.div(q))
+    race = torch.div(proc.probs, q, out=q)  # probs / q, in the noise's memory
+    if len(proc.sampled_rows) == len(rows):
+        return argmax_rows(race)
+    tokens[torch.tensor(proc.sampled_rows, device=dev)] = argmax_rows(race)
     return tokens
 
 

@@ -27,6 +27,8 @@ class StepBatch:
     num_sample_rows: int = 0  # rows[:num_sample_rows]: last known token and drafts per chunk
     # (chunk, first flat row, rows, first target position) per chunk with prompt logprobs
     spans: list[tuple] = field(default_factory=list)
+    # every sampling chunk is a plain greedy one (ModelRunner._sample takes one argmax)
+    greedy: bool = False
 
 
 class StepBackend:
