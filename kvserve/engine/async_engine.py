@@ -15,6 +15,12 @@ the loop starts again and `kvserve:engine_restarts` counts it. More than MAX_RES
 RESTART_WINDOW seconds, or a tensor/pipeline-parallel rank lost (RankLost), and the engine is
 declared dead: /health answers 503.
 
+Text off the engine thread: the engine's OutputProcessor defers the text of samples without
+stop strings (`defer_text`); each step's deferred snapshots travel with its outputs in the
+same `call_soon_threadsafe`, and the event loop detokenizes them before routing anything, in
+step order. The engine thread is left the work that decides what runs next (a stop string
+ends its sequence at once, so requests with stop strings detokenize on the engine thread).
+
 Admission fast path: when the waiting queue is known to be full, `generate` raises
 QueueFullError on the event loop at once instead of waiting for the engine thread to get
 to the request between two steps (a 429 in milliseconds under a burst).
@@ -33,6 +39,7 @@ from collections.abc import AsyncIterator
 
 from kvserve.engine.errors import QueueFullError
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.engine.output_processor import fill_deferred_text
 from kvserve.outputs import RequestOutput
 from kvserve.runner.ranks import RankLost
 from kvserve.sampling_params import ParamError, SamplingParams
@@ -67,6 +74,9 @@ class AsyncEngine:
         self.metrics = metrics or EngineMetrics(core.model_name)
         self.metrics.record_stats(core.stats())
         core.grammar.warm_up()
+        self._processor = getattr(core, "processor", None)
+        if self._processor is not None:
+            self._processor.defer_text = True  # detokenized on the event loop: _dispatch
         self.max_waiting: int = core.config.scheduler.max_waiting
         self.accepting = True
         self.restarts = 0
@@ -248,9 +258,14 @@ class AsyncEngine:
             self._commands.append(command)
             self._cv.notify()
 
-    def _dispatch(self, items: list[tuple[str, object]]) -> None:
-        """Event-loop thread: route (request_id, output or exception) to its stream."""
+    def _dispatch(self, items: list[tuple[str, object]], deferred=None) -> None:
+        """Event-loop thread: give the step's deferred snapshots their text, then route
+        (request_id, output or exception) to its stream."""
+        failed = fill_deferred_text(deferred) if deferred else None
         for request_id, item in items:
+            if failed and request_id in failed and not isinstance(item, BaseException):
+                item = RuntimeError(f"detokenizing failed: {failed[request_id]!r}")
+                self.abort(request_id)
             queue = self._streams.get(request_id)
             if queue is not None:
                 queue.put_nowait(item)
@@ -396,12 +411,13 @@ class AsyncEngine:
                     else next((o.finish_reason for o in out.outputs if o.finish_reason), "stop")
                 )
                 self.metrics.record_finished(out.metrics, reason, len(out.prompt_token_ids))
+        deferred = self._processor.take_deferred() if self._processor is not None else None
         if outputs:
-            self._to_loop([(out.request_id, out) for out in outputs])
+            self._to_loop([(out.request_id, out) for out in outputs], deferred)
 
-    def _to_loop(self, items: list[tuple[str, object]]) -> None:
+    def _to_loop(self, items: list[tuple[str, object]], deferred=None) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._dispatch, items)
+            self._loop.call_soon_threadsafe(self._dispatch, items, deferred)
 
     def _drain(self) -> None:
         """Shutdown: abort everything the core still holds and deliver the final outputs."""

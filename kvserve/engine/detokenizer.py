@@ -3,10 +3,13 @@
 Two offsets into the token list (vLLM's technique) keep the cost per token O(1):
 ``prefix_offset`` starts a short window of already-emitted tokens that gives the decoder
 its context (leading spaces, merged bytes), ``read_offset`` is where unemitted tokens
-begin. Each step decodes ``ids[prefix_offset:read_offset]`` and ``ids[prefix_offset:]``
-and emits the difference. When the new text ends in U+FFFD the last token stopped inside
-a multi-byte UTF-8 character: nothing is emitted and the offsets stay, so the next token
-completes it. The whole output is never re-decoded.
+begin. Each step decodes ``ids[prefix_offset:]`` and emits what it adds to the text of
+``ids[prefix_offset:read_offset]``. That prefix text is kept from the step that set the
+offsets, and the text of a one-token window (the usual case) comes from a cache shared by
+every request of the tokenizer, so a token costs one decode of a short window. When the new
+text ends in U+FFFD the last token stopped inside a multi-byte UTF-8 character: nothing is
+emitted and the offsets stay, so the next token completes it. The whole output is never
+re-decoded.
 
 Stop strings are matched on the decoded text. Text that could still be the start of a
 stop string is held back (never streamed) until the next token settles it; ``flush``
@@ -15,10 +18,29 @@ releases it when the request ends for another reason.
 
 from __future__ import annotations
 
+import weakref
+
 from kvserve.sampling_params import SamplingParams
 
 # Tokens of the prompt decoded together with the first output token for context.
 _PROMPT_CONTEXT = 5
+# Entries of a window-text cache before it starts again empty (a vocabulary's single tokens fit).
+_CACHE_LIMIT = 1 << 18
+
+# Per tokenizer, the texts of short token windows: (skip_special_tokens=False, =True) caches.
+_window_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _window_cache(tokenizer, skip_special_tokens: bool) -> dict:
+    """The window-text cache shared by every detokenizer of `tokenizer` (decode is a pure
+    function of the ids); a private one when the tokenizer cannot be weakly referenced."""
+    try:
+        caches = _window_caches.get(tokenizer)
+        if caches is None:
+            caches = _window_caches[tokenizer] = ({}, {})
+    except TypeError:
+        return {}
+    return caches[bool(skip_special_tokens)]
 
 
 class IncrementalDetokenizer:
@@ -38,6 +60,8 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._prefix_text: str | None = None  # the text of ids[prefix_offset:read_offset]
+        self._cache = _window_cache(tokenizer, self.skip_special_tokens)
         self._chunks: list[str] = []  # emitted text
         self._pending = ""  # decoded but held back: might begin a stop string
         self.stopped = False
@@ -86,19 +110,34 @@ class IncrementalDetokenizer:
 
     def _decode_new(self) -> str:
         """Text of the tokens after read_offset, or "" while it ends mid-character."""
-        ids, skip = self._ids, self.skip_special_tokens
-        prefix_text = self.tokenizer.decode(
-            ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
+        ids = self._ids
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._window_text(ids[self._prefix_offset : self._read_offset])
+        new_text = self.tokenizer.decode(
+            ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens
         )
-        new_text = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            self._prefix_text = prefix_text
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        # Drop tokens before the window so the list does not grow with the output.
-        del ids[: self._prefix_offset]
-        self._read_offset -= self._prefix_offset
-        self._prefix_offset = 0
+        # Drop tokens before the new window so the list does not grow with the output.
+        del ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(ids)
+        self._prefix_text = self._window_text(ids)
         return new_text[len(prefix_text) :]
+
+    def _window_text(self, window: list[int]) -> str:
+        """decode(window), from the shared cache for windows of up to a few tokens."""
+        if len(window) > 4:
+            return self.tokenizer.decode(window, skip_special_tokens=self.skip_special_tokens)
+        key = window[0] if len(window) == 1 else tuple(window)
+        text = self._cache.get(key)
+        if text is None:
+            text = self.tokenizer.decode(window, skip_special_tokens=self.skip_special_tokens)
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[key] = text
+        return text
 
     def _find_stop(self, buf: str) -> int | None:
         """Where to cut `buf` for the stop string that completes first, or None.

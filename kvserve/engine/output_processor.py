@@ -5,10 +5,18 @@ sequence. This module owns detokenizing, stop strings, logprobs (generated and p
 and the snapshots handed to the caller: only what changed since the last snapshot goes out as
 the delta. It never touches the scheduler or the runner: where a stop string ends a sample, it
 says so and the engine finishes the sequence.
+
+Deferred text (`defer_text`, set by the server's AsyncEngine): a sample without stop strings
+needs its text for nothing the engine decides, so its tokens are not detokenized on the
+engine's thread. Its snapshots leave the processor with their token deltas only and are queued
+in `deferred`; `fill_deferred_text` runs the sample's detokenizer over them on another thread
+(the event loop, in step order), token by token as here, so the text is the same. Samples with
+stop strings, and beam search, detokenize here: a stop string must end the sequence at once.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +27,8 @@ from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from kvserve.runner.model_runner import PromptLogprobs, SampledToken
 from kvserve.runner.sampler import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve")
 
 
 @dataclass
@@ -31,6 +41,7 @@ class SampleState:
     detok: IncrementalDetokenizer
     out: CompletionOutput
     changed: bool = False
+    deferred: bool = False  # its text is filled off the engine thread (fill_deferred_text)
 
 
 @dataclass
@@ -69,6 +80,10 @@ class OutputProcessor:
         self.samples: dict[str, tuple[RequestState, SampleState]] = {}  # by sequence id
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Detokenize samples without stop strings elsewhere (see the module's docstring).
+        self.defer_text = False
+        # (request id, snapshot, detokenizer) of deferred samples' snapshots, in emit order.
+        self.deferred: list[tuple[str, CompletionOutput, IncrementalDetokenizer]] = []
 
     def add(
         self,
@@ -94,6 +109,7 @@ class OutputProcessor:
             sample = SampleState(
                 seq_id, i, seq, detok, CompletionOutput(index=i, logprobs=logprobs)
             )
+            sample.deferred = self.defer_text and beam is None and not detok.stop
             state.samples.append(sample)
             if beam is None:
                 self.samples[seq_id] = (state, sample)
@@ -140,10 +156,12 @@ class OutputProcessor:
             out.logprobs.append(lp)
             out.delta_logprobs = (out.delta_logprobs or []) + [lp]
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp.logprob
+        sample.changed = True
+        if sample.deferred:
+            return False
         delta, stopped = sample.detok.add_tokens([tok.token_id])
         out.text += delta
         out.delta_text += delta
-        sample.changed = True
         if stopped:
             out.finish_reason = "stop"
             out.stop_reason = getattr(sample.detok, "stop_reason", None)
@@ -151,7 +169,7 @@ class OutputProcessor:
 
     def finish_sample(self, sample: SampleState, seq: Sequence, reason: str | None = None) -> None:
         """The sequence finished (a stop token, length, a grammar's end): flush held text."""
-        tail = sample.detok.flush()
+        tail = "" if sample.deferred else sample.detok.flush()
         sample.out.text += tail
         sample.out.delta_text += tail
         sample.out.finish_reason = reason or seq.finish_reason
@@ -202,7 +220,13 @@ class OutputProcessor:
     def emit(self, state: RequestState) -> RequestOutput:
         """Snapshot the samples that changed; a finished request is forgotten here (the engine
         frees its sequences' state when the output says finished)."""
-        changed = [self._snapshot(s) for s in state.samples if s.changed]
+        changed = []
+        for s in state.samples:
+            if s.changed:
+                snap = self._snapshot(s)
+                changed.append(snap)
+                if s.deferred:
+                    self.deferred.append((state.request_id, snap, s.detok))
         finished = state.finished
         if finished:
             state.metrics.finished_time = time.monotonic()
@@ -240,6 +264,37 @@ class OutputProcessor:
         sample.changed = False
         return snap
 
+    def take_deferred(self) -> list[tuple[str, CompletionOutput, IncrementalDetokenizer]]:
+        """The deferred snapshots emitted since the last call, for fill_deferred_text."""
+        items, self.deferred = self.deferred, []
+        return items
+
     def clear(self) -> None:
         self.requests.clear()
         self.samples.clear()
+        self.deferred.clear()
+
+
+def fill_deferred_text(
+    items: list[tuple[str, CompletionOutput, IncrementalDetokenizer]],
+) -> dict[str, Exception]:
+    """Give deferred snapshots their text: each one's token delta through its sample's
+    detokenizer, one token at a time as `append_token` does, then the flush if it finished.
+    Call it on one thread, in emit order. Returns the requests whose detokenizing raised, with
+    the exception (their snapshots must not reach a client)."""
+    failed: dict[str, Exception] = {}
+    for request_id, snap, detok in items:
+        if request_id in failed:
+            continue
+        try:
+            delta = ""
+            for token_id in snap.delta_token_ids:
+                delta += detok.add_tokens([token_id])[0]
+            if snap.finish_reason is not None:
+                delta += detok.flush()
+            snap.delta_text = delta
+            snap.text = detok.text
+        except Exception as e:  # a tokenizer bug: this request fails alone
+            log.exception("request %s: detokenizing failed", request_id)
+            failed[request_id] = e
+    return failed

@@ -174,3 +174,144 @@ def test_held_back_tail_is_the_longest_stop_prefix(tokenizer, buf, stop):
         (k for k in range(1, window + 1) if any(s.startswith(buf[-k:]) for s in stop)), default=0
     )
     assert det._stop_prefix_len(buf) == longest
+
+
+# ---- one decode per token: the same deltas as decoding both windows every step ----
+
+
+class ReferenceDetokenizer:
+    """The two-decode scheme, written out: each token decodes ids[prefix:read] and ids[prefix:]
+    and emits the difference unless the text ends mid-character (no stop strings)."""
+
+    def __init__(self, tokenizer, prompt: list[int], skip: bool):
+        self.tok, self.skip = tokenizer, skip
+        self.ids = list(prompt[-5:])
+        self.prefix, self.read = 0, len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        new_text = self.tok.tok.decode(self.ids[self.prefix :], self.skip)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    skip=st.booleans(),
+    n=st.integers(min_value=0, max_value=40),
+)
+def test_random_token_streams_match_two_decode_reference(tokenizer, data, skip, n):
+    """Any token ids (bytes that break characters, special tokens) give the same delta at every
+    step as the two-decode scheme, and a stream of valid text gives its whole decode."""
+    vocab = tokenizer.tok.get_vocab_size()
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=8))
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(skip_special_tokens=skip))
+    ref = ReferenceDetokenizer(tokenizer, prompt, skip)
+    for i in ids:
+        delta, stopped = detok.add_tokens([i])
+        assert delta == ref.add(i) and not stopped
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab 한국어🙂🚀👍🏽é,.\n", max_size=40))
+def test_random_text_streams_to_its_whole_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), SamplingParams())
+    joined = "".join(detok.add_tokens([i])[0] for i in ids) + detok.flush()
+    assert joined == tokenizer.decode(ids) == detok.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="ab 한국🙂👍🏽ST", min_size=1, max_size=30),
+    start=st.integers(0, 29),
+    length=st.integers(1, 6),
+    include=st.booleans(),
+)
+def test_stop_strings_across_token_boundaries(tokenizer, text, start, length, include):
+    """A stop string taken from the text, whatever tokens it spans: the output is the text up to
+    its first occurrence (and the stop string with include_stop_str_in_output), and no delta
+    ever holds text past that point."""
+    start = min(start, len(text) - 1)
+    stop = text[start : start + length]
+    params = SamplingParams(stop=[stop], include_stop_str_in_output=include)
+    deltas, stops, detok = stream(tokenizer, text, params)
+    cut = text.index(stop) + (len(stop) if include else 0)
+    emitted = ""
+    for delta in deltas:
+        emitted += delta
+        assert text[:cut].startswith(emitted)
+    assert stops[-1] and emitted == text[:cut] == detok.text
+    assert detok.stop_reason == stop
+
+
+def test_one_decode_per_token_once_the_window_texts_are_cached(tokenizer):
+    text = "hello there, the end is near " * 8
+    ids = tokenizer.encode(text)
+    stream(tokenizer, text, SamplingParams())  # fills the shared cache of one-token windows
+    tokenizer.decoded_lengths.clear()
+    deltas, _, _ = stream(tokenizer, text, SamplingParams())
+    assert "".join(deltas) == text
+    # one decode per token, and one of the prompt's context window (not cached: it is 5 tokens)
+    assert len(tokenizer.decoded_lengths) == len(ids) + 1
+
+
+# ---- deferred text: the server's OutputProcessor detokenizes off the engine thread ----
+
+
+def run_processor(tokenizer, params, ids: list[int], defer: bool, finish_at: int | None = None):
+    """Feed `ids` to an OutputProcessor one step (token) at a time; the snapshots it emits, text
+    filled by fill_deferred_text where deferred. `finish_at`: the sequence ends (length) there."""
+    from types import SimpleNamespace
+
+    from kvserve.engine.output_processor import OutputProcessor, fill_deferred_text
+    from kvserve.runner.step_output import SampledToken
+
+    proc = OutputProcessor(tokenizer)
+    proc.defer_text = defer
+    seq = SimpleNamespace(
+        seq_id="r#0",
+        sampling_params=params,
+        num_cached_tokens=0,
+        finish_reason="length",
+        output_token_ids=[],
+    )
+    state = proc.add("r", tokenizer.encode("Say:"), params, 0.0, [seq])
+    sample = state.samples[0]
+    snaps = []
+    for k, tok in enumerate(ids):
+        seq.output_token_ids.append(tok)
+        stopped = proc.append_token(state, sample, SampledToken(tok, None), 0.0)
+        if not stopped and k + 1 == finish_at:
+            proc.finish_sample(sample, seq)
+        out = proc.emit(state)
+        assert not fill_deferred_text(proc.take_deferred())
+        snaps.extend(out.outputs)
+        if out.finished:
+            break
+    return [(s.text, s.delta_text, s.delta_token_ids, s.finish_reason) for s in snaps], sample
+
+
+@pytest.mark.parametrize("finish", [False, True])
+def test_deferred_text_equals_engine_thread_text(tokenizer, finish):
+    ids = tokenizer.encode("안녕하세요, 세계! 🙂🚀👍🏽 The end is near 🎉")
+    finish_at = len(ids) - 1 if finish else None  # ends inside the last emoji's bytes
+    now, sample = run_processor(tokenizer, SamplingParams(), ids, False, finish_at)
+    later, deferred_sample = run_processor(tokenizer, SamplingParams(), ids, True, finish_at)
+    assert deferred_sample.deferred and not sample.deferred
+    assert later == now
+    assert "".join(s[1] for s in later) == later[-1][0]
+
+
+def test_stop_strings_stay_on_the_engine_thread(tokenizer):
+    params = SamplingParams(stop=["STOP NOW"])
+    ids = tokenizer.encode("then STOP NOW please and more")
+    snaps, sample = run_processor(tokenizer, params, ids, True)
+    assert not sample.deferred
+    assert snaps[-1][0] == "then " and snaps[-1][3] == "stop"
+    assert sum(len(s[2]) for s in snaps) < len(ids)  # the sequence ended at the stop string
