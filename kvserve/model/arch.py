@@ -40,6 +40,8 @@ class ModelArch:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
+    # Qwen2-MoE: the width of each layer's shared expert (0: none), gated by a sigmoid.
+    shared_expert_size: int = 0
 
     # Per-head RMSNorm of q and k before RoPE (Qwen3's self_attn.q_norm / k_norm).
     qk_norm: bool = False

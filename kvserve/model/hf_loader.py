@@ -47,7 +47,7 @@ def hf_arch(cfg: dict, path: str = "") -> ModelArch:
         eos_token_ids=set(eos) if isinstance(eos, list) else {eos} if eos is not None else set(),
     )
     (_gemma3_fields if name == "gemma3" else _llama_fields)(arch, cfg, path)
-    if name in ("mixtral", "qwen3_moe"):
+    if name in ("mixtral", "qwen3_moe", "qwen2_moe"):
         _moe_fields(arch, cfg, path)
     if name == "phi3":
         _phi3_fields(arch, cfg, path)
@@ -74,8 +74,10 @@ def _llama_fields(arch: ModelArch, cfg: dict, path: str) -> None:
 
 
 def _moe_fields(arch: ModelArch, cfg: dict, path: str) -> None:
-    """MixtralForCausalLM (its window) and Qwen3MoeForCausalLM (q/k norms, expert width
-    moe_intermediate_size, norm_topk_prob; every layer sparse): the Llama fields, plus experts."""
+    """MixtralForCausalLM (its window), Qwen3MoeForCausalLM (q/k norms, expert width
+    moe_intermediate_size, norm_topk_prob; every layer sparse) and Qwen2MoeForCausalLM (as
+    Qwen3-MoE without q/k norms, with q/k/v biases and a shared expert): the Llama fields, plus
+    experts."""
     arch.num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     arch.num_experts_per_tok = int(cfg.get("num_experts_per_tok") or 0)
     if not 0 < arch.num_experts_per_tok <= arch.num_experts:
@@ -86,17 +88,22 @@ def _moe_fields(arch: ModelArch, cfg: dict, path: str) -> None:
     if arch.name == "mixtral":
         arch.sliding_window = cfg.get("sliding_window")
         return
+    family = "Qwen2-MoE" if arch.name == "qwen2_moe" else "Qwen3-MoE"
     if cfg.get("use_sliding_window"):
-        raise ValueError(f"{path}: Qwen3-MoE sliding window (use_sliding_window) is not supported")
+        raise ValueError(f"{path}: {family} sliding window (use_sliding_window) is not supported")
     if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
         raise ValueError(
-            f"{path}: Qwen3-MoE with dense layers (decoder_sparse_step "
+            f"{path}: {family} with dense layers (decoder_sparse_step "
             f"{cfg.get('decoder_sparse_step')}, mlp_only_layers {cfg.get('mlp_only_layers')}) "
             "is not supported; every layer must be sparse"
         )
-    arch.qk_norm = True
+    arch.qk_norm = arch.name == "qwen3_moe"
     arch.intermediate_size = int(cfg["moe_intermediate_size"])
     arch.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+    if arch.name == "qwen2_moe":  # q/k/v biases (qkv_bias), a shared expert per layer
+        arch.attention_bias = bool(cfg.get("qkv_bias", True))
+        arch.o_proj_bias = False
+        arch.shared_expert_size = int(cfg.get("shared_expert_intermediate_size") or 0)
 
 
 def _phi3_fields(arch: ModelArch, cfg: dict, path: str) -> None:

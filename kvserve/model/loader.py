@@ -74,7 +74,13 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
         weights = hf_loader.iter_hf_weights(path)
         int4 = quant.hf_int4.read_dir_config(path)
         if int4 is not None:  # GPTQ / AWQ: each linear's packed tensors -> Q4_1 blocks
-            weights = quant.hf_int4.convert_weights(weights, int4, quant.hf_int4.tensor_names(path))
+            weights = quant.hf_int4.convert_weights(
+                weights,
+                int4,
+                quant.hf_int4.tensor_names(path),
+                head=quant.hf_int4.head_type(fmt in quant.GGUF_FORMATS),
+                tied=arch.tie_word_embeddings,
+            )
     elif os.path.isfile(path):
         from kvserve.model import gguf_loader
 

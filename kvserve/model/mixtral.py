@@ -1,5 +1,7 @@
 """Mixture-of-experts models: the Llama attention with a sparse mixture of SwiGLU experts in
-place of the MLP. Mixtral, and Qwen3-MoE (Qwen3's per-head q/k norms, arch.qk_norm).
+place of the MLP. Mixtral, Qwen3-MoE (Qwen3's per-head q/k norms, arch.qk_norm), and Qwen2-MoE
+(q/k/v biases, and a shared expert every token runs, scaled by sigmoid(x @ g) with its own
+gate vector g, added to the routed experts' sum).
 
     for each layer:  h = h + Attention(RMSNorm(h));  h = h + MoE(RMSNorm(h))
     MoE(x) = sum over x's top-k experts e:  p_e * expert_e(x)
@@ -115,6 +117,31 @@ class SparseMoE(nn.Module):
         return grouped_experts(x, ids, weights, self.experts)
 
 
+class SharedExpertMoE(SparseMoE):
+    """SparseMoE plus Qwen2-MoE's shared expert: a SwiGLU of width arch.shared_expert_size that
+    every token runs, scaled per token by sigmoid(x @ shared_expert_gate^T) (dense, [1, H])."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype):
+        super().__init__(arch, dtype)
+        self.shared_expert = GatedMLP(arch.hidden_size, arch.shared_expert_size, F.silu, dtype)
+        self.shared_expert_gate = nn.Parameter(
+            torch.empty(1, arch.hidden_size, dtype=dtype), requires_grad=False
+        )
+
+    def load_shared_gate(self, w) -> None:
+        w = dense(w).reshape(-1, w.shape[-1])
+        if w.shape != self.shared_expert_gate.shape:
+            raise ValueError(
+                f"shared expert gate is {tuple(self.shared_expert_gate.shape)}, "
+                f"got {tuple(w.shape)}"
+            )
+        self.shared_expert_gate.data.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
 def expert_format(linear: Linear, gguf: bool) -> str:
     """How one expert's weight is stored and multiplied, for the start-up log (`gguf`: it came
     from a GGUF file)."""
@@ -208,3 +235,44 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
         "up_proj": ("gate_up_proj", 1),
         "down_proj": ("down_proj", 0),
     }
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen2MoeForCausalLM (Qwen1.5-MoE, Qwen2-57B-A14B): every layer sparse, experts named as
+    Qwen3-MoE's, q/k/v biases (arch.attention_bias), no q/k norms, and a shared expert per layer
+    (mlp.shared_expert.{gate,up,down}_proj, mlp.shared_expert_gate) beside the routed ones."""
+
+    _SHARED = re.compile(
+        r"^model\.layers\.(\d+)\.mlp\.(?:shared_expert\.(gate_proj|up_proj|down_proj)|"
+        r"(shared_expert_gate))\.weight$"
+    )
+
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None
+    ):
+        if arch.shared_expert_size <= 0:
+            raise ValueError(
+                f"{arch.name}: Qwen2-MoE needs shared_expert_intermediate_size > 0, got "
+                f"{arch.shared_expert_size}"
+            )
+        super().__init__(arch, dtype, max_positions)
+
+    def make_mlp(self, arch: ModelArch, dtype: torch.dtype) -> nn.Module:
+        return SharedExpertMoE(arch, dtype)
+
+    def mlp_weight_names(self, p: str) -> set[str]:
+        shared = {f"{p}mlp.shared_expert.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj")}
+        return super().mlp_weight_names(p) | shared | {f"{p}mlp.shared_expert_gate.weight"}
+
+    def load_weight(self, name: str, w) -> None:
+        m = self._SHARED.match(name)
+        if m is None:
+            super().load_weight(name, w)
+            return
+        layer, proj, gate = m.groups()
+        moe = self.layers[int(layer)].mlp
+        if gate:
+            moe.load_shared_gate(w)
+            return
+        target, shard = self._W[proj]
+        getattr(moe.shared_expert, target).load_weight(w, shard)

@@ -7,8 +7,9 @@
                                                                    Qwen3ForCausalLM,
                                                                    Phi3ForCausalLM
     kvserve/model/gemma3  gemma3                gemma3             Gemma3ForCausalLM
-    kvserve/model/mixtral mixtral, qwen3_moe    llama (experts),   MixtralForCausalLM,
-                                                qwen3moe           Qwen3MoeForCausalLM
+    kvserve/model/mixtral mixtral, qwen3_moe,   llama (experts),   MixtralForCausalLM,
+                          qwen2_moe             qwen3moe           Qwen3MoeForCausalLM,
+                                                                   Qwen2MoeForCausalLM
 
 (GGUF architecture: the file's general.architecture; "llama (experts)": a "llama" file with
 llama.expert_count > 0, as llama.cpp writes Mixtral.)
@@ -27,7 +28,11 @@ from kvserve.model.arch import ModelArch
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.layers import Linear
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
+from kvserve.model.mixtral import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from kvserve.ops.attention import AttentionMetadata
 
 
@@ -73,6 +78,7 @@ MODEL_CLASSES: dict[str, type] = {
     "gemma3": Gemma3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,  # + a sigmoid-gated shared expert, q/k/v biases
 }
 # GGUF general.architecture -> ModelArch.name (llama.cpp's names).
 GGUF_ARCHITECTURES = {
@@ -94,6 +100,7 @@ HF_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 # HF architectures refused with a reason of their own.
 HF_REFUSED = {

@@ -11,6 +11,8 @@ with and without norm_topk_prob, and its GGUF (general.architecture "qwen3moe").
     - a GGUF whose experts are Q8_0 under the gguf weight format: the experts keep the file's
       blocks for the C kernels, and the logits match transformers run on the dequantized weights
     - Qwen3-MoE: the HF directory's logits, both routings; the float32 GGUF's logits
+    - Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert): the HF directory's logits, and
+      32 greedy tokens through kvserve.LLM
     - the runner declines the C layer stack and parallel sizes above 1 for them
 """
 
@@ -189,6 +191,77 @@ def test_qwen3_moe_gguf_float32_matches_transformers(qwen3_moe_dir, tmp_path):
     assert type(lm.model).__name__ == "Qwen3MoeForCausalLM"
     assert (lm.arch.intermediate_size, lm.arch.head_dim, lm.arch.qk_norm) == (FFN, 32, True)
     torch.testing.assert_close(_logits(lm), _reference(hf), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dir(tmp_path_factory, tokenizer_json):
+    """A tiny Qwen2MoeForCausalLM: q/k/v biases, a shared expert wider than the routed ones and
+    its sigmoid gate, no top-k renormalization (Qwen2-MoE's default)."""
+    torch.manual_seed(2)
+    config = transformers.Qwen2MoeConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=160,  # the dense MLP's width: unused, every layer is sparse
+        moe_intermediate_size=FFN,
+        shared_expert_intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        vocab_size=49152,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen2MoeForCausalLM._from_config(config, attn_implementation="eager")
+    model = model.eval()
+    with torch.no_grad():  # HF starts biases at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                torch.nn.init.normal_(p, std=0.2)
+    path = tmp_path_factory.mktemp("qwen2moe")
+    model.save_pretrained(path)
+    shutil.copy(tokenizer_json, path / "tokenizer.json")
+    return str(path), model
+
+
+def test_qwen2_moe_checkpoint_logits_match_transformers(qwen2_moe_dir):
+    path, hf = qwen2_moe_dir
+    lm = _load(path)
+    assert type(lm.model).__name__ == "Qwen2MoeForCausalLM"
+    a = lm.arch
+    assert (a.name, a.num_experts, a.intermediate_size, a.shared_expert_size) == (
+        "qwen2_moe",
+        EXPERTS,
+        FFN,
+        128,
+    )
+    assert a.attention_bias and not a.qk_norm and not a.norm_topk_prob
+    assert _routes_spread(lm) == set(range(EXPERTS))
+    # the shared expert and its gate count: without them the logits move
+    gate = torch.sigmoid(
+        torch.nn.functional.linear(
+            torch.randn(8, HIDDEN), lm.model.layers[0].mlp.shared_expert_gate
+        )
+    )
+    assert ((gate > 0.05) & (gate < 0.95)).any()
+    torch.testing.assert_close(_logits(lm), _reference(hf), atol=1e-4, rtol=1e-4)
+
+
+def test_qwen2_moe_greedy_matches_transformers_through_engine(qwen2_moe_dir):
+    from kvserve import LLM, SamplingParams
+
+    path, hf = qwen2_moe_dir
+    prompts = [IDS[:5], list(range(2000, 2023))]
+    llm = LLM(path, kv_cache_memory="16MiB", max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+        assert list(o.outputs[0].token_ids) == ref
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -225,3 +225,62 @@ def test_fp16_overflow_of_m_is_dequantized(caplog):
         w = hf_int4.convert_linear("big", t, qc)
     assert isinstance(w, torch.Tensor) and np.isfinite(w.numpy()).all()
     assert "overflows fp16" in caplog.text
+
+
+def test_q8_0_head_matches_gguf_py_bit_for_bit():
+    """quantize_q8_0 is ggml's quantize_row_q8_0_ref (gguf-py's port): an all-zero block, exact
+    halves and fp16 input included."""
+    import gguf
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * 0.1
+    w[0, :32] = 0
+    w[1, :32] = torch.arange(32) - 15.5  # amax 16.5: many x / d land near halves
+    w[2, 32:64] = 127 * 2.0**-6 * torch.tensor([0.5, -0.5, 1.5, -2.5] * 8)  # d = 2^-6: exact halves
+    for x in (w, w.half()):
+        ours = hf_int4.quantize_q8_0(x)
+        want = gguf.quants.quantize(x.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        assert ours.qtype == Q.Q8_0 and ours.shape == (40, 96)
+        assert np.array_equal(ours.raw, want)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        hf_int4.quantize_q8_0(torch.zeros(4, 48))
+
+
+def test_head_type_setting(monkeypatch):
+    monkeypatch.delenv(hf_int4.HEAD_ENV, raising=False)
+    assert hf_int4.head_type(True) == "q8_0"
+    assert hf_int4.head_type(False) == "float"  # a format that does not keep blocks
+    monkeypatch.setenv(hf_int4.HEAD_ENV, "FLOAT")
+    assert hf_int4.head_type(True) == "float"
+    monkeypatch.setenv(hf_int4.HEAD_ENV, "q6_k")
+    with pytest.raises(ValueError, match="KVSERVE_INT4_HEAD='q6_k'.*q8_0"):
+        hf_int4.head_type(True)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_convert_weights_quantizes_only_the_head(tied, caplog):
+    t, qc, _, _, _ = make("gptq", 32, False)
+    emb, head = torch.randn(64, IN).half(), torch.randn(64, IN).half()
+    tensors = {
+        "model.embed_tokens.weight": emb,
+        "lm_head.weight": head,
+        "model.norm.weight": emb[0],
+    }
+    tensors.update({f"model.layers.0.mlp.down_proj.{k}": v for k, v in t.items()})
+    with caplog.at_level(logging.INFO, logger="kvserve.model"):
+        out = dict(
+            hf_int4.convert_weights(tensors.items(), qc, set(tensors), head="q8_0", tied=tied)
+        )
+    quantized = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    other = "lm_head.weight" if tied else "model.embed_tokens.weight"
+    assert isinstance(out[quantized], BlockTensor) and out[quantized].qtype == Q.Q8_0
+    assert out[other] is tensors[other] and out["model.norm.weight"] is tensors["model.norm.weight"]
+    assert out["model.layers.0.mlp.down_proj.weight"].qtype == Q.Q4_1
+    assert "quantized to Q8_0 at load" in caplog.text
+    # each weight within half a Q8_0 step of the float head, plus d's fp16 rounding times q
+    back = unpack_gguf_rows(*pack_gguf_rows(out[quantized]), (64, IN))
+    step = tensors[quantized].float().reshape(64, -1, 32).abs().amax(-1, keepdim=True) / 127
+    err = (back - tensors[quantized].float()).reshape(64, -1, 32).abs()
+    assert (err <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
+    plain = dict(hf_int4.convert_weights(tensors.items(), qc, set(tensors), tied=tied))
+    assert plain[quantized] is tensors[quantized]

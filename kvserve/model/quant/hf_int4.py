@@ -27,6 +27,13 @@ whose m overflows fp16, or of 2 or 8 bits (GPTQ) is dequantized to float32 inste
 (q - z) s, and the reason is logged naming the tensor: it stays dense, off the C layer stack.
 Layouts that cannot be read (3-bit GPTQ, other checkpoint formats, AWQ versions other than
 GEMM) raise ValueError naming the fix.
+
+The float LM head (the tied embedding, or an untied lm_head) is quantized at load to Q8_0 blocks
+when the format keeps blocks packed (the gguf formats): a dense float32 head would be the largest
+weight streamed per decoded token. Q8_0 is what llama-quantize gives a tied output whose width is
+not a multiple of 256 (the default model's head), and it is reproduced bit for bit here (ggml's
+quantize_row_q8_0_ref); for other widths llama-quantize picks Q6_K, which has no reference
+quantizer in gguf-py. KVSERVE_INT4_HEAD=float keeps the checkpoint's float head.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ log = logging.getLogger("kvserve.model")
 METHODS = ("gptq", "awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field j of an AWQ word holds output column 8 c + ORDER[j]
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors (g_idx: GPTQ)
+HEAD_ENV = "KVSERVE_INT4_HEAD"
+HEAD_TYPES = ("q8_0", "float")  # the LM head's form in the packed formats (HEAD_ENV), default first
 
 
 @dataclass(frozen=True)
@@ -104,15 +113,62 @@ def read_dir_config(path: str) -> Int4Config | None:
         return read_config(json.load(f), path)
 
 
-def convert_weights(weights, qc: Int4Config, names: set[str]):
+def head_type(packed: bool) -> str:
+    """How the float LM head of a GPTQ / AWQ checkpoint is held: "q8_0" (the default where the
+    format keeps blocks packed, `packed`) or "float" (other formats, or KVSERVE_INT4_HEAD=float).
+    ValueError naming the accepted values for another setting."""
+    want = os.environ.get(HEAD_ENV, HEAD_TYPES[0]).strip().lower() or HEAD_TYPES[0]
+    if want not in HEAD_TYPES:
+        raise ValueError(
+            f"{HEAD_ENV}={want!r} is not supported: set it to one of {list(HEAD_TYPES)} (q8_0 "
+            "quantizes the GPTQ / AWQ model's float LM head at load; float keeps it)"
+        )
+    return want if packed else "float"
+
+
+def head_name(tied: bool) -> str:
+    """The checkpoint tensor the LM head is loaded from."""
+    return "model.embed_tokens.weight" if tied else "lm_head.weight"
+
+
+def quantize_q8_0(w: torch.Tensor) -> BlockTensor:
+    """A float matrix [out, in] (in a multiple of 32) -> Q8_0 blocks, ggml's
+    quantize_row_q8_0_ref bit for bit: per block of 32, d = max |x| / 127 in float32, q =
+    roundf(x / d) (halves away from zero), d stored as fp16."""
+    out, cols = w.shape
+    if cols % GROUP:
+        raise ValueError(f"Q8_0 needs a multiple of {GROUP} columns, got {cols}")
+    x = w.float().reshape(out, -1, GROUP)
+    d = x.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = x * inv
+    q = (v.sign() * torch.floor(v.abs() + 0.5)).to(torch.int8)
+    raw = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1)
+    return BlockTensor(raw.reshape(out, -1).numpy(), Q.Q8_0, (out, cols))
+
+
+def convert_weights(
+    weights, qc: Int4Config, names: set[str], head: str = "float", tied: bool = False
+):
     """(name, tensor) pairs of a checkpoint -> the same, with each quantized linear's tensors
     (`names`: every tensor name of the checkpoint, to know which a linear has) replaced by one
     `<prefix>.weight`: a Q4_1 BlockTensor, or a float32 tensor where the layout does not map
-    (logged). ValueError for a linear whose tensors are incomplete."""
+    (logged). `head` "q8_0" quantizes the float LM head (head_name(tied)) to Q8_0 blocks.
+    ValueError for a linear whose tensors are incomplete."""
     staged: dict[str, dict] = {}
     reasons: set[str] = set()
+    head_tensor = head_name(tied) if head == "q8_0" else None
     for name, w in weights:
         prefix, _, part = name.rpartition(".")
+        if name == head_tensor and w.dim() == 2 and w.shape[1] % GROUP == 0:
+            log.info(
+                "LM head%s: float %s quantized to Q8_0 at load (%s=float keeps it float)",
+                " (tied to the embedding)" if tied else "",
+                tuple(w.shape),
+                HEAD_ENV,
+            )
+            yield name, quantize_q8_0(w)
+            continue
         if part not in PARTS or f"{prefix}.qweight" not in names:
             yield name, w
             continue
