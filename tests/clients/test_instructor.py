@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 pydantic = pytest.importorskip("pydantic")
-instructor = pytest.importorskip("instructor")
+# Not in the `clients` extra: instructor caps jiter<0.15, openai 3.4+ needs jiter>=0.16, and the
+# pinned pydantic-ai-slim[openai] needs openai>=3.31.
+instructor = pytest.importorskip(
+    "instructor",
+    reason="instructor is not installed: it caps jiter<0.15, openai>=3.4 needs jiter>=0.16 "
+    "(pydantic-ai-slim[openai]==2.68.0 needs openai>=3.31)",
+)
 
 
 class City(pydantic.BaseModel):

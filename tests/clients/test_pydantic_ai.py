@@ -37,4 +37,4 @@ def test_agent_with_structured_output(model, native):
     agent = pydantic_ai.Agent(model, output_type=output_type, model_settings=SETTINGS, retries=0)
     result = agent.run_sync("Tell me about Paris, France.")
     assert isinstance(result.output, City) and result.output.name
-    assert result.usage().output_tokens > 0
+    assert result.usage.output_tokens > 0
