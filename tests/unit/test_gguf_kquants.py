@@ -152,7 +152,8 @@ def test_bytes_per_weight_of_the_kinds():
     5.5), 8.875 (kind 18), 11
     (kind 19), 6.5625 (kind 26: Q6_K's own size), 3.5625 (kind 13: Q3_K is 3.4375, its 6-bit
     scales in bytes), 4.3125 (kind 24: IQ4_XS is 4.25), 5.125 (kind 10: Q2_K's 2 bits in nibbles,
-    its 4-bit scales and mins in bytes), 32 (kind 32: float32) bits."""
+    its 4-bit scales and mins in bytes), 32 (kind 32: float32), 16 (kinds 33/34: F16, BF16)
+    bits."""
     bits = {kind: group_bytes(kind, 8) * 8 / (16 * 256) for kind in BLOCK_BYTES}
     assert bits == {
         4: 5.0,
@@ -166,6 +167,8 @@ def test_bytes_per_weight_of_the_kinds():
         24: 4.3125,
         10: 5.125,
         32: 32.0,
+        33: 16.0,
+        34: 16.0,
     }
 
 
