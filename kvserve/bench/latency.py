@@ -90,11 +90,21 @@ def the_request(args, gguf: str) -> BenchRequest:
 
 
 def summarize_runs(samples: list[dict]) -> dict:
-    out = {}
-    for k in FIGURES:
-        xs = [s[k] for s in samples]
-        out[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-    return out
+    return {k: summarize_list([s[k] for s in samples]) for k in FIGURES}
+
+
+def summarize_list(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def engine_config(llm) -> dict:
+    """What a kvserve run records of the engine it measured."""
+    return {
+        "dtype": llm.engine.config.model.dtype,
+        "device": llm.engine.config.device,
+        "quantization": llm.engine.quantization,
+        "steps": llm.engine.step_path,
+    }
 
 
 def _sample(prefill: float, ttft: float, decode_time: float, e2e: float, out_tokens: int) -> dict:
@@ -169,12 +179,7 @@ def run_kvserve(args, req: BenchRequest) -> dict | list[dict]:
                 len(out.outputs[0].token_ids),
             )
         )
-    config = {
-        "dtype": llm.engine.config.model.dtype,
-        "device": llm.engine.config.device,
-        "quantization": llm.engine.quantization,
-        "steps": llm.engine.step_path,
-    }
+    config = engine_config(llm)
     llm = None  # free the model before the peer runs
     gc.collect()
     return {
@@ -216,13 +221,7 @@ def run_lora_mix(llm, args, req: BenchRequest) -> list[dict]:
             sample = _sample(prefill, ttft, decode, e2e, n_out)
             sample["decode_step_s"] = decode / (n_out - 1)
             samples[label].append(sample)
-    config = {
-        "dtype": llm.engine.config.model.dtype,
-        "device": llm.engine.config.device,
-        "quantization": llm.engine.quantization,
-        "steps": llm.engine.step_path,
-        "batch": len(names) + 1,
-    }
+    config = {**engine_config(llm), "batch": len(names) + 1}
     return [
         {
             "engine": label,
@@ -236,10 +235,6 @@ def run_lora_mix(llm, args, req: BenchRequest) -> list[dict]:
         }
         for label, loras in mixes.items()
     ]
-
-
-def summarize_list(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def print_lora_mix(runs: list[dict]) -> None:

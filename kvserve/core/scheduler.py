@@ -264,31 +264,22 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
-        table_ids = self.kv_cache_manager.table_ids
-        sequences, drafts = self.sequences, plan.drafts
+        kv = self.kv_cache_manager
         chunks = []
         for sid, n in plan.scheduled.items():
-            seq = sequences[sid]
-            spec = drafts.get(sid) if drafts else None
-            tables, version = table_ids(sid)
-            end = seq.num_computed_tokens
-            start = end - n
-            tokens = seq._all_token_ids
-            if spec:
-                end -= len(spec)
-                token_ids = tokens[start:end] + spec
-            else:
-                spec = []
-                token_ids = tokens[start:end]
+            seq = self.sequences[sid]
+            spec = plan.drafts.get(sid, [])
+            start, end = seq.num_computed_tokens - n, seq.num_computed_tokens - len(spec)
+            tables, version = kv.table_ids(sid)
             chunks.append(
                 ScheduledChunk(
                     seq,
-                    token_ids,
+                    seq.all_token_ids[start:end] + spec,
                     start,
                     tables,
-                    end == len(tokens) and seq.max_tokens > 0,
-                    spec,
-                    version,
+                    sample=end == seq.num_tokens and seq.max_tokens > 0,
+                    draft_token_ids=spec,
+                    table_version=version,
                 )
             )
         return SchedulerOutput(
@@ -299,21 +290,14 @@ class Scheduler:
         """Decode tokens (with drafts to verify) and the rest of partially computed prompts;
         where blocks run out, drafts go first, then the lowest-priority newest sequence."""
         kv = self.kv_cache_manager
-        running = SequenceStatus.RUNNING
         for seq in list(self.running):
             if plan.budget == 0:
                 break
-            if seq.status != running or seq.held:  # preempted above, or held
+            if seq.status != SequenceStatus.RUNNING or seq.held:  # preempted above, or held
                 continue
-            num_new = min(len(seq._all_token_ids) - seq.num_computed_tokens, plan.budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
-            if num_new == 1 and not seq.spec_token_ids:  # a plain decode: nothing to cut
-                if kv.allocate_slots(seq, 1, plan.copy_blocks):
-                    plan.scheduled[seq.seq_id] = 1
-                    plan.budget -= 1
-                    seq.num_computed_tokens += 1
-                    continue
             spec = self._drafts_to_verify(seq, num_new, plan.budget)
             while True:
                 if kv.allocate_slots(seq, num_new + len(spec), plan.copy_blocks):
@@ -430,11 +414,9 @@ class Scheduler:
         finished in this call.
         """
         finished = []
-        sequences, running = self.sequences, SequenceStatus.RUNNING
-        cache_blocks = self.kv_cache_manager.cache_blocks
         for chunk in out.chunks:
             req = chunk.seq
-            if req.status is not running or sequences.get(req.seq_id) is not req:
+            if req.status != SequenceStatus.RUNNING or self.sequences.get(req.seq_id) is not req:
                 continue
             tokens = sampled.get(req.seq_id, ()) if chunk.sample else ()
             if chunk.draft_token_ids:
@@ -450,7 +432,9 @@ class Scheduler:
                 if status is not None:
                     break
             try:  # after the append: accepted drafts are computed tokens, hashed with the rest
-                cache_blocks(req, min(req.num_computed_tokens, len(req._all_token_ids)))
+                self.kv_cache_manager.cache_blocks(
+                    req, min(req.num_computed_tokens, req.num_tokens)
+                )
             except Exception as e:  # hashing this sequence's blocks: it fails alone
                 self._fail(req, e)
                 continue
@@ -463,14 +447,13 @@ class Scheduler:
 
     def _check_stop(self, req: Sequence, token_id: int) -> SequenceStatus | None:
         params = req.sampling_params
-        num_output = len(req.output_token_ids)
-        if num_output >= params.min_tokens:
+        if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in req.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 req.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED
-        if num_output >= req.max_tokens or len(req._all_token_ids) >= self.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

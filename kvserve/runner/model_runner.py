@@ -223,66 +223,40 @@ class ModelRunner:
         if None in sts or [st.seq for st in sts] != seqs:  # new sequences (or reused ids)
             keep = {seq.seq_id for seq in seqs}
             sts = [self._state(seq, keep) for seq in seqs]
-        versions = [c.table_version for c in chunks]
-        if None in versions or versions != [st.version for st in sts]:
-            for c, st, version in zip(chunks, sts, versions):
-                if version is None or version != st.version:
-                    tables.write(st.row, c.block_tables)
-                    st.version = version
-        rows = [st.row for st in sts]
-        starts = [c.start_pos for c in chunks]
-        input_ids = list(itertools.chain.from_iterable([c.token_ids for c in chunks]))
-        total = len(input_ids)
-        decode_only = total == len(chunks)  # every chunk feeds one token
-        samples = [c.sample for c in chunks]
-        every = all(samples)
-        drafted = any([c.draft_token_ids for c in chunks])
-        if drafted:  # per chunk: its last known token, then its drafts
-            sample_idx, end = [], 0
-            for c in chunks:
-                end += len(c.token_ids)
-                if c.sample:
-                    sample_idx.extend(range(end - 1 - len(c.draft_token_ids), end))
-        elif decode_only:
-            sample_idx = list(range(total)) if every else [i for i, x in enumerate(samples) if x]
-        else:
-            ends = itertools.accumulate([len(c.token_ids) for c in chunks])
-            sample_idx = [e - 1 for e, x in zip(ends, samples) if x]
-        greedy = False
-        if not drafted:
-            s_sts = sts if every else [st for st, x in zip(sts, samples) if x]
-            s_seqs = seqs if every else [seq for seq, x in zip(seqs, samples) if x]
-            greedy = (
-                all([st.greedy for st in s_sts])
-                and not any([seq.beam_candidates for seq in s_seqs])
-                and all(
-                    len(seq.output_token_ids) >= st.min_tokens
-                    for seq, st in zip(s_seqs, s_sts)
-                    if st.min_tokens
-                )
-            )
-        rows_np = np.array(rows, dtype=np.int64)
-        starts_np = np.array(starts, dtype=np.int64)
-        if decode_only:
-            positions, token_rows = starts_np, rows_np
-            query_start_loc = list(range(len(chunks) + 1))
-            seq_lens = (starts_np + 1).tolist()
-        else:
-            counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
-            ends = np.cumsum(counts)
-            positions = np.arange(total, dtype=np.int64) + np.repeat(
-                starts_np - (ends - counts), counts
-            )
-            token_rows = np.repeat(rows_np, counts)
-            query_start_loc = [0] + ends.tolist()
-            seq_lens = (starts_np + counts).tolist()
+        for c, st in zip(chunks, sts):
+            if c.table_version is None or c.table_version != st.version:
+                tables.write(st.row, c.block_tables)
+                st.version = c.table_version
+        input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+        ends = np.cumsum(counts)
+        # per sampling chunk: its last known token, then its drafts
+        sample_idx = [
+            i
+            for c, end in zip(chunks, ends.tolist())
+            if c.sample
+            for i in range(end - 1 - len(c.draft_token_ids), end)
+        ]
+        sampling = [(seq, st) for c, seq, st in zip(chunks, seqs, sts) if c.sample]
+        greedy = not any(c.draft_token_ids for c in chunks) and all(
+            st.greedy and not seq.beam_candidates and seq.num_output_tokens >= st.min_tokens
+            for seq, st in sampling
+        )
+        rows_np = np.array([st.row for st in sts], dtype=np.int64)
+        starts_np = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(
+            starts_np - (ends - counts), counts
+        )
+        token_rows = np.repeat(rows_np, counts)
+        query_start_loc = [0] + ends.tolist()
+        seq_lens = (starts_np + counts).tolist()
         block, offset = np.divmod(positions, bs)
         metas = []
         for g in range(len(self.kv_groups)):
             table = tables.tables[g]
             lens = tables.lens[g][rows_np]
             width = int(lens.max())
-            if (block >= (lens if decode_only else np.repeat(lens, counts))).any():
+            if (block >= np.repeat(lens, counts)).any():
                 raise ValueError("a scheduled position lies past its sequence's block table")
             metas.append(
                 AttentionMetadata(
@@ -299,8 +273,9 @@ class ModelRunner:
         lora = getattr(self.model, "lora_step", None)  # LoRA adapters: each token's slot
         if lora is not None:
             slots = [lora.slot_of(c.seq.lora_key) for c in chunks]
-            counts = [len(c.token_ids) for c in chunks]
-            lora.set(torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.tensor(counts)))
+            lora.set(
+                torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.from_numpy(counts))
+            )
         ids = torch.tensor(input_ids, dtype=torch.long)
         return _Flat(ids, torch.from_numpy(positions), meta, sample_idx, greedy)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_property import BASES, BS, EOS, run_ops
+from test_scheduler_property import BASES, BS, EOS, abort_op, add_op, run_ops, step_op
 
 from kvserve.config import CacheConfig, KVGroup, SchedulerConfig
 from kvserve.core.scheduler import ScheduledChunk, Scheduler
@@ -97,21 +97,7 @@ def flatten_step(s: Scheduler, runner: ModelRunner, rng: random.Random, groups_o
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(
-        st.one_of(
-            st.tuples(
-                st.just("add"),
-                st.integers(1, 40),
-                st.integers(0, 2),
-                st.integers(0, 6),
-                st.integers(1, 24),
-                st.integers(0, 2),
-                st.integers(1, 3),
-                st.booleans(),
-            ),
-            st.tuples(st.just("step"), st.integers(0, 2**16)),
-            st.tuples(st.just("step"), st.integers(0, 2**16)),
-            st.tuples(st.just("abort"), st.integers(0, 50)),
-        ),
+        st.one_of(add_op, step_op, step_op, abort_op),
         min_size=5,
         max_size=50,
     ),
