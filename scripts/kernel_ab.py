@@ -14,6 +14,7 @@ time (first to last token):
     KVSERVE_ISA=avx2 python3 scripts/kernel_ab.py --base ... --workload edit-code \\
         --quantization gguf-a8 --rounds 6
     python3 scripts/kernel_ab.py --base ... --workload prefill --prompt-len 2048 --rounds 6
+    python3 scripts/kernel_ab.py --base ... --model /tmp/1b-q4_k_m.gguf --workload w1 --rounds 6
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main() -> None:
         "--quantization", default=None, help="the engine's --quantization (default: its own)"
     )
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--model", default=None, help="a model path (default: the default model)")
     args = p.parse_args()
     isa = cpu_kernels.selected_isa()
     libs = kernel_libraries(args.base, isa)
@@ -68,6 +70,7 @@ def main() -> None:
     cpu_kernels.library = lambda isa=None: current["lib"]
     spec = args.workload not in ("w1", "w2", "prefill")
     llm = LLM(
+        args.model,
         enable_prefix_caching=False,
         **({"quantization": args.quantization} if args.quantization else {}),
         **({"speculative_config": DEFAULT_SPEC} if spec else {}),

@@ -6,6 +6,9 @@ its TTFT and its decode tokens/s = (O - 1) / (last token - first token). Figures
 of --repeat runs with min..max. kvserve runs offline through kvserve.LLM (or, with --base-url,
 through a running server); prefix caching is turned off so every repeat recomputes the prompt.
 Peers: hf (transformers generate, TTFT = prefill time), llamacpp (its server, streamed).
+Each engine's run records the bytes a decode step reads (weights, and the KV of the mean
+context) and the result the machine's read bandwidth (`bench roofline`'s probe, measured first),
+so the report gives each engine's MBU: decode tok/s x bytes per step / read bandwidth.
 
 With --lora-mix N (and --enable-lora --lora-modules naming at least N adapters) each repeat
 sends N + 1 requests together instead of one: first all on the base model, then the base and the
@@ -107,6 +110,49 @@ def engine_config(llm) -> dict:
     }
 
 
+def mean_context(req: BenchRequest) -> float:
+    """The mean number of context tokens a decode step of `req` attends over."""
+    return len(req.prompt_ids) + req.max_tokens / 2
+
+
+def kvserve_step_bytes(llm, req: BenchRequest) -> int:
+    """Bytes one batch-1 decode step of kvserve reads: the weights as the step holds them (packed
+    blocks, the head, not the embedding table) and the KV of the mean context."""
+    from kvserve.bench.roofline import model_facts
+
+    f = model_facts(llm)
+    return int(f["weight_bytes_per_step"] + f["kv_bytes_per_token"] * mean_context(req))
+
+
+def gguf_step_bytes(gguf: str, req: BenchRequest) -> int | None:
+    """Bytes one batch-1 decode step of llama.cpp reads from a GGUF file: every tensor but the
+    token embedding (gathered a row at a time) unless it is also the output matrix (tied), and
+    its float16 KV cache of the mean context. None for a file the reader cannot take."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(gguf)
+    except Exception:  # noqa: BLE001 - a peer's file kvserve may not read; MBU is then left out
+        return None
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    weights = sum(sizes.values())
+    if "output.weight" in sizes:
+        weights -= sizes.get("token_embd.weight", 0)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def meta(key: str) -> int | None:
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else int(field.parts[-1][0])
+
+    layers, heads, kv_heads = meta("block_count"), meta("attention.head_count"), None
+    kv_heads = meta("attention.head_count_kv") or heads
+    width = meta("embedding_length")
+    head_dim = meta("attention.key_length") or (width // heads if width and heads else None)
+    if not (layers and kv_heads and head_dim):
+        return weights
+    return int(weights + layers * kv_heads * head_dim * 2 * 2 * mean_context(req))
+
+
 def _sample(prefill: float, ttft: float, decode_time: float, e2e: float, out_tokens: int) -> dict:
     return {
         "prefill_s": prefill,
@@ -180,6 +226,7 @@ def run_kvserve(args, req: BenchRequest) -> dict | list[dict]:
             )
         )
     config = engine_config(llm)
+    config["bytes_per_step"] = kvserve_step_bytes(llm, req)
     llm = None  # free the model before the peer runs
     gc.collect()
     return {
@@ -340,6 +387,7 @@ def run_llamacpp(args, req: BenchRequest, gguf: str) -> dict:
         samples = server_samples(url, req, args.repeat, kw, flush="prompt_texts" in kw)
     cfg = llamacpp_config(args)
     cfg["slots"] = 1
+    cfg["bytes_per_step"] = gguf_step_bytes(gguf, req)
     return {
         "engine": "llamacpp",
         "mode": "server",
@@ -401,6 +449,9 @@ def main(args, argv: list[str]) -> int:
     }
     if names:
         result["workload"]["lora_mix"] = names
+    from kvserve.bench.roofline import memory_bandwidth
+
+    result["read_gbs"] = memory_bandwidth(2.0)["read_gbs"]
     if not args.only_peers:
         run = run_server_kvserve(args, req) if args.base_url else run_kvserve(args, req)
         result["runs"].extend(run if isinstance(run, list) else [run])

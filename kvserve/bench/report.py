@@ -134,6 +134,8 @@ def peer_label(res: dict, run: dict) -> str:
     engine = run["engine"]
     cfg = run.get("config") or {}
     if engine == "llamacpp":
+        if cfg.get("build"):
+            return f"llama.cpp ({cfg['build']} build)"
         m = re.search(r"--llamacpp-bin\s+(\S+)", res.get("command", ""))
         binary = (res.get("args") or {}).get("llamacpp_bin") or (m[1] if m else None)
         build = Path(binary).parent.parent.name if binary else cfg.get("server", "?")
@@ -183,12 +185,26 @@ def rows_latency(res: dict) -> list[dict]:
         return []
     ours = base["summary"]["decode_tok_s"]["median"]
     what = f"decode tok/s, median of {len(base['samples'])}"
-    rows = [dict(what=what, metric="decode", load=load, ours=fmt_rate(ours))]
+    if res.get("read_gbs"):
+        what += f" (MBU against {res['read_gbs']:.1f} GB/s read)"
+    rows = [dict(what=what, metric="decode", load=load, ours=fmt_rate(ours) + mbu(res, base))]
     for r in res["runs"]:
         if r is not base:
             theirs = r["summary"]["decode_tok_s"]["median"]
-            rows.append(_peer_row(res, r, what, "decode", load, ours, theirs))
+            row = _peer_row(res, r, what, "decode", load, ours, theirs)
+            row["ours"] = rows[0]["ours"]
+            row["theirs"] += mbu(res, r)
+            rows.append(row)
     return rows if len(rows) == 1 else rows[1:]
+
+
+def mbu(res: dict, run: dict) -> str:
+    """ " (NN% MBU)" for a latency run that recorded its bytes per step beside a result that
+    recorded the read bandwidth; "" otherwise."""
+    step, gbs = (run.get("config") or {}).get("bytes_per_step"), res.get("read_gbs")
+    if not step or not gbs:
+        return ""
+    return f" ({run['summary']['decode_tok_s']['median'] * step / gbs / 1e9 * 100:.0f}% MBU)"
 
 
 def _peer_row(res: dict, run: dict, what: str, metric: str, load: str, ours, theirs) -> dict:

@@ -113,6 +113,30 @@ def llamacpp_available(binary: str | None) -> bool:
     )
 
 
+_LLAMACPP_ISAS = ("AVX512_VNNI", "AVX512", "AVX_VNNI", "AVX2", "AVX")
+
+
+def llamacpp_build(binary: str | None) -> str | None:
+    """What a llama.cpp build from source targets, from its CMakeCache.txt beside bin/: "native"
+    (GGML_NATIVE, the build machine's ISA) or the widest x86 ISA it was configured with, so
+    reports tell a native peer from an AVX2-only one. None when no cache is found."""
+    path = shutil.which(binary) if binary else None
+    if not path:
+        return None
+    cache = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(path))), "CMakeCache.txt")
+    try:
+        with open(cache, errors="replace") as f:
+            flags = dict(
+                line.split(":BOOL=", 1) for line in f.read().splitlines() if ":BOOL=" in line
+            )
+    except OSError:
+        return None
+    on = {k for k, v in flags.items() if v.strip().upper() in ("ON", "1", "TRUE")}
+    if "GGML_NATIVE" in on:
+        return "native"
+    return next((isa for isa in _LLAMACPP_ISAS if f"GGML_{isa}" in on), "generic")
+
+
 def llamacpp_server(
     gguf: str,
     threads: int,

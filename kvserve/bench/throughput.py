@@ -347,8 +347,11 @@ def run_hf(args, reqs: list[BenchRequest], gguf: str) -> dict:
 
 def llamacpp_config(args) -> dict:
     if args.llamacpp_bin:
+        from kvserve.bench.servers import llamacpp_build
+
         return {
             "server": "llama-server",
+            "build": llamacpp_build(args.llamacpp_bin),
             "slots": args.llamacpp_slots,
             "ctx_per_slot": args.llamacpp_ctx,
         }

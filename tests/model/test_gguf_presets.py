@@ -178,3 +178,24 @@ def test_the_c_stack_computes_what_the_dequantized_weights_do(preset_files, pres
     lb = dense.model.compute_logits(_mixed_step(dense, PROMPTS, c_stack=False))
     assert (la - lb).abs().max().item() < 1e-3 * lb.abs().max().item()
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
+def test_bench_counts_what_a_decode_step_reads(preset_files):
+    """`bench latency`'s MBU: llama.cpp's bytes per step are the file's tensors less the gathered
+    embedding, plus its float16 KV; kvserve's packed step reads about as much for a 4-bit file."""
+    import gguf
+
+    from kvserve import LLM
+    from kvserve.bench.datasets import BenchRequest
+    from kvserve.bench.latency import gguf_step_bytes, kvserve_step_bytes
+
+    layers, hidden, heads, kv_heads, _ = SIZES["tiny"]
+    req = BenchRequest(list(range(1, 41)), 20)  # mean context 50 tokens
+    reader = gguf.GGUFReader(preset_files["q4_0"])
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    weights = sum(sizes.values()) - ("output.weight" in sizes) * sizes["token_embd.weight"]
+    kv = layers * kv_heads * (hidden // heads) * 2 * 2 * 50
+    assert gguf_step_bytes(preset_files["q4_0"], req) == weights + kv
+    llm = LLM(preset_files["q4_0"], max_num_seqs=1, max_model_len=128)
+    ours = kvserve_step_bytes(llm, req)
+    assert 0.97 * (weights + kv) < ours < 1.05 * (weights + kv)  # Q4_0 packs at 4.5 bits too

@@ -240,3 +240,25 @@ def test_standard_workloads_keep_the_default_models_ids():
     except FileNotFoundError:
         pytest.skip("the default model package is not installed")
     assert standard_requests("w2", None, path) == standard_requests("w2")
+
+
+def test_llamacpp_peer_is_labelled_by_its_build(tmp_path):
+    from kvserve.bench.report import peer_label
+    from kvserve.bench.servers import llamacpp_build
+
+    def build(flags: dict) -> str:
+        root = tmp_path / "_".join(f"{k}{v}" for k, v in flags.items())
+        (root / "bin").mkdir(parents=True)
+        binary = root / "bin" / "llama-server"
+        binary.write_text("#!/bin/sh\n")
+        binary.chmod(0o755)
+        lines = [f"GGML_{k}:BOOL={v}" for k, v in flags.items()]
+        (root / "CMakeCache.txt").write_text("\n".join(["CMAKE_BUILD_TYPE:STRING=Release", *lines]))
+        return str(binary)
+
+    assert llamacpp_build(build({"NATIVE": "ON", "AVX2": "OFF"})) == "native"
+    assert llamacpp_build(build({"NATIVE": "OFF", "AVX2": "ON", "AVX512": "OFF"})) == "AVX2"
+    assert llamacpp_build(build({"NATIVE": "OFF", "AVX512": "ON", "AVX2": "ON"})) == "AVX512"
+    assert llamacpp_build(str(tmp_path / "missing")) is None
+    run = {"engine": "llamacpp", "config": {"build": "AVX2"}}
+    assert peer_label({"command": "kvserve bench latency"}, run) == "llama.cpp (AVX2 build)"

@@ -59,10 +59,7 @@ def test_clang_builds_give_gccs_bits(monkeypatch, tmp_path, isa):
 
 
 def test_sources_compile_for_aarch64_with_clang():
-    srcs = [
-        str(_CSRC / n)
-        for n in ("gguf_gemv.c", "paged_attention.c", "layer_stack.c", "gguf_gemv_neon.c")
-    ]
+    srcs = [str(_CSRC / n) for n in (*cpu_kernels._COMMON, "gguf_gemv_neon.c")]
     res = subprocess.run(
         [
             CLANG,
