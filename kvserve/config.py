@@ -947,6 +947,16 @@ class EngineConfig:
         check=_at_least_one("max_lora_rank"),
         metavar="R",
     )
+    async_scheduling: bool = knob(
+        False,
+        "schedule and prepare step N+1 on a worker thread while step N's forward runs; N's "
+        "tokens are filled in and its finished requests dropped before N+1 runs. Off by default: "
+        "on the CPU the forward already uses every core, so host work beside it takes a core "
+        "from it; it pays where the forward runs elsewhere (cuda). Speculative decoding, LoRA, "
+        "tensor and pipeline parallelism keep synchronous steps, and so do steps while a beam "
+        "search runs (default: %(default)s)",
+        flag="--async-scheduling",
+    )
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # where ranks run
 
     def on_device(self, cuda_available: bool) -> "EngineConfig":

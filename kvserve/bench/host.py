@@ -18,6 +18,13 @@ fresh requests: prefill, --warmup steps, then --steps steps timed without the ph
 step total: the median step, the median over rounds) and --steps steps with them (the phases:
 the mean step, of the median round, so that they add up to its total). Times are the process's
 CPU time unless --clock wall: on a loaded machine the wall clock counts other processes' turns.
+
+--forward-ms X makes the null forward sleep X ms (the GIL released, as a device's forward or the
+C kernels leave it), standing in for the device's time per step, and times by the wall clock.
+--async-scheduling on (or both, for the two side by side) runs the engine with async scheduling:
+the next step is scheduled and flattened while the forward sleeps, so a step takes about
+max(host, X) plus the update and output work instead of host + X. Its phases overlap the
+forward, so they no longer add up to the step ("other" goes negative).
 """
 
 from __future__ import annotations
@@ -101,9 +108,23 @@ def add_args(p) -> None:
     g.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
-        default="cpu",
+        default=None,
         help="time steps and phases by this process's CPU time or by the wall clock (default: "
-        "%(default)s; the step's wall time is recorded too)",
+        "cpu, wall with --forward-ms; the step's wall time is recorded too)",
+    )
+    g.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="the null forward sleeps this long per step, the GIL released: a device's forward "
+        "time (default: %(default)s)",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        choices=("off", "on", "both"),
+        default="off",
+        help="run the engine with async scheduling off, on, or both one after the other "
+        "(default: %(default)s)",
     )
     g.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     g.add_argument(
@@ -153,10 +174,11 @@ class NullForward:
 
     name = "null"
 
-    def __init__(self, real, cycle: list[int], vocab: int, rows: int = 1):
+    def __init__(self, real, cycle: list[int], vocab: int, rows: int = 1, forward_ms: float = 0.0):
         import numpy as np
         import torch
 
+        self.forward_s = forward_ms / 1000  # slept per step (time.sleep releases the GIL)
         self.real = real
         self.model, self.kv_caches = real.model, real.kv_caches
         self.declined = real.declined
@@ -171,7 +193,8 @@ class NullForward:
         self.calls = 0
 
     def describe(self) -> str:
-        return f"null forward (precomputed logits) in place of {self.real.describe()}"
+        slept = f", sleeping {self.forward_s * 1000:g} ms" if self.forward_s else ""
+        return f"null forward (precomputed logits{slept}) in place of {self.real.describe()}"
 
     def sync_copies(self, copies) -> None:
         pass
@@ -184,6 +207,8 @@ class NullForward:
         import torch
 
         self.calls += 1
+        if self.forward_s:
+            time.sleep(self.forward_s)
         n = batch.rows.numel()
         if self._hot is not None:  # last step's hot entries back to their values
             rows, cols, saved = self._hot
@@ -221,9 +246,12 @@ def null_engine(
     max_len: int,
     threads: int = 1,
     cache_dir: str | None = None,
+    async_scheduling: bool = False,
+    forward_ms: float = 0.0,
 ):
     """The real EngineCore over `model` (None: the tiny random one), room for `max_batch`
-    sequences of `max_len` tokens, its step backend replaced by a NullForward."""
+    sequences of `max_len` tokens, its step backend replaced by a NullForward (sleeping
+    `forward_ms` per step)."""
     from kvserve import LLM
     from kvserve.config import make_engine_config
 
@@ -239,12 +267,13 @@ def null_engine(
         max_model_len=max(max_len, 256),
         num_blocks=blocks,
         num_threads=threads,
+        async_scheduling=async_scheduling,
     )
     engine = LLM(config=config).engine  # the EngineCore the offline API drives
     special = set(engine.eos_token_ids) | set(getattr(engine.tokenizer, "all_special_ids", []))
     cycle = make_cycle(engine.tokenizer, special)
     engine.runner.backend = NullForward(
-        engine.runner.backend, cycle, engine.arch.vocab_size, max_batch
+        engine.runner.backend, cycle, engine.arch.vocab_size, max_batch, forward_ms
     )
     engine.cycle = cycle
     return engine
@@ -480,28 +509,15 @@ def main(args, argv: list[str]) -> int:
         for name in ("prompt_len", "steps", "rounds", "threads"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if args.warmup < 0 or args.temperature < 0:
-            raise ValueError("--warmup and --temperature must not be negative")
+        if args.warmup < 0 or args.temperature < 0 or args.forward_ms < 0:
+            raise ValueError("--warmup, --temperature and --forward-ms must not be negative")
     except ValueError as e:
         return common.die(str(e))
+    if args.clock is None:
+        args.clock = "wall" if args.forward_ms else "cpu"
     result = common.new_result("host", argv, args)
     max_len = args.prompt_len + args.warmup + 2 * args.steps + 16
-    engine = null_engine(args.model, max(sizes), max_len, args.threads)
-    torch.set_num_threads(args.threads)
-    backend = engine.runner.backend
-    print(f"{engine.describe()}", file=sys.stderr)
-    rng = random.Random(0)
-    results = []
-    for b in sizes:
-        print(
-            f"batch {b}: {args.rounds} rounds of {args.steps} + {args.steps} steps", file=sys.stderr
-        )
-        prof = cProfile.Profile(CLOCKS[args.clock]) if args.profile_batch == b else None
-        r = measure(engine, args, b, rng, prof)
-        if prof is not None:
-            r["profile"] = profile_table(prof, args.steps, r["step_us"], args.profile_top)
-        results.append(r)
-    real_calls = backend.calls
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     result["workload"] = {
         "batch_sizes": sizes,
         "prompt_tokens": args.prompt_len,
@@ -510,37 +526,68 @@ def main(args, argv: list[str]) -> int:
         "rounds": args.rounds,
         "temperature": args.temperature,
         "clock": args.clock,
+        "forward_ms": args.forward_ms,
         "stop": list(args.stop) if args.stop is not None else [NEVER_STOP],
-        "cycle_tokens": len(engine.cycle),
     }
-    result["runs"] = [
-        {
-            "engine": "kvserve",
-            "mode": "offline, null forward",
-            "config": {
-                "steps": engine.step_path,
-                "model": engine.model_path,
-                "threads": args.threads,
-            },
-            "null_forward_calls": real_calls,
-            "batches": results,
-        }
-    ]
-    result["load_avg_after"] = os.getloadavg()[0]
-    print_table(results)
-    for r in results:
-        if "profile" in r:
-            print(f"\ncProfile, batch {r['batch']}: top functions by cumulative time per step")
+    result["runs"] = []
+    for async_on in modes:
+        engine = null_engine(
+            args.model,
+            max(sizes),
+            max_len,
+            args.threads,
+            async_scheduling=async_on,
+            forward_ms=args.forward_ms,
+        )
+        torch.set_num_threads(args.threads)
+        backend = engine.runner.backend
+        label = f"async scheduling {'on' if async_on else 'off'}"
+        print(f"{engine.describe()}; {label}", file=sys.stderr)
+        rng = random.Random(0)
+        results = []
+        for b in sizes:
             print(
-                common.table(
-                    ["function", "calls/step", "cum us", "self us", "cum share"],
-                    [
-                        [p["function"], f"{p['calls_per_step']:.1f}", f"{p['cum_us']:.0f}"]
-                        + [f"{p['self_us']:.0f}", f"{p['cum_share'] * 100:.1f}%"]
-                        for p in r["profile"]
-                    ],
-                )
+                f"batch {b}: {args.rounds} rounds of {args.steps} + {args.steps} steps",
+                file=sys.stderr,
             )
-    engine.close()
+            prof = cProfile.Profile(CLOCKS[args.clock]) if args.profile_batch == b else None
+            r = measure(engine, args, b, rng, prof)
+            if prof is not None:
+                r["profile"] = profile_table(prof, args.steps, r["step_us"], args.profile_top)
+            results.append(r)
+        result["workload"]["cycle_tokens"] = len(engine.cycle)
+        result["runs"].append(
+            {
+                "engine": "kvserve",
+                "mode": "offline, null forward" + (", async scheduling" if async_on else ""),
+                "config": {
+                    "steps": engine.step_path,
+                    "model": engine.model_path,
+                    "threads": args.threads,
+                    "async_scheduling": async_on,
+                    "forward_ms": args.forward_ms,
+                },
+                "null_forward_calls": backend.calls,
+                "batches": results,
+            }
+        )
+        if len(modes) > 1:
+            print(f"\n{label}, forward {args.forward_ms:g} ms")
+        print_table(results)
+        for r in results:
+            if "profile" in r:
+                print(f"\ncProfile, batch {r['batch']}: top functions by cumulative time per step")
+                print(
+                    common.table(
+                        ["function", "calls/step", "cum us", "self us", "cum share"],
+                        [
+                            [p["function"], f"{p['calls_per_step']:.1f}", f"{p['cum_us']:.0f}"]
+                            + [f"{p['self_us']:.0f}", f"{p['cum_share'] * 100:.1f}%"]
+                            for p in r["profile"]
+                        ],
+                    )
+                )
+        engine.close()
+    result["load_avg_after"] = os.getloadavg()[0]
     common.save_result(result, args.output, args.save, "host-steps")
     return 0

@@ -29,6 +29,15 @@ the KVCacheManager keeps one pool and one table per group; a step is admitted on
 group has room, and a window group's blocks that no query can read any more go back to its pool
 as the sequence advances (kvserve/core/kv_cache.py). An n > 1 child whose parent's window already
 freed a block the child needs runs on its own (prefix cache) instead of forking.
+
+Async scheduling (EngineConfig.async_scheduling): `schedule(inflight)` plans the next step while
+`inflight` still runs. Every sequence that samples in `inflight` is assumed to get exactly one
+token: its next chunk feeds a placeholder (PLACEHOLDER, `ScheduledChunk.placeholder`), and one
+whose token must end it (max_tokens, max_model_len) is left out. `settle()` then, once
+`inflight`'s update is done, drops the chunks of sequences that finished or were aborted
+meanwhile, writes the sampled tokens over the placeholders and admits waiting sequences into the
+budget left. Until then the planned tokens count as not computed (`cache_blocks`, prompt
+scoring), so no block is found by hash before the step that writes it has run.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ from kvserve.config import CacheConfig, KVGroup, SchedulerConfig, cdiv
 from kvserve.core.kv_cache import KVCacheManager
 from kvserve.core.sequence import Sequence, SequenceStatus
 from kvserve.sampling_params import ParamError
+
+PLACEHOLDER = -1  # the token id a planned chunk feeds until the step before it has sampled
 
 
 class QueueFullError(RuntimeError):
@@ -62,6 +73,8 @@ class ScheduledChunk:
     # the tables' version (KVCacheManager.table_ids): the same version, the same tables; None:
     # unknown (the runner then reads the tables afresh)
     table_version: int | None = None
+    # its last token is PLACEHOLDER, the one the step still running samples (async scheduling)
+    placeholder: bool = False
 
 
 @dataclass
@@ -107,6 +120,8 @@ class Scheduler:
         self._arrival_seq: dict[str, int] = {}
         self._queue_key: dict[str, tuple] = {}
         self._failed: list[tuple[str, str]] = []  # (sequence id, cause) since the last pop_failed()
+        # sequence id -> tokens a planned step (schedule(inflight)) gave it, not run yet
+        self._planned: dict[str, int] = {}
 
     # ---- admission and removal -----------------------------------------------------------
     def add_sequence(self, req: Sequence) -> None:
@@ -256,35 +271,81 @@ class Scheduler:
         return parent
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, inflight: SchedulerOutput | None = None) -> SchedulerOutput:
         """This step's chunks: running sequences first (decodes and the rest of their prompts),
         then waiting ones into the budget that is left, unless a running one had to be
-        preempted."""
+        preempted. `inflight`: the step still running (async scheduling): each sequence that
+        samples in it counts one more token, a placeholder (module docstring); call `settle()`
+        on the result once `inflight` is updated."""
         plan = _StepPlan(self.sched.max_num_batched_tokens)
+        if inflight is not None:
+            plan.pending = {
+                c.seq.seq_id
+                for c in inflight.chunks
+                if c.sample and c.seq.status == SequenceStatus.RUNNING
+            }
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
+        if inflight is not None:
+            self._planned = dict(plan.scheduled)
+        return SchedulerOutput(
+            self._chunks(plan), plan.copy_blocks, plan.preempted, sum(plan.scheduled.values())
+        )
+
+    def _chunks(self, plan: "_StepPlan") -> list[ScheduledChunk]:
         kv = self.kv_cache_manager
         chunks = []
         for sid, n in plan.scheduled.items():
             seq = self.sequences[sid]
             spec = plan.drafts.get(sid, [])
             start, end = seq.num_computed_tokens - n, seq.num_computed_tokens - len(spec)
+            known = seq.num_tokens
+            ids = seq.all_token_ids[start:end] + spec
+            if end > known:  # the token the step in flight samples (end == known + 1)
+                ids.append(PLACEHOLDER)
             tables, version = kv.table_ids(sid)
             chunks.append(
                 ScheduledChunk(
                     seq,
-                    seq.all_token_ids[start:end] + spec,
+                    ids,
                     start,
                     tables,
-                    sample=end == seq.num_tokens and seq.max_tokens > 0,
+                    sample=end >= known and seq.max_tokens > 0,
                     draft_token_ids=spec,
                     table_version=version,
+                    placeholder=end > known,
                 )
             )
-        return SchedulerOutput(
-            chunks, plan.copy_blocks, plan.preempted, sum(plan.scheduled.values())
-        )
+        return chunks
+
+    def settle(self, planned: SchedulerOutput) -> SchedulerOutput:
+        """A step planned by `schedule(inflight)`, made ready to run once `inflight`'s tokens are
+        appended: chunks of sequences no longer running (finished, aborted) dropped (their blocks
+        went back when they finished), placeholders replaced by the sampled tokens, and waiting
+        sequences admitted into the budget and sequence slots left (unless the plan preempted)."""
+        ahead, self._planned = self._planned, {}
+        chunks = []
+        for c in planned.chunks:
+            seq = c.seq
+            if seq.status != SequenceStatus.RUNNING or self.sequences.get(seq.seq_id) is not seq:
+                continue
+            if c.placeholder:
+                pos = c.start_pos + len(c.token_ids) - 1
+                if pos >= seq.num_tokens:  # no token came for it: the chunk is taken back
+                    seq.num_computed_tokens -= len(c.token_ids)
+                    continue
+                c.token_ids[-1] = seq.all_token_ids[pos]
+            chunks.append(c)
+        copies = list(planned.copy_blocks)
+        used = sum(len(c.token_ids) for c in chunks)
+        if self.waiting and not planned.preempted_ids:
+            plan = _StepPlan(self.sched.max_num_batched_tokens - used)
+            plan.copy_blocks, plan.ahead = copies, ahead
+            self._schedule_waiting(plan)
+            chunks += self._chunks(plan)
+            used += sum(plan.scheduled.values())
+        return SchedulerOutput(chunks, copies, planned.preempted_ids, used)
 
     def _schedule_running(self, plan: "_StepPlan") -> None:
         """Decode tokens (with drafts to verify) and the rest of partially computed prompts;
@@ -295,10 +356,15 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING or seq.held:  # preempted above, or held
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, plan.budget)
+            known = seq.num_tokens
+            if seq.seq_id in plan.pending:  # one token on its way from the step in flight
+                if seq.num_output_tokens + 1 >= seq.max_tokens or known + 1 >= self.max_model_len:
+                    continue  # that token ends it
+                known += 1
+            num_new = min(known - seq.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
-            spec = self._drafts_to_verify(seq, num_new, plan.budget)
+            spec = [] if plan.pending else self._drafts_to_verify(seq, num_new, plan.budget)
             while True:
                 if kv.allocate_slots(seq, num_new + len(spec), plan.copy_blocks):
                     plan.take(seq, num_new + len(spec), spec)
@@ -350,7 +416,10 @@ class Scheduler:
     def _parent_ready(self, parent: Sequence, seq: Sequence, plan: "_StepPlan") -> bool:
         """A fork waits until its parent computed, in an earlier step, the tokens it shares
         (their KV is written then)."""
-        computed_before = parent.num_computed_tokens - plan.scheduled.get(parent.seq_id, 0)
+        pid = parent.seq_id
+        computed_before = (
+            parent.num_computed_tokens - plan.scheduled.get(pid, 0) - plan.ahead.get(pid, 0)
+        )
         return parent.status == SequenceStatus.RUNNING and computed_before >= max(
             parent.num_prompt_tokens, seq.num_prompt_tokens - 1
         )
@@ -416,9 +485,23 @@ class Scheduler:
         finished = []
         for chunk in out.chunks:
             req = chunk.seq
-            if req.status != SequenceStatus.RUNNING or self.sequences.get(req.seq_id) is not req:
+            if self.sequences.get(req.seq_id) is not req:
                 continue
             tokens = sampled.get(req.seq_id, ()) if chunk.sample else ()
+            if req.status != SequenceStatus.RUNNING:
+                # Preempted by a step planned while this one ran (async scheduling): its token
+                # still counts, and its recompute feeds it.
+                if req.status == SequenceStatus.PREEMPTED and tokens and not chunk.draft_token_ids:
+                    status = None
+                    for token_id in tokens:
+                        req.append_output_token(token_id)
+                        status = self._check_stop(req, token_id)
+                        if status is not None:
+                            break
+                    if status is not None:
+                        self._finish(req, status)
+                        finished.append(req)
+                continue
             if chunk.draft_token_ids:
                 num_accepted = max(0, len(tokens) - 1)
                 assert list(tokens[:num_accepted]) == chunk.draft_token_ids[:num_accepted], (
@@ -431,14 +514,14 @@ class Scheduler:
                 status = self._check_stop(req, token_id)
                 if status is not None:
                     break
+            # computed once this step ran: not the tokens a step planned since then gave it
+            done = req.num_computed_tokens - self._planned.get(req.seq_id, 0)
             try:  # after the append: accepted drafts are computed tokens, hashed with the rest
-                self.kv_cache_manager.cache_blocks(
-                    req, min(req.num_computed_tokens, req.num_tokens)
-                )
+                self.kv_cache_manager.cache_blocks(req, min(done, req.num_tokens))
             except Exception as e:  # hashing this sequence's blocks: it fails alone
                 self._fail(req, e)
                 continue
-            if req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+            if req.max_tokens == 0 and done == req.num_tokens:
                 status = SequenceStatus.FINISHED_LENGTH  # scoring the prompt only
             if status is not None:
                 self._finish(req, status)
@@ -514,6 +597,10 @@ class _StepPlan:
         self.drafts: dict[str, list[int]] = {}  # sequence id -> draft tokens among them
         self.copy_blocks: list[tuple[int, int, int]] = []  # (group, src, dst)
         self.preempted: list[str] = []
+        # async scheduling: sequences sampling in the step in flight (one placeholder token
+        # each), and the tokens a planned step being settled gave each (not computed before it)
+        self.pending: set[str] = set()
+        self.ahead: dict[str, int] = {}
 
     def take(self, seq: Sequence, num_tokens: int, drafts: list[int] | None = None) -> None:
         self.scheduled[seq.seq_id] = num_tokens

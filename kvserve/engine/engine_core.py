@@ -13,10 +13,20 @@ are idempotent, and the runner restores seeded generators on failure).
 
 Speculative decoding: after each step the drafter puts draft tokens on the sequences that
 sampled; the scheduler feeds them next step and the runner verifies them (kvserve/spec/).
+
+Async scheduling (--async-scheduling): while a step runs here (its forward leaves the GIL: the
+C kernels, torch, a device), a worker thread schedules the next step, each sequence sampling now
+counted as one token more (a placeholder), and flattens it. Once the step is updated,
+`Scheduler.settle` drops the planned chunks of the sequences that finished (their blocks are
+freed once, when they finish) and writes the sampled tokens over the placeholders, and the
+planned step runs. Speculative decoding, LoRA and tensor/pipeline parallelism keep synchronous
+steps, and so does planning while a beam search runs (its beams are held or forked by each
+step's tokens).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -33,7 +43,7 @@ from kvserve.engine.output_processor import OutputProcessor, RequestState, Sampl
 from kvserve.engine.parallel_sampling import BeamGroups, beam_run, sample_sequences
 from kvserve.lora.manager import LoRAManager
 from kvserve.outputs import RequestOutput
-from kvserve.runner.model_runner import SampledToken, StepOutput
+from kvserve.runner.model_runner import SampledToken, StepBatch, StepOutput
 from kvserve.runner.ranks import RankLost
 from kvserve.sampling_params import ParamError, SamplingParams
 
@@ -72,6 +82,37 @@ class EngineCore:
                 self.load_lora(name, path)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self.last_step_tokens = 0  # tokens the last step scheduled (for /metrics)
+        # async scheduling: the thread that plans the next step while one runs, and that plan
+        # (its SchedulerOutput, flattened or None)
+        self._forward_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._planned: tuple[SchedulerOutput, StepBatch | None] | None = None
+        self.async_scheduling = self._start_async_scheduling()
+
+    def _start_async_scheduling(self) -> bool:
+        """Whether steps overlap the next step's scheduling (EngineConfig.async_scheduling, where
+        nothing keeps synchronous steps); logged either way when asked for."""
+        if not self.config.async_scheduling:
+            return False
+        keep_sync = [
+            what
+            for on, what in (
+                (self.drafter is not None, "speculative decoding"),
+                (self.ranks is not None, "tensor/pipeline parallelism"),
+                (self.config.enable_lora, "LoRA adapters"),
+            )
+            if on
+        ]
+        if keep_sync:
+            log.info("async scheduling off: %s keep synchronous steps", ", ".join(keep_sync))
+            return False
+        self._forward_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvserve-plan"
+        )
+        log.info(
+            "async scheduling on: the next step is scheduled and prepared while a step runs "
+            "(not while a beam search runs: those steps are synchronous)"
+        )
+        return True
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -79,7 +120,10 @@ class EngineCore:
         )
 
     def close(self) -> None:
-        """Stop the tensor- or pipeline-parallel ranks (nothing to do without them)."""
+        """Stop the tensor- or pipeline-parallel ranks and the planning thread, where there are."""
+        if self._forward_pool is not None:
+            self._forward_pool.shutdown()
+            self._forward_pool = None
         if self.ranks is not None:
             self.ranks.shutdown()
             self.ranks = None
@@ -227,6 +271,7 @@ class EngineCore:
         scheduler (every KV block free, the prefix cache empty), no per-sequence runner state.
         The model and the KV tensors stay; nothing is reloaded."""
         self.scheduler = self._new_scheduler()
+        self._planned = None
         self.runner.forget_sequences()
         if self.drafter is not None:
             self.drafter.forget_sequences()
@@ -243,16 +288,22 @@ class EngineCore:
         """Schedule, execute, update; the outputs of every request that changed."""
         outputs, self._pending = self._pending, []
         self.last_step_tokens = 0
+        planned, self._planned = self._planned, None
         if not self.scheduler.has_unfinished_requests():
+            if planned is not None:  # every sequence of it has finished
+                self.scheduler.settle(planned[0])
             return outputs
-        sched = self.scheduler.schedule()
+        sched, batch = self._next_step(planned)
         self.last_step_tokens = sched.num_batched_tokens
         self._fail_scheduler_rejects()
         self._mark_scheduled(sched)
         sample_ids = [c.seq.seq_id for c in sched.chunks if c.sample]
         grammar = self.grammar.start_bitmask(sample_ids)
         t_step = time.perf_counter()
-        step = self._execute(sched, grammar)
+        if self._forward_pool is not None and sched.chunks:
+            step = self._execute_overlapped(sched, grammar, batch)
+        else:
+            step = self._execute(sched, grammar, batch)
         if self.drafter is not None:
             self.drafter.observe(sched, time.perf_counter() - t_step, step.sampled)
         for seq_id, plp in step.prompt_logprobs.items():
@@ -265,6 +316,67 @@ class EngineCore:
         self._pending = []
         self._propose_drafts(sched)
         return outputs
+
+    def _next_step(self, planned) -> tuple[SchedulerOutput, StepBatch | None]:
+        """This step: the one planned while the last ran, settled (with its flat batch when no
+        chunk was dropped or added), or one scheduled now."""
+        if planned is None:
+            return self.scheduler.schedule(), None
+        plan, batch = planned
+        sched = self.scheduler.settle(plan)
+        if not sched.chunks:
+            return self.scheduler.schedule(), None
+        if batch is None or len(sched.chunks) != len(plan.chunks):
+            return sched, None
+        if any(a is not b for a, b in zip(sched.chunks, plan.chunks)):
+            return sched, None
+        batch.out = sched
+        self.runner.fill_placeholders(batch)
+        return sched, batch
+
+    def _execute_overlapped(self, sched: SchedulerOutput, grammar, batch) -> StepOutput:
+        """The step here while the worker thread plans the next one (unless a beam search
+        runs); a step that raises is isolated, as `_execute` does, once the plan is done."""
+        if batch is None:
+            try:
+                batch = self.runner.batch(sched)
+            except Exception:  # flattened again there, where the chunks responsible fail alone
+                return self._execute(sched, grammar)
+        planning = None
+        if not self.beams.by_seq:
+            planning = self._forward_pool.submit(self._plan_next, sched)
+        try:
+            step = self.runner.execute(sched, grammar, batch)
+        except RankLost:
+            raise
+        except Exception as e:
+            log.error(
+                "model step of %d chunks failed; isolating the request(s) responsible:\n%s",
+                len(sched.chunks),
+                traceback.format_exc(),
+            )
+            if planning is not None:
+                planning.result()  # it writes the runner's block-table rows, as isolating does
+                planning = None
+            step = self._isolate(sched.chunks, sched.copy_blocks, e, grammar)
+        finally:
+            if planning is not None:
+                concurrent.futures.wait([planning])
+        if planning is not None:
+            planning.result()  # a planning error is raised here
+        return step
+
+    def _plan_next(self, sched: SchedulerOutput) -> None:
+        """On the worker thread while `sched` runs: the next step scheduled with placeholders
+        and flattened (`_planned`)."""
+        plan = self.scheduler.schedule(sched)
+        flat = None
+        if plan.chunks:
+            try:
+                flat = self.runner.batch(plan)
+            except Exception:  # flattened again when it runs, where a failure is isolated
+                flat = None
+        self._planned = (plan, flat)
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -368,10 +480,12 @@ class EngineCore:
             self.processor.finish_sample(sample, sample.seq, reason="stop")
             self._forget_sequence(sample.seq_id)
 
-    def _execute(self, sched: SchedulerOutput, grammar=None) -> StepOutput:
+    def _execute(self, sched: SchedulerOutput, grammar=None, batch=None) -> StepOutput:
         """The runner's step; if it raises, the chunks responsible fail alone."""
         try:
-            return self.runner.execute(sched, grammar)
+            if batch is None:
+                return self.runner.execute(sched, grammar)
+            return self.runner.execute(sched, grammar, batch)
         except RankLost:
             raise  # no step can run: not a request's fault
         except Exception as e:

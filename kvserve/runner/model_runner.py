@@ -19,6 +19,11 @@ does not import spec) turns them into the accepted drafts plus one token.
 KV groups (config.KVGroup: the layers with one attention window): each layer's pools hold its
 group's number of blocks, and each step gets one slot mapping and one set of block tables per
 group; the metadata hands every layer its group's (AttentionMetadata.for_layer).
+
+Async scheduling: while a step runs, the engine's planning thread flattens the next step, planned
+with placeholder tokens (`batch`: nothing the running step reads is written; the step is handed
+its batch flattened before), and once this step's tokens are in, `fill_placeholders` writes them
+into that planned batch.
 """
 
 from __future__ import annotations
@@ -58,8 +63,16 @@ from kvserve.runner.step_output import (
 Verifier = Callable[[torch.Tensor, list[SamplingRow], list[list[int]]], list[SamplerOutput]]
 
 log = logging.getLogger("kvserve")
-# What a step returns lives in step_output.py; the engine imports it from here too.
-__all__ = ["ModelRunner", "PromptLogprobs", "SampledToken", "StepOutput", "Verifier"]
+# What a step returns lives in step_output.py, its batch in backends; the engine imports them
+# from here.
+__all__ = [
+    "ModelRunner",
+    "PromptLogprobs",
+    "SampledToken",
+    "StepBatch",
+    "StepOutput",
+    "Verifier",
+]
 
 
 class ModelRunner:
@@ -302,25 +315,64 @@ class ModelRunner:
         )
 
     # ---- steps ----
+    def fill_placeholders(self, batch: StepBatch) -> None:
+        """Write into a planned batch (flattened while the step before it ran) the tokens that
+        Scheduler.settle() put over its chunks' placeholders, and decide again whether it
+        samples plain greedy (min_tokens counts the tokens that came since)."""
+        chunks = batch.out.chunks
+        ends = batch.meta.query_start_loc
+        idx = [ends[i + 1] - 1 for i, c in enumerate(chunks) if c.placeholder]
+        if idx:
+            batch.input_ids[idx] = torch.tensor(
+                [c.token_ids[-1] for c in chunks if c.placeholder], dtype=torch.long
+            )
+        if batch.greedy:  # only min_tokens could have said no, and the new tokens count
+            return
+        states = self._states
+        batch.greedy = all(
+            st is not None
+            and st.greedy
+            and not c.seq.beam_candidates
+            and c.seq.num_output_tokens >= st.min_tokens
+            for c in chunks
+            if c.sample
+            for st in (states.get(c.seq.seq_id),)
+        ) and not any(c.draft_token_ids for c in chunks)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar=None) -> StepOutput:
+    def execute(
+        self, out: SchedulerOutput, grammar=None, batch: StepBatch | None = None
+    ) -> StepOutput:
         """Run one step: the sampled token of every chunk with sample=True, and the prompt
         logprobs of the chunks whose sequence asked for them. `grammar`: the step's grammar mask
         (`rows` by sequence id; `wait()` for the bitmask, which the engine may be filling while
-        the forward pass runs), applied to the constrained rows before sampling."""
+        the forward pass runs), applied to the constrained rows before sampling. `batch`: `out`
+        already flattened (`batch(out)`, placeholders filled), else it is flattened here."""
+        if out.chunks and (batch is None or batch.out is not out):
+            batch = self.batch(out)
+        return self.sample(batch, self.forward(out, batch), grammar)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, batch: StepBatch | None) -> torch.Tensor | None:
+        """The first half of `execute`: the step's copy-on-write copies and its forward, the
+        logits at `batch.rows` (None when `out` has no chunk)."""
         if out.copy_blocks:
             self.copy_blocks(out.copy_blocks)
         if not out.chunks:
             if out.copy_blocks:  # ranks elsewhere copy their pools' blocks too
                 self.backend.sync_copies(out.copy_blocks)
-            return StepOutput()
-        batch = self.batch(out)
-        logits = self.backend.logits(batch)
-        if batch.rows.numel() == 0:
+            return None
+        return self.backend.logits(batch)
+
+    @torch.inference_mode()
+    def sample(self, batch: StepBatch | None, logits: torch.Tensor | None, grammar) -> StepOutput:
+        """The second half of `execute`: the step's tokens (and prompt logprobs) from the
+        logits `forward` returned."""
+        if logits is None or batch.rows.numel() == 0:
             return StepOutput()
         n = batch.num_sample_rows
         step = StepOutput(prompt_logprobs=prompt_logprobs(batch.spans, logits[n:]))
-        sampling = [c for c in out.chunks if c.sample]
+        sampling = [c for c in batch.out.chunks if c.sample]
         step.sampled = self._sample(sampling, logits[:n], grammar, batch.greedy)
         return step
 

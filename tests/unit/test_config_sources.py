@@ -298,6 +298,7 @@ def test_the_keywords_are_the_fields():
             "lora_modules",
             "max_loras",
             "max_lora_rank",
+            "async_scheduling",
         ]
     )
     assert make_engine_config(num_blocks=12).cache.num_blocks_override == 12  # no flag
