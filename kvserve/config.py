@@ -263,6 +263,20 @@ AUTO = "auto"  # a default resolved by EngineConfig.on_device (device, dtype, KV
 CPU_DTYPE = "float32"  # the compute dtype of an auto dtype on cpu
 CUDA_DTYPE = "bfloat16"  # ... and on cuda (weights dequantized once at load, run by cuBLAS)
 QUANTIZATIONS = ("none", "int8", "int4", "gguf", "gguf-a8", "gguf-mixed")
+LM_HEAD_FORMATS = ("q8_0", "float")  # a GPTQ / AWQ checkpoint's float LM head, default first
+
+
+def lm_head_format(value) -> str:
+    """The one check of --lm-head-format: its canonical name, or ValueError naming the choices."""
+    name = str(value).strip().lower()
+    if name not in LM_HEAD_FORMATS:
+        raise ValueError(
+            f"lm_head_format must be one of {list(LM_HEAD_FORMATS)}, got {value!r} (q8_0 "
+            "quantizes a GPTQ / AWQ checkpoint's float LM head at load; float keeps it)"
+        )
+    return name
+
+
 KV_CACHE_DTYPES = (AUTO, "float32", "bfloat16", "float16", "int8", "fp8")
 KV_DTYPE_OF_FLOAT32 = "float16"  # an auto KV cache of a float32 model (resolved_kv_dtype)
 KV_SCALE_BYTES = {"int8": 4}  # int8 KV rows carry their float32 scale (kvserve/ops/kv_int8.py)
@@ -408,6 +422,16 @@ class ModelConfig:
         "(docs/benchmarks.md)",
         flag="--quantization",
         choices=QUANTIZATIONS,
+    )
+    lm_head_format: str = knob(
+        LM_HEAD_FORMATS[0],
+        "GPTQ / AWQ checkpoints under the gguf formats: the float LM head quantized to Q8_0 "
+        "blocks at load, so the whole model runs packed on the C layer stack (as llama.cpp's "
+        "converter stores a tied output), or kept float (off the C stack) (default: "
+        "%(default)s)",
+        flag="--lm-head-format",
+        check=lm_head_format,
+        choices=LM_HEAD_FORMATS,
     )
     max_model_len: int | None = knob(
         None,  # None: the model's own context length (context_len)

@@ -78,7 +78,7 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
                 weights,
                 int4,
                 quant.hf_int4.tensor_names(path),
-                head=quant.hf_int4.head_type(fmt in quant.GGUF_FORMATS),
+                head=quant.hf_int4.head_type(fmt in quant.GGUF_FORMATS, cfg.lm_head_format),
                 tied=arch.tie_word_embeddings,
             )
     elif os.path.isfile(path):

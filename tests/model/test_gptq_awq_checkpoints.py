@@ -155,8 +155,8 @@ def test_logits_match_the_dequantized_model(loaded):
     assert (ours - exact).abs().max() > (ours - held).abs().max()
 
 
-def test_float_head_is_kept_with_the_setting(checkpoint, monkeypatch):
-    """KVSERVE_INT4_HEAD=float keeps the checkpoint's float head (dense), and the logits are
+def test_float_head_is_kept_with_the_setting(checkpoint):
+    """--lm-head-format float keeps the checkpoint's float head (dense), and the logits are
     then the exact model's up to the layers' rounding; a bad value names the accepted ones."""
     from kvserve.config import ModelConfig
     from kvserve.model.loader import load_model
@@ -164,14 +164,12 @@ def test_float_head_is_kept_with_the_setting(checkpoint, monkeypatch):
     name, path, hf, _ = checkpoint
     if name != "gptq":
         pytest.skip("one variant is enough")
-    monkeypatch.setenv("KVSERVE_INT4_HEAD", "float")
-    lm = load_model(ModelConfig(model=path, quantization="gguf"))
+    lm = load_model(ModelConfig(model=path, quantization="gguf", lm_head_format="float"))
     head = lm.model.lm_head
     assert head.dense_weight is not None
     assert torch.equal(head.dense_weight, hf.lm_head.weight.float())
-    monkeypatch.setenv("KVSERVE_INT4_HEAD", "q4")
-    with pytest.raises(ValueError, match="KVSERVE_INT4_HEAD"):
-        load_model(ModelConfig(model=path, quantization="gguf"))
+    with pytest.raises(ValueError, match="lm_head_format"):
+        load_model(ModelConfig(model=path, quantization="gguf", lm_head_format="q4"))
 
 
 def test_c_layer_stack_runs_it_and_greedy_matches(loaded):

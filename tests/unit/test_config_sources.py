@@ -274,6 +274,7 @@ def test_the_keywords_are_the_fields():
             "model",
             "dtype",
             "quantization",
+            "lm_head_format",
             "max_model_len",
             "kv_cache_memory",
             "kv_cache_dtype",

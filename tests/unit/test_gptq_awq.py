@@ -246,15 +246,22 @@ def test_q8_0_head_matches_gguf_py_bit_for_bit():
         hf_int4.quantize_q8_0(torch.zeros(4, 48))
 
 
-def test_head_type_setting(monkeypatch):
-    monkeypatch.delenv(hf_int4.HEAD_ENV, raising=False)
+def test_head_type_setting():
     assert hf_int4.head_type(True) == "q8_0"
     assert hf_int4.head_type(False) == "float"  # a format that does not keep blocks
-    monkeypatch.setenv(hf_int4.HEAD_ENV, "FLOAT")
-    assert hf_int4.head_type(True) == "float"
-    monkeypatch.setenv(hf_int4.HEAD_ENV, "q6_k")
-    with pytest.raises(ValueError, match="KVSERVE_INT4_HEAD='q6_k'.*q8_0"):
-        hf_int4.head_type(True)
+    assert hf_int4.head_type(True, "FLOAT") == "float"
+    assert hf_int4.head_type(False, "q8_0") == "float"
+    with pytest.raises(ValueError, match="lm_head_format must be one of.*q8_0.*'q6_k'"):
+        hf_int4.head_type(True, "q6_k")
+
+
+def test_head_format_is_an_engine_setting():
+    from kvserve.config import make_engine_config
+
+    cfg = make_engine_config("model-dir", lm_head_format="Float")
+    assert cfg.model.lm_head_format == "float"
+    with pytest.raises(ValueError, match="lm_head_format"):
+        make_engine_config("model-dir", lm_head_format="q4")
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -33,7 +33,8 @@ when the format keeps blocks packed (the gguf formats): a dense float32 head wou
 weight streamed per decoded token. Q8_0 is what llama-quantize gives a tied output whose width is
 not a multiple of 256 (the default model's head), and it is reproduced bit for bit here (ggml's
 quantize_row_q8_0_ref); for other widths llama-quantize picks Q6_K, which has no reference
-quantizer in gguf-py. KVSERVE_INT4_HEAD=float keeps the checkpoint's float head.
+quantizer in gguf-py. --lm-head-format float (ModelConfig.lm_head_format) keeps the checkpoint's
+float head.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.config import LM_HEAD_FORMATS, lm_head_format
 from kvserve.model.quant.blocks import GROUP, BlockTensor
 from kvserve.ops.gguf_types import GGMLQuantizationType as Q
 
@@ -54,8 +56,6 @@ log = logging.getLogger("kvserve.model")
 METHODS = ("gptq", "awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field j of an AWQ word holds output column 8 c + ORDER[j]
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors (g_idx: GPTQ)
-HEAD_ENV = "KVSERVE_INT4_HEAD"
-HEAD_TYPES = ("q8_0", "float")  # the LM head's form in the packed formats (HEAD_ENV), default first
 
 
 @dataclass(frozen=True)
@@ -113,16 +113,11 @@ def read_dir_config(path: str) -> Int4Config | None:
         return read_config(json.load(f), path)
 
 
-def head_type(packed: bool) -> str:
-    """How the float LM head of a GPTQ / AWQ checkpoint is held: "q8_0" (the default where the
-    format keeps blocks packed, `packed`) or "float" (other formats, or KVSERVE_INT4_HEAD=float).
-    ValueError naming the accepted values for another setting."""
-    want = os.environ.get(HEAD_ENV, HEAD_TYPES[0]).strip().lower() or HEAD_TYPES[0]
-    if want not in HEAD_TYPES:
-        raise ValueError(
-            f"{HEAD_ENV}={want!r} is not supported: set it to one of {list(HEAD_TYPES)} (q8_0 "
-            "quantizes the GPTQ / AWQ model's float LM head at load; float keeps it)"
-        )
+def head_type(packed: bool, setting: str = LM_HEAD_FORMATS[0]) -> str:
+    """How the float LM head of a GPTQ / AWQ checkpoint is held: `setting`
+    (ModelConfig.lm_head_format: "q8_0" or "float") where the format keeps blocks packed
+    (`packed`), else "float". ValueError naming the accepted values for another setting."""
+    want = lm_head_format(setting)
     return want if packed else "float"
 
 
@@ -162,10 +157,10 @@ def convert_weights(
         prefix, _, part = name.rpartition(".")
         if name == head_tensor and w.dim() == 2 and w.shape[1] % GROUP == 0:
             log.info(
-                "LM head%s: float %s quantized to Q8_0 at load (%s=float keeps it float)",
+                "LM head%s: float %s quantized to Q8_0 at load (--lm-head-format float keeps "
+                "it float)",
                 " (tied to the embedding)" if tied else "",
                 tuple(w.shape),
-                HEAD_ENV,
             )
             yield name, quantize_q8_0(w)
             continue
