@@ -185,7 +185,7 @@ def rows_latency(res: dict) -> list[dict]:
         return []
     ours = base["summary"]["decode_tok_s"]["median"]
     what = f"decode tok/s, median of {len(base['samples'])}"
-    if res.get("read_gbs"):
+    if res.get("read_gbs") and (base.get("config") or {}).get("bytes_per_step"):
         what += f" (MBU against {res['read_gbs']:.1f} GB/s read)"
     rows = [dict(what=what, metric="decode", load=load, ours=fmt_rate(ours) + mbu(res, base))]
     for r in res["runs"]:

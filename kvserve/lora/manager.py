@@ -40,6 +40,11 @@ class LoRAStep:
         ]
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to bfloat16 (to nearest even), as a contiguous float32 tensor."""
+    return t.to(torch.bfloat16).to(torch.float32).contiguous()
+
+
 class LoRALinear:
     """The adapters of one base Linear: per slot, its parts' A^T stacked along the rank [in,
     sum of ranks] (one shrink matmul) and per part (output offset, width, rank offset, rank,
@@ -53,14 +58,17 @@ class LoRALinear:
         self.slots = {}
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """`parts`: shard -> (A [r, in], B [out, r] already multiplied by the scale)."""
+        """`parts`: shard -> (A [r, in], B [out, r] already multiplied by the scale). Both are
+        held as bfloat16 values (rounded once here, kept in float32 tensors): what the C layer
+        stack stores, in half the bytes a step reads, and what this path multiplies, so the two
+        paths take the same adapter."""
         a_all, plan, r0 = [], [], 0
         for shard, (a, b) in sorted(parts.items()):
             r = a.shape[0]
             a_all.append(a)
-            plan.append((self.offsets[shard], self.shard_sizes[shard], r0, r, b.t().contiguous()))
+            plan.append((self.offsets[shard], self.shard_sizes[shard], r0, r, _bf16(b.t())))
             r0 += r
-        self.slots[slot] = (torch.cat(a_all, dim=0).t().contiguous(), plan)
+        self.slots[slot] = (_bf16(torch.cat(a_all, dim=0).t()), plan)
 
     def clear_slot(self, slot: int) -> None:
         self.slots.pop(slot, None)

@@ -300,8 +300,9 @@ def _linears(model):
 
 
 def _lora_table(model, slots: int) -> tuple:
-    """(StackLora array [layers][LORA_LINEARS][slots], the float32 tensors it points into) from
-    the adapters installed on the model's linears (lora/manager.py's LoRALinear slots)."""
+    """(StackLora array [layers][LORA_LINEARS][slots], the bfloat16 tensors it points into) from
+    the adapters installed on the model's linears (lora/manager.py's LoRALinear slots, whose
+    values are bfloat16 values already: the conversion is exact)."""
     n = cpu_kernels.LORA_LINEARS
     table = (cpu_kernels.StackLora * (len(model.layers) * n * slots))()
     keep = []
@@ -314,12 +315,12 @@ def _lora_table(model, slots: int) -> tuple:
                 if entry is None:
                     continue
                 a_t, plan = entry  # A^T [in, sum of ranks], per part B^T [r, width] scaled
-                a_t = a_t.to(torch.float32).contiguous()
+                a_t = a_t.to(torch.bfloat16).contiguous()
                 e = table[(i * n + j) * slots + s]
                 e.a, e.rank = a_t.data_ptr(), a_t.shape[1]
                 keep.append(a_t)
                 for p, (offset, width, r0, r, b_t) in enumerate(plan):
-                    b_t = b_t.to(torch.float32).contiguous()
+                    b_t = b_t.to(torch.bfloat16).contiguous()
                     keep.append(b_t)
                     e.b[p] = b_t.data_ptr()
                     e.off[p], e.width[p], e.r0[p], e.r[p] = offset, width, r0, r

@@ -199,3 +199,26 @@ def test_bench_counts_what_a_decode_step_reads(preset_files):
     llm = LLM(preset_files["q4_0"], max_num_seqs=1, max_model_len=128)
     ours = kvserve_step_bytes(llm, req)
     assert 0.97 * (weights + kv) < ours < 1.05 * (weights + kv)  # Q4_0 packs at 4.5 bits too
+
+
+def test_bench_lora_adapters_fit_the_model(preset_files, tmp_path):
+    """kvserve.bench.lora_adapters writes PEFT directories shaped for a model: the engine loads
+    them (shapes checked against the base) and a request under one runs on the C stack with its
+    delta (its top logprob moves)."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.bench import lora_adapters
+    from kvserve.lora import LoRARequest
+
+    assert (
+        lora_adapters.main(
+            ["--model", preset_files["q4_0"], "--count", "2", "--rank", "8", "-o", str(tmp_path)]
+        )
+        == 0
+    )
+    llm = LLM(preset_files["q4_0"], enable_lora=True, max_lora_rank=8, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=1)
+    base = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    lora = LoRARequest("a1", 1, str(tmp_path / "a1"))
+    tuned = llm.generate(["Hello"], params, use_tqdm=False, lora_request=lora)[0]
+    assert "C layer stack" in llm.engine.step_path
+    assert tuned.outputs[0].logprobs[0].top[0][2] != base.outputs[0].logprobs[0].top[0][2]

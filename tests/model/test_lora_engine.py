@@ -1,7 +1,9 @@
 """LoRA adapters through the engine against transformers + PEFT: a tiny random Llama checkpoint
 written with transformers, three adapters made with PEFT (random B: PEFT starts B at zero), and
 each adapter's greedy tokens compared with the PEFT model merged into its base
-(merge_and_unload), float32 weights and KV cache:
+(merge_and_unload), float32 weights and KV cache, the adapters' weights bfloat16 values (what
+kvserve holds: it rounds A and B once at load; the scales here are powers of two, so rounding
+B before or after the scale is the same):
 
     alone       each adapter (and the base) on its own
     mixed       the base and three adapters in one generate call: one step holds them all
@@ -123,6 +125,8 @@ def setup(tmp_path_factory):
             for pname, p in model.named_parameters():
                 if "lora_B" in pname:
                     torch.nn.init.normal_(p, std=0.3)
+                if "lora_" in pname:  # the values kvserve serves: each rounded to bfloat16
+                    p.copy_(p.to(torch.bfloat16).float())
         paths[name] = str(root / name)
         model.save_pretrained(paths[name])
         merged = model.merge_and_unload().eval()

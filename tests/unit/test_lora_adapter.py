@@ -187,9 +187,15 @@ def test_the_manager_bounds_its_slots(tmp_path, model):
                 linear.lora = None
 
 
+def served(t: torch.Tensor) -> torch.Tensor:
+    """An adapter matrix as the manager holds it: A, and B times the scale, rounded to bfloat16."""
+    return t.to(torch.bfloat16).float()
+
+
 def test_a_mixed_step_adds_each_tokens_own_delta(tmp_path, model):
     """Tokens of the base, adapter a (q/v) and adapter b (every projection, rsLoRA) in one batch:
-    each Linear's output equals x (W + scale * B @ A)^T for the token's own adapter."""
+    each Linear's output equals x (W + scale * B @ A)^T for the token's own adapter, A and
+    scale * B rounded to bfloat16 as the manager holds them."""
     manager = LoRAManager(model, max_loras=3, max_rank=8)
     try:
         a = manager.load("a", write_adapter(tmp_path / "a", r=4, alpha=8, seed=2))
@@ -212,14 +218,14 @@ def test_a_mixed_step_adds_each_tokens_own_delta(tmp_path, model):
                 adapter = {0: a, 1: b}.get(slot)
                 if adapter is not None and (1, module) in adapter.weights:
                     A, B = adapter.weights[(1, module)]
-                    w += adapter.scaling * B @ A
+                    w += served(adapter.scaling * B) @ served(A)
                 parts.append(x[t] @ w.t())
             torch.testing.assert_close(got[t], torch.cat(parts), atol=1e-5, rtol=1e-5)
         down = layer.mlp.down_proj
         h = torch.randn(len(slots), 48)
         A, B = b.weights[(1, "down_proj")]
         want = h @ down.weight.t()
-        want[slots == 1] = h[slots == 1] @ (down.weight + b.scaling * B @ A).t()
+        want[slots == 1] = h[slots == 1] @ (down.weight + served(b.scaling * B) @ served(A)).t()
         torch.testing.assert_close(down(h), want, atol=1e-5, rtol=1e-5)
         manager.step.set(torch.full((3,), -1))  # a step of the base alone adds nothing
         x3 = torch.randn(3, 32)

@@ -13,20 +13,22 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* The linears of a layer with adapters, in the order of the model's LoRA table. */
 enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_LINEARS };
 #define LORA_MAX_RANK 4096               /* a sanity bound on the stacked rank of one linear */
 
 /* One slot's adapter on one linear, its matrices transposed so both products run along
- * contiguous rows: a = A^T [K][rank], the parts' A stacked along the rank; part p adds
+ * contiguous rows, in bfloat16 (the adapter's values rounded once at load; each widened to
+ * float32 exactly): a = A^T [K][rank], the parts' A stacked along the rank; part p adds
  * (x A_p^T) B_p^T, A_p being ranks r0 .. r0 + r, to output columns off .. off + width, with
  * b[p] = B_p^T [r][width] already multiplied by the adapter's scale. a == NULL: the slot's
  * adapter leaves this linear alone; b[p] == NULL ends the parts. */
 typedef struct {
-    const float *a;
+    const uint16_t *a;
     int64_t rank;
-    const float *b[STACK_MAX_PARTS];
+    const uint16_t *b[STACK_MAX_PARTS];
     int64_t off[STACK_MAX_PARTS], width[STACK_MAX_PARTS], r0[STACK_MAX_PARTS], r[STACK_MAX_PARTS];
 } stack_lora_t;
 
@@ -88,24 +90,32 @@ static void lora_step_free(lora_step_t *ls) {
 
 #define LORA_COLS 64                     /* output columns per unit of the expand */
 
+/* A bfloat16 value as the float32 it stands for (exact). */
+static inline float lora_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* acc[0..n) = sum over i < K, in order, of x[i] * a[i][0..n) (a: [K][n] rows). */
-static void lora_shrink_row(const float *x, const float *a, int64_t K, int64_t n, float *acc) {
+static void lora_shrink_row(const float *x, const uint16_t *a, int64_t K, int64_t n, float *acc) {
     for (int64_t j = 0; j < n; j++) acc[j] = 0.f;
     for (int64_t i = 0; i < K; i++) {
         const float xi = x[i];
-        const float *ai = a + i * n;
-        for (int64_t j = 0; j < n; j++) acc[j] += xi * ai[j];
+        const uint16_t *ai = a + i * n;
+        for (int64_t j = 0; j < n; j++) acc[j] += xi * lora_bf16(ai[j]);
     }
 }
 
 /* y[0..n) += sum over k < r, in order, of s[k] * b[k][0..n) (b rows `ldb` apart). */
-static void lora_expand_cols(const float *s, const float *b, int64_t ldb, int64_t r, int64_t n, float *y) {
+static void lora_expand_cols(const float *s, const uint16_t *b, int64_t ldb, int64_t r, int64_t n, float *y) {
     float acc[LORA_COLS];
     for (int64_t c = 0; c < n; c++) acc[c] = 0.f;
     for (int64_t k = 0; k < r; k++) {
         const float sk = s[k];
-        const float *bk = b + k * ldb;
-        for (int64_t c = 0; c < n; c++) acc[c] += sk * bk[c];
+        const uint16_t *bk = b + k * ldb;
+        for (int64_t c = 0; c < n; c++) acc[c] += sk * lora_bf16(bk[c]);
     }
     for (int64_t c = 0; c < n; c++) y[c] += acc[c];
 }
@@ -140,7 +150,7 @@ static void lora_add(const lora_step_t *ls, const stack_lora_t *e, int64_t K, in
                 const int64_t lo = c0 > E->off[p] ? c0 : E->off[p];
                 const int64_t hi = c1 < E->off[p] + E->width[p] ? c1 : E->off[p] + E->width[p];
                 if (lo >= hi) continue;
-                const float *b = E->b[p] + (lo - E->off[p]);
+                const uint16_t *b = E->b[p] + (lo - E->off[p]);
                 for (int64_t i = ls->start[s]; i < ls->start[s + 1]; i++) {
                     const int64_t t = ls->rows[i];
                     lora_expand_cols(ls->shrunk + t * rmax + E->r0[p], b, E->width[p], E->r[p], hi - lo,
