@@ -19,6 +19,9 @@ whole text; a single kind of the varied text below may agree less often).
 (standard-library modules), English prose (the docstrings above), multi-turn chats rendered with
 the model's chat template, and passages in German, French, Spanish, Russian, Chinese, Japanese,
 Italian and Portuguese (kvserve/bench/data/quality-text.json). Windows never cross two kinds.
+
+`--reference MODEL` takes the fp32 reference from another checkpoint of the same vocabulary (a
+GPTQ / AWQ model against the float model it was quantized from): the formats then run --model.
 """
 
 from __future__ import annotations
@@ -392,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         help="stdlib: standard-library docstrings; varied: code, prose, chat and eight languages, "
         "each kind reported on its own, --max-tokens per kind (default: %(default)s)",
     )
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="the fp32 reference from this GGUF file or HF directory instead of --model (same "
+        "vocabulary), e.g. the float model a GPTQ / AWQ checkpoint was quantized from",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
@@ -419,6 +428,15 @@ def main(argv: list[str] | None = None) -> int:
                 ModelConfig(model=args.model, quantization=spec.weights)
             )
     models = {f: loaded[spec.weights] for f, spec in specs.items()}
+    reference = "fp32 dequantized weights"
+    if args.reference:
+        ref = load_model(ModelConfig(model=args.reference, quantization="none"))
+        if ref.arch.vocab_size != models["none"].arch.vocab_size:
+            p.error(
+                f"--reference has a vocabulary of {ref.arch.vocab_size}, --model "
+                f"{models['none'].arch.vocab_size}: pass a checkpoint of the same model"
+            )
+        models["none"], reference = ref, f"fp32 weights of {ref.path}"
     tokenizer = models["none"].tokenizer
     if args.text == "varied":
         texts = varied_texts(tokenizer)
@@ -431,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         ids = tokenizer.encode(text)[: args.max_tokens + 1]
         n_tokens, what = len(ids) - 1, "stdlib docstrings"
     print(
-        f"model: {models['none'].path}\ntext: {what}, {len(text)} chars, "
+        f"model: {loaded['none'].path}\ntext: {what}, {len(text)} chars, "
         f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}, {n_tokens} tokens used, "
-        f"{args.window}-token windows, reference: fp32 dequantized weights",
+        f"{args.window}-token windows, reference: {reference}",
         flush=True,
     )
     results = evaluate(models, ids, args.window, progress=not args.no_progress)
@@ -442,7 +460,16 @@ def main(argv: list[str] | None = None) -> int:
         print(format_kinds(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": models["none"].path, "text": what, "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "model": loaded["none"].path,
+                    "reference": reference,
+                    "text": what,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     return 0 if all(m["ok"] for m in results.values()) else 1
 
 

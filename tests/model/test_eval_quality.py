@@ -40,3 +40,31 @@ def test_default_format_keeps_the_quality_bound(kv_model, default_gguf, kinds):
     assert m["top1"] >= CUT_TOP1_BOUND, m
     # English prose (the standard-library docstrings eval-quality measures by default)
     assert m["kinds"]["prose"]["top1"] >= eval_quality.TOP1_BOUND, m["kinds"]["prose"]
+
+
+def test_a_reference_checkpoint_replaces_the_models_own(tmp_path, default_gguf):
+    """--reference: the fp32 reference comes from another checkpoint of the same vocabulary (a
+    GPTQ model against its float model); the model's own file as reference gives the plain
+    run's figures, another model's weights other ones."""
+    import json
+
+    from kvserve.bench.gguf_presets import write_model
+
+    own, other = str(tmp_path / "own.gguf"), str(tmp_path / "other.gguf")
+    write_model(own, "tiny", "q8_0", seed=0, tokenizer_from=default_gguf)
+    write_model(other, "tiny", "q8_0", seed=1, tokenizer_from=default_gguf)
+    common = ["--model", own, "--formats", "gguf", "--max-tokens", "96", "--window", "48"]
+
+    def run(*extra):
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+        eval_quality.main([*common, *extra, "--no-progress", "--json", str(out)])
+        return json.loads(out.read_text())
+
+    plain, same, diff = run(), run("--reference", own), run("--reference", other)
+
+    def figures(res):
+        return {k: v for k, v in res["results"]["gguf"].items() if "second" not in k}
+
+    assert figures(same) == figures(plain)
+    assert same["reference"] == f"fp32 weights of {own}" and diff["model"] == own
+    assert diff["results"]["gguf"]["top1"] < plain["results"]["gguf"]["top1"]
