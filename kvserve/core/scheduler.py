@@ -492,12 +492,7 @@ class Scheduler:
                 # Preempted by a step planned while this one ran (async scheduling): its token
                 # still counts, and its recompute feeds it.
                 if req.status == SequenceStatus.PREEMPTED and tokens and not chunk.draft_token_ids:
-                    status = None
-                    for token_id in tokens:
-                        req.append_output_token(token_id)
-                        status = self._check_stop(req, token_id)
-                        if status is not None:
-                            break
+                    status = self._append_tokens(req, tokens)
                     if status is not None:
                         self._finish(req, status)
                         finished.append(req)
@@ -508,12 +503,7 @@ class Scheduler:
                     "accepted != drafts"
                 )
                 req.num_computed_tokens -= len(chunk.draft_token_ids) - num_accepted
-            status = None
-            for token_id in tokens:
-                req.append_output_token(token_id)
-                status = self._check_stop(req, token_id)
-                if status is not None:
-                    break
+            status = self._append_tokens(req, tokens)
             # computed once this step ran: not the tokens a step planned since then gave it
             done = req.num_computed_tokens - self._planned.get(req.seq_id, 0)
             try:  # after the append: accepted drafts are computed tokens, hashed with the rest
@@ -527,6 +517,16 @@ class Scheduler:
                 self._finish(req, status)
                 finished.append(req)
         return finished
+
+    def _append_tokens(self, req: Sequence, tokens) -> SequenceStatus | None:
+        """Append `tokens` one by one with the stop checks; the stop status where one cut them
+        (nothing after it appended), else None."""
+        for token_id in tokens:
+            req.append_output_token(token_id)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                return status
+        return None
 
     def _check_stop(self, req: Sequence, token_id: int) -> SequenceStatus | None:
         params = req.sampling_params
