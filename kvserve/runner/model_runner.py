@@ -250,11 +250,7 @@ class ModelRunner:
             if c.sample
             for i in range(end - 1 - len(c.draft_token_ids), end)
         ]
-        sampling = [(seq, st) for c, seq, st in zip(chunks, seqs, sts) if c.sample]
-        greedy = not any(c.draft_token_ids for c in chunks) and all(
-            st.greedy and not seq.beam_candidates and seq.num_output_tokens >= st.min_tokens
-            for seq, st in sampling
-        )
+        greedy = _plain_greedy(chunks, sts)
         rows_np = np.array([st.row for st in sts], dtype=np.int64)
         starts_np = np.array([c.start_pos for c in chunks], dtype=np.int64)
         positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(
@@ -328,16 +324,7 @@ class ModelRunner:
             )
         if batch.greedy:  # only min_tokens could have said no, and the new tokens count
             return
-        states = self._states
-        batch.greedy = all(
-            st is not None
-            and st.greedy
-            and not c.seq.beam_candidates
-            and c.seq.num_output_tokens >= st.min_tokens
-            for c in chunks
-            if c.sample
-            for st in (states.get(c.seq.seq_id),)
-        ) and not any(c.draft_token_ids for c in chunks)
+        batch.greedy = _plain_greedy(chunks, [self._states.get(c.seq.seq_id) for c in chunks])
 
     @torch.inference_mode()
     def execute(
@@ -529,6 +516,20 @@ class _BlockTables:
             if old > n:
                 table[row, n:old] = 0
             lens[row] = n
+
+
+def _plain_greedy(chunks: list, states: list) -> bool:
+    """Whether every sampling chunk of a step samples plain greedy (its sequence's state, in
+    `states`, says temperature 0 with nothing that needs the logits, min_tokens is reached, no
+    beam search) and no chunk carries drafts: the step then takes one argmax per row."""
+    return not any(c.draft_token_ids for c in chunks) and all(
+        st is not None
+        and st.greedy
+        and not c.seq.beam_candidates
+        and c.seq.num_output_tokens >= st.min_tokens
+        for c, st in zip(chunks, states)
+        if c.sample
+    )
 
 
 class _Flat:
