@@ -302,8 +302,9 @@ def _linears(model):
 def _lora_table(model, slots: int) -> tuple:
     """(StackLora array [layers][LORA_LINEARS][slots], the bfloat16 tensors it points into) from
     the adapters installed on the model's linears (lora/manager.py's LoRALinear slots, whose
-    values are bfloat16 values already: the conversion is exact)."""
-    n = cpu_kernels.LORA_LINEARS
+    values are bfloat16 values already: the conversion is exact). Each B^T [r, width] is stored
+    by blocks of `cols` columns, each block [r, its columns] contiguous (csrc/lora_delta.h)."""
+    n, cols = cpu_kernels.LORA_LINEARS, 64  # LORA_COLS in csrc/lora_delta.h
     table = (cpu_kernels.StackLora * (len(model.layers) * n * slots))()
     keep = []
     for i, layer in enumerate(model.layers):
@@ -320,7 +321,10 @@ def _lora_table(model, slots: int) -> tuple:
                 e.a, e.rank = a_t.data_ptr(), a_t.shape[1]
                 keep.append(a_t)
                 for p, (offset, width, r0, r, b_t) in enumerate(plan):
-                    b_t = b_t.to(torch.bfloat16).contiguous()
+                    b_t = b_t.to(torch.bfloat16)
+                    full = width // cols * cols
+                    blocks = b_t[:, :full].reshape(r, full // cols, cols).transpose(0, 1)
+                    b_t = torch.cat([blocks.reshape(-1), b_t[:, full:].reshape(-1)])
                     keep.append(b_t)
                     e.b[p] = b_t.data_ptr()
                     e.off[p], e.width[p], e.r0[p], e.r[p] = offset, width, r0, r

@@ -31,7 +31,7 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 # name -> (target modules, r, lora_alpha, use_rslora)
 ADAPTERS = {
     "a": (["q_proj", "v_proj", "down_proj"], 8, 16, False),  # q, v of the fused qkv, not k
-    "b": (ALL, 4, 16, True),
+    "b": (ALL, 8, 16, True),  # qkv: one unit of 16 shrink columns and a narrow one
     "c": (["o_proj", "up_proj"], 2, 4, False),  # up of the fused gate_up, not gate
 }
 
