@@ -15,6 +15,7 @@ from kvserve.model import quant
 from kvserve.model.arch import ModelArch
 from kvserve.model.registry import CausalLM, build_model
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.ops import gguf_repack
 
 log = logging.getLogger("kvserve.model")
 
@@ -107,9 +108,10 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name, w in weights:
-            model.load_weight(name, w)
-            loaded.add(name)
+        with gguf_repack.threads(threads):  # the C repack runs on every thread
+            for name, w in weights:
+                model.load_weight(name, w)
+                loaded.add(name)
     finally:
         torch.set_num_threads(threads)
     missing = model.weight_names() - loaded

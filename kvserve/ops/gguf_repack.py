@@ -1,7 +1,8 @@
 """GGUF blocks into the C kernels' packed layout in C (csrc/gguf_repack.c): the bytes
-kvserve.ops.gguf_blocks.pack_gguf_parts gives, for the types most files hold (Q4_0 and Q4_1 as
-kind 4, Q8_0 as kind 8, Q4_K as kind 14, Q5_K as kind 15, Q6_K as kind 26), in one pass over the
-file's bytes on every core. Loading a model repacks each weight once; numpy's many strided passes
+kvserve.ops.gguf_blocks.pack_gguf_parts gives, for every block type it packs (Q4_0 and Q4_1 as
+kind 4, Q8_0, Q5_0 and IQ4_NL as kind 8, Q5_1 as kind 19, Q4_K as kind 14, Q5_K as kind 15, Q6_K
+as kind 26, Q3_K as kind 13, IQ4_XS as kind 24, Q2_K as kind 10), in one pass over the file's
+bytes on every core. Loading a model repacks each weight once; numpy's many strided passes
 over every tensor made that most of the start-up time.
 
 repack_parts answers None for what it does not cover (another type, parts of different kinds, a
@@ -10,6 +11,7 @@ shape pack_gguf_parts refuses, no C kernels): the numpy path then packs, or rais
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -21,7 +23,35 @@ from kvserve.ops.gguf_types import GGML_QUANT_SIZES
 from kvserve.ops.gguf_types import GGMLQuantizationType as Q
 
 # The GGUF types repacked here and the kind each packs into (gguf_blocks.packed_kind's).
-KINDS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q4_K: 14, Q.Q5_K: 15, Q.Q6_K: 26}
+KINDS = {
+    Q.Q4_0: 4,
+    Q.Q4_1: 4,
+    Q.Q8_0: 8,
+    Q.Q5_0: 8,
+    Q.IQ4_NL: 8,
+    Q.Q5_1: 19,
+    Q.Q4_K: 14,
+    Q.Q5_K: 15,
+    Q.Q6_K: 26,
+    Q.Q3_K: 13,
+    Q.IQ4_XS: 24,
+    Q.Q2_K: 10,
+}
+
+_threads: int | None = None  # set by threads(): the repack's threads while a model loads
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Repack on n threads inside the block, whatever torch's count is there: the loader runs
+    torch on one thread while it hands weights over, but the repack (and the first touch of the
+    packed buffers, most of a load's time) splits over every core it is given."""
+    global _threads
+    saved, _threads = _threads, max(1, int(n))
+    try:
+        yield
+    finally:
+        _threads = saved
 
 
 def _raw(p) -> np.ndarray | None:
@@ -77,8 +107,8 @@ def repack_parts(parts, isa: str | None = None) -> tuple[torch.Tensor, int] | No
         kind,
         out.data_ptr(),
         groups,
-        torch.get_num_threads(),
+        _threads or torch.get_num_threads(),
     )
-    if rc != 0:  # 1: a NaN Q4_0 scale, whose -8 d numpy rounds with its payload
+    if rc != 0:  # 1: a NaN Q4_0 or Q5_1 scale, whose payload numpy handles its own way
         return None
     return out, kind

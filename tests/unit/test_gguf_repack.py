@@ -1,8 +1,9 @@
 """The C repack of GGUF blocks (kvserve/ops/csrc/gguf_repack.c, kvserve.ops.gguf_repack) gives
-byte for byte what the numpy packer kvserve.ops.gguf_blocks.pack_gguf_parts_numpy gives: Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K and Q6_K, random blocks with fp16 scales of any sign and finite magnitude, row
-counts that do not fill a group of 16, fused parts packed each from a group boundary or joined;
-in every ISA build the host runs, with gcc and with clang. What it does not cover it leaves to
+byte for byte what the numpy packer kvserve.ops.gguf_blocks.pack_gguf_parts_numpy gives: every
+type it packs (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS and the K-quants), random blocks with
+fp16 scales of any sign and finite magnitude, row counts that do not fill a group of 16, fused
+parts packed each from a group boundary or joined; in every ISA build the host runs, with gcc and
+with clang. What it does not cover it leaves to
 the numpy path (None)."""
 
 import ctypes
@@ -25,9 +26,35 @@ HOST_ISAS = cpu_kernels.host_isas()
 CLANG = shutil.which("clang")
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler")
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q8_0,
+    Q.Q5_0,
+    Q.IQ4_NL,
+    Q.Q5_1,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+    Q.Q3_K,
+    Q.IQ4_XS,
+    Q.Q2_K,
+]
 # Byte offsets of each block's fp16 fields.
-HALVES = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+HALVES = {
+    Q.Q4_0: [0],
+    Q.Q4_1: [0, 2],
+    Q.Q8_0: [0],
+    Q.Q5_0: [0],
+    Q.IQ4_NL: [0],
+    Q.Q5_1: [0, 2],
+    Q.Q4_K: [0, 2],
+    Q.Q5_K: [0, 2],
+    Q.Q6_K: [208],
+    Q.Q3_K: [108],
+    Q.IQ4_XS: [0],
+    Q.Q2_K: [80, 82],
+}
 # Row counts of the parts of one weight: one part (a whole group, less, more), parts that each
 # start a group (the last one short), parts joined because an earlier one ends inside a group.
 ROWS = [[16], [5], [40], [32, 16, 9], [5, 19, 7], [48, 21], [16, 3, 16]]
@@ -94,8 +121,8 @@ def test_row_slices_of_a_tensor():
 def test_what_it_leaves_to_numpy():
     _library_or_skip(None)
     q5 = random_blocks(Q.Q5_K, 16, 256, seed=1)
-    q5_0 = BlockTensor(np.zeros((16, 2 * 22), np.uint8), Q.Q5_0, (16, 64))
-    assert repack_parts([q5_0]) is None  # a type it does not cover
+    iq2 = BlockTensor(np.zeros((16, 66), np.uint8), Q.IQ2_XXS, (16, 256))
+    assert repack_parts([iq2]) is None  # a type without a packed kind
     assert repack_parts([]) is None
     assert repack_parts([q5, random_blocks(Q.Q4_K, 16, 256, seed=2)]) is None  # two kinds
     assert repack_parts([q5, random_blocks(Q.Q5_K, 16, 512, seed=2)]) is None  # two widths
@@ -108,6 +135,19 @@ def test_what_it_leaves_to_numpy():
     nan = q4.raw.copy()
     nan[3, 18:20] = np.array([0x7E01], np.uint16).view(np.uint8)  # a NaN d in block 1 of row 3
     assert repack_parts([BlockTensor(nan, Q.Q4_0, (16, 64))]) is None
+    q5_1 = random_blocks(Q.Q5_1, 16, 64, seed=5).raw.copy()
+    q5_1[7, 24 + 2 : 24 + 4] = np.array([0xFE01], np.uint16).view(np.uint8)  # a NaN m
+    assert repack_parts([BlockTensor(q5_1, Q.Q5_1, (16, 64))]) is None
+
+
+def test_q5_0_iq4_nl_and_q8_0_parts_share_kind_8():
+    """Fused shards of the three kind-8 types (Q4_K_M files keep some Q5_0 beside Q8_0), apart
+    and joined."""
+    _library_or_skip(None)
+    types = [Q.Q8_0, Q.Q5_0, Q.IQ4_NL]
+    for rows in ([16, 16, 32], [9, 16, 5], [16, 7, 32]):
+        parts = [random_blocks(types[i], n, 256, seed=11 + i) for i, n in enumerate(rows)]
+        check_same_bytes(parts)
 
 
 def _clang_repack(isa, tmp_path):
