@@ -22,8 +22,8 @@ packed kinds (pack_gguf_parts / pack_gguf_rows); back to float32 with unpack_ggu
     34    BF16            bf16 weights                               w                        1024
 
 Kinds 14, 15, 18, 26, 13, 24 and 10 keep the file's fp16 super-block scales D, DMIN (per 256
-weights) once: after a group's blocks, 64 bytes per super-block (16 rows' D, then their DMIN;
-kinds 26, 13 and 24: D, 32 bytes).
+weights) once: before a group's blocks, 64 bytes per super-block (16 rows' D, then their DMIN;
+kinds 26, 13 and 24: D, 32 bytes), so a decode step streams the weights without a gap.
 
 Every value is the file's: Q5_0's q - 16 is a signed 8-bit integer with the block's fp16 d; a
 K-quant's sub-block scale (fp16 super-block d times a 4..8-bit sub-scale) and min are exact
@@ -72,7 +72,7 @@ BLOCK_BYTES = {
     33: 1024,
     34: 1024,
 }
-SUPER_KINDS = (14, 15, 18, 26, 13, 24, 10)  # kinds with super-block scales after a group's blocks
+SUPER_KINDS = (14, 15, 18, 26, 13, 24, 10)  # kinds with super-block scales before a group's blocks
 NO_MIN_KINDS = (26, 13, 24)  # super-block kinds with D only (no DMIN) and no m
 SUPER_BYTES = 64  # per super-block of a group: 16 fp16 D, 16 fp16 DMIN (NO_MIN_KINDS: D only)
 
@@ -82,9 +82,14 @@ def super_bytes(kind: int) -> int:
     return 32 if kind in NO_MIN_KINDS else SUPER_BYTES if kind in SUPER_KINDS else 0
 
 
+def supers_bytes(kind: int, nb: int) -> int:
+    """Bytes of a group's super-block scales, where its blocks start (gguf_group_blocks)."""
+    return nb // 8 * super_bytes(kind)
+
+
 def group_bytes(kind: int, nb: int) -> int:
     """Bytes of one group of 16 rows and nb blocks (gguf_group_bytes in gguf_gemv.h)."""
-    return nb * BLOCK_BYTES[kind] + nb // 8 * super_bytes(kind)
+    return supers_bytes(kind, nb) + nb * BLOCK_BYTES[kind]
 
 
 def packed_kind(qtype) -> int | None:
@@ -401,9 +406,10 @@ def pack_gguf_parts_numpy(parts) -> tuple[torch.Tensor, int]:
     kind, nb = dec[0].kind, dec[0].ints.shape[1]
     G = sum(-(-d.ints.shape[0] // 16) for d in dec)
     packed = np.empty((G, group_bytes(kind, nb)), np.uint8)
-    blocks = packed[:, : nb * BLOCK_BYTES[kind]].reshape(G, nb, BLOCK_BYTES[kind])
+    at = supers_bytes(kind, nb)
+    blocks = packed[:, at:].reshape(G, nb, BLOCK_BYTES[kind])
     ns = nb // 8 if kind in SUPER_KINDS else 0
-    supers = packed[:, nb * BLOCK_BYTES[kind] :].reshape(G, ns, super_bytes(kind))
+    supers = packed[:, :at].reshape(G, ns, super_bytes(kind))
     g = 0
     for d in dec:  # each part into its own groups of 16 rows
         n = d.ints.shape[0]
@@ -523,7 +529,7 @@ def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) ->
     N, K = shape
     nb, G = K // GROUP, -(-N // 16)
     flat = packed.numpy().reshape(G, group_bytes(kind, nb))
-    a = flat[:, : nb * BLOCK_BYTES[kind]].reshape(G, nb, BLOCK_BYTES[kind])
+    a = flat[:, supers_bytes(kind, nb) :].reshape(G, nb, BLOCK_BYTES[kind])
     types = {
         4: [np.float16] * 2,
         8: [np.float16],
@@ -553,12 +559,12 @@ def unpack_gguf_rows(packed: torch.Tensor, kind: int, shape: tuple[int, int]) ->
         s.append(v[..., None])  # [G, row, nb, 1]
         at += size
     if kind in NO_MIN_KINDS:  # d = D s (exact), no m
-        sup = flat[:, nb * BLOCK_BYTES[kind] :].reshape(G, nb // 8, 32).copy()
+        sup = flat[:, : supers_bytes(kind, nb)].reshape(G, nb // 8, 32).copy()
         sup = sup.view(np.float16).astype(np.float32)  # [G, ns, 16]
         d_ = np.repeat(sup.transpose(0, 2, 1), 8, -1)[..., None]
         s = [d_ * x for x in s]
     elif kind in SUPER_KINDS:  # d = D s (exact), m = -(DMIN mn)
-        sup = flat[:, nb * BLOCK_BYTES[kind] :].reshape(G, nb // 8, 2, 32).copy()
+        sup = flat[:, : supers_bytes(kind, nb)].reshape(G, nb // 8, 2, 32).copy()
         sup = sup.view(np.float16).astype(np.float32)  # [G, ns, 2, 16]
         d_, dmin = (np.repeat(sup[:, :, i].transpose(0, 2, 1), 8, -1)[..., None] for i in (0, 1))
         if kind == 10:  # a min per half: m0, m1

@@ -24,6 +24,7 @@ from kvserve.ops.gguf_blocks import (
     pack_gguf_parts,
     pack_gguf_rows,
     packed_kind,
+    supers_bytes,
     unpack_gguf_rows,
 )
 
@@ -99,7 +100,7 @@ def pieces(packed, kind, shape):
     N, K = shape
     nb = K // 32
     g = packed.clone().numpy().reshape(-1, group_bytes(kind, nb))
-    a = g[:, : nb * BLOCK_BYTES[kind]].reshape(-1, nb, BLOCK_BYTES[kind])  # a view of g
+    a = g[:, supers_bytes(kind, nb) :].reshape(-1, nb, BLOCK_BYTES[kind])  # a view of g
     scale_bytes = {4: 64, 8: 32, 14: 32, 15: 32, 18: 48, 19: 192, 10: 64}[kind]
     a[..., scale_bytes:] = 0 if kind in (4, 14, 15, 10) else 128
     m = unpack_gguf_rows(torch.from_numpy(g.reshape(-1)), kind, shape).double()

@@ -183,7 +183,6 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
                               float *y, int64_t ldy, const float *bias, int64_t accumulate, void *ws,
                               int64_t parts) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
-    const int64_t gbytes = gguf_group_bytes(kind, nb);
     const quantized_rows_t q = quantized_rows(ws, M, K);
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
@@ -193,7 +192,7 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
         const int64_t c1 = M - c0 < GGUF_CHUNK_M ? M : c0 + GGUF_CHUNK_M;
         #pragma omp for schedule(static) nowait
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *wg = w + g * gbytes;
+            const uint8_t *wg = gguf_group_blocks(w, kind, nb, g);
             const int64_t n = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
             float out[GGUF_TILE_M * GGUF_ROWS];
             for (int64_t r0 = c0; r0 < c1; r0 += GGUF_TILE_M) {
@@ -255,9 +254,9 @@ int gguf_gemv(const uint8_t *w, int64_t kind, int64_t N, int64_t K, const float 
 
 /* ---- The float32 GEMM for prompt tokens (gguf_gemv.h) ---- */
 
-/* Blocks b0 .. b1 - 1 of a group of nb packed blocks (wg: the group) -> wt[k][16] float32 (the
- * block's first weight at row 0, row k at wt + k ld), w = d q + m (8-bit kinds:
- * q = u - 128; kind 8: no m, kinds 18, 19: d per half; kind 26: d per half, q = u - 32, no m;
+/* Blocks b0 .. b1 - 1 of a group of nb packed blocks (wg: its block 0, gguf_group_blocks) ->
+ * wt[k][16] float32 (the block's first weight at row 0, row k at wt + k ld), w = d q + m (8-bit
+ * kinds: q = u - 128; kind 8: no m, kinds 18, 19: d per half; kind 26: d per half, q = u - 32, no m;
  * kind 13: d per half, q = u - 4, no m; kind 24: q the index's value, no m); the product is
  * exact, so each weight is rounded once (kinds 4, 14, 18, 19) or not at all (kinds 8, 26, 13,
  * 24), as gguf's dequantization rounds it. */
@@ -318,7 +317,7 @@ void gguf_dequantize_row(const uint8_t *w, int64_t kind, int64_t K, int64_t r, f
     }
     const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind), nb = K / 32;
     const int nibbles = gguf_nibble_kind(kind), i = (int)(r % GGUF_ROWS);
-    const uint8_t *blk = w + r / GGUF_ROWS * gguf_group_bytes(kind, nb);
+    const uint8_t *blk = gguf_group_blocks(w, kind, nb, r / GGUF_ROWS);
     for (int64_t b = 0; b < nb; b++, blk += pb, out += 32) {
         float d0, d1, m;
         gguf_row_scales(blk, kind, nb, b, i, &d0, &d1, &m);
@@ -374,7 +373,6 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
                         int64_t accumulate, void *ws) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS, pairs = (groups + 1) / 2;
     const int64_t T = gguf_f32_tile_rows(), tiles = (M + T - 1) / T;
-    const int64_t gbytes = gguf_group_bytes(kind, nb);
     const int64_t mc = (GGUF_F32_MC + T - 1) / T;                  /* tiles per chunk */
     float *xp = (float *)ws, *acc = xp + tiles * T * K;
 #ifdef _OPENMP
@@ -405,7 +403,7 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
                 for (int64_t h = 0; h < 2; h++) {
                     const int64_t g = 2 * pr + h;
                     if (g < groups)
-                        dequantize_group(w + g * gbytes, kind, nb, k0 / 32, (k0 + kc) / 32, wt + h * GGUF_ROWS,
+                        dequantize_group(gguf_group_blocks(w, kind, nb, g), kind, nb, k0 / 32, (k0 + kc) / 32, wt + h * GGUF_ROWS,
                                          GGUF_F32_N);
                     else                          /* an odd group count: the last pair's second half */
                         for (int64_t k = 0; k < kc; k++)

@@ -53,9 +53,11 @@
  *   Kinds 10, 32, 33 and 34 run one kernel source in every build (gguf_gemv_generic.h: 16-lane vector
  *   types each build compiles with its own target flags), called by the driver.
  *   The K-quant kinds (14, 15, 18, 26, 13, 24, 10) keep the file's super-block scales once per 8
- *   blocks: after a group's nb blocks (nb a multiple of 8), per super-block of 256 weights d[16]
+ *   blocks: before a group's nb blocks (nb a multiple of 8), per super-block of 256 weights d[16]
  *   fp16, then (kinds 14, 15, 18, 10) dmin[16] fp16 of its 16 rows (gguf_super_scales): 64 bytes,
- *   32 for kinds 26, 13 and 24 (no min).
+ *   32 for kinds 26, 13 and 24 (no min). Before, not after: a decode step then reads the weights
+ *   as one unbroken stream (gguf_group_blocks), which the hardware prefetcher follows across
+ *   groups; a hole of skipped bytes at every group's end stalls it.
  *   A row's float scales are then d0 = d s0, d1 = d s1 (kind 14: d sc), m = -(dmin mn): an fp16
  *   times an integer below 2^8, exact in float32, the values the file's own dequantization
  *   multiplies by.
@@ -163,7 +165,7 @@ static inline int gguf_two_halves(int64_t kind) {
     return kind == GGUF_K8 || kind == GGUF_F8 || kind == GGUF_K6 || kind == GGUF_K3;
 }
 
-/* Whether a kind keeps super-block scales after its blocks (the K-quant kinds). */
+/* Whether a kind keeps super-block scales before its blocks (the K-quant kinds). */
 static inline int gguf_has_super(int64_t kind) {
     return kind == GGUF_K4 || kind == GGUF_K8 || kind == GGUF_K6 || kind == GGUF_K2 || kind == GGUF_K5
         || kind == GGUF_K3 || kind == GGUF_X4;
@@ -177,15 +179,21 @@ static inline int64_t gguf_super_bytes(int64_t kind) {
     return gguf_no_min_super(kind) ? 32 : gguf_has_super(kind) ? 64 : 0;
 }
 
-/* The bytes of one group of nb blocks: its blocks, then (K-quant kinds) their super-block scales. */
+/* The bytes of one group of nb blocks: (K-quant kinds) their super-block scales, then its blocks. */
 static inline int64_t gguf_group_bytes(int64_t kind, int64_t nb) {
-    return nb * gguf_packed_block_bytes(kind) + nb / 8 * gguf_super_bytes(kind);
+    return nb / 8 * gguf_super_bytes(kind) + nb * gguf_packed_block_bytes(kind);
+}
+
+/* Block 0 of group g of a packed weight (w: its first byte; nb blocks a row): what the kernels
+ * take as a group, block b at + b gguf_packed_block_bytes(kind). */
+static inline const uint8_t *gguf_group_blocks(const uint8_t *w, int64_t kind, int64_t nb, int64_t g) {
+    return w + g * gguf_group_bytes(kind, nb) + nb / 8 * gguf_super_bytes(kind);
 }
 
 /* The super-block scales of block b of a group of nb blocks (blk: block b's bytes): d[16] fp16,
- * then (kinds 14, 18) dmin[16] fp16. */
+ * then (kinds 14, 15, 18, 10) dmin[16] fp16. */
 static inline const uint8_t *gguf_super_scales(const uint8_t *blk, int64_t kind, int64_t nb, int64_t b) {
-    return blk + (nb - b) * gguf_packed_block_bytes(kind) + (b >> 3) * gguf_super_bytes(kind);
+    return blk - b * gguf_packed_block_bytes(kind) - (nb / 8 - (b >> 3)) * gguf_super_bytes(kind);
 }
 
 /* Kind 26: the byte u = q + 32 (0..63) of row i's weight 4c + t (c < 4) or 16 + 4(c - 4) + t
@@ -278,8 +286,8 @@ static inline gguf_acts_t gguf_acts_from_row(const gguf_acts_t *a, int64_t r0, i
     return ar;
 }
 
-/* The per-ISA kernel: one group of 16 rows (wg: its nb packed blocks) against R <= GGUF_TILE_M
- * activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K5, GGUF_K8, GGUF_F8, GGUF_K6,
+/* The per-ISA kernel: one group of 16 rows (wg: the first of its nb packed blocks,
+ * gguf_group_blocks) against R <= GGUF_TILE_M activation rows; out[r * 16 + i]. kind: GGUF_Q4, GGUF_Q8, GGUF_K4, GGUF_K5, GGUF_K8, GGUF_F8, GGUF_K6,
  * GGUF_K3 or GGUF_X4. */
 void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out);
 

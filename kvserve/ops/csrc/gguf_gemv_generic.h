@@ -285,7 +285,7 @@ static void gguf_dequantize_group_generic(const uint8_t *wg, int64_t kind, int64
 static void gguf_dequantize_row_generic(const uint8_t *w, int64_t kind, int64_t K, int64_t r, float *out) {
     const int64_t nb = K / 32;
     float wt[32 * GGUF_ROWS];
-    const uint8_t *g = w + r / GGUF_ROWS * gguf_group_bytes(kind, nb);
+    const uint8_t *g = gguf_group_blocks(w, kind, nb, r / GGUF_ROWS);
     for (int64_t b = 0; b < nb; b++) {
         gguf_dequantize_group_generic(g, kind, nb, b, b + 1, wt, GGUF_ROWS);
         for (int j = 0; j < 32; j++) out[32 * b + j] = wt[j * GGUF_ROWS + r % GGUF_ROWS];

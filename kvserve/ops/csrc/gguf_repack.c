@@ -337,7 +337,7 @@ int gguf_repack(int64_t nparts, const uint8_t *const *src, const int64_t *qtype,
     (void)num_threads;
     #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) reduction(|: nan)
     for (int64_t gi = 0; gi < groups; gi++) {
-        uint8_t *g = dst + gi * gb, *sup = gguf_has_super(kind) ? g + bb : NULL;
+        uint8_t *sup = gguf_has_super(kind) ? dst + gi * gb : NULL, *g = dst + gi * gb + (gb - bb);
         for (int i = 0; i < GGUF_ROWS; i++) {
             const int64_t r = 16 * gi + i;
             int64_t p = 0;

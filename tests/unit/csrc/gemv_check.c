@@ -82,7 +82,7 @@ static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
     uint8_t *w = calloc((size_t)(groups * gbytes), 1);
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *p = w + g * gbytes + b * pb;
+            uint8_t *p = (uint8_t *)gguf_group_blocks(w, kind, nb, g) + b * pb;
             for (int i = 0; i < 16; i++) {
                 if (g * 16 + i >= N) continue;                          /* rows past N stay zero */
                 const int extreme = below(16) == 0;                     /* all q at the range's end */
@@ -159,12 +159,12 @@ static uint8_t *make_weights(int kind, int q4_variant, int64_t N, int64_t K) {
  * GEMV's activation rounding scales with the pieces, not with their sum. */
 static double weight(const uint8_t *w, int kind, int64_t K, int64_t n, int64_t k, double *pieces) {
     const int64_t nb = K / 32, pb = gguf_packed_block_bytes(kind), b = k / 32, j = k % 32, i = n % 16;
-    const uint8_t *p = w + (n / 16) * gguf_group_bytes(kind, nb) + b * pb;
+    const uint8_t *p = gguf_group_blocks(w, kind, nb, n / 16) + b * pb;
     double d, m = 0;
     int q;
     if (kind == GGUF_K3 || kind == GGUF_X4) {                 /* D sub-scale (K3: per half), no m */
         static const int values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-        const uint8_t *sup = p + (nb - b) * pb + (b / 8) * 32;
+        const uint8_t *sup = gguf_super_scales(p, kind, nb, b);
         const int c = (int)(j % 16) / 4, t = (int)(j % 4);
         d = half_value(gguf_load_u16(sup + 2 * i)) * (int8_t)p[kind == GGUF_K3 && j >= 16 ? 16 + i : i];
         if (kind == GGUF_K3) {                                /* 2 low bits of half j / 16, bit j / 4 */
@@ -178,7 +178,7 @@ static double weight(const uint8_t *w, int kind, int64_t K, int64_t n, int64_t k
         return d * q;
     }
     if (kind == GGUF_K4 || kind == GGUF_K8) {                 /* D sub-scale, -(DMIN mn) */
-        const uint8_t *sup = p + (nb - b) * pb + (b / 8) * 64;
+        const uint8_t *sup = gguf_super_scales(p, kind, nb, b);
         const double D = half_value(gguf_load_u16(sup + 2 * i)), DMIN = half_value(gguf_load_u16(sup + 32 + 2 * i));
         d = kind == GGUF_K4 ? D * p[i] : D * (int8_t)p[j >= 16 ? 16 + i : i];
         m = -(DMIN * p[(kind == GGUF_K4 ? 16 : 32) + i]);

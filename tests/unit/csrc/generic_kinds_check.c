@@ -58,7 +58,7 @@ int main(void) {
         uint8_t *w = malloc(bytes);
         for (int64_t i = 0; i < bytes; i++) w[i] = (uint8_t)next();
         for (int64_t g = 0; g < groups; g++) {
-            uint8_t *grp = w + g * gguf_group_bytes(kind, nb);
+            uint8_t *grp = (uint8_t *)gguf_group_blocks(w, kind, nb, g);
             for (int64_t b = 0; b < nb; b++) {
                 uint8_t *p = grp + b * gguf_packed_block_bytes(kind);
                 if (kind == GGUF_K2) {

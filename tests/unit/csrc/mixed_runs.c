@@ -57,7 +57,7 @@ int main(void) {
         for (int64_t i = 0; i < nw; i++) w[i] = (uint8_t)rnd();
         for (int64_t g = 0; g < (N + 15) / 16; g++)                 /* finite scales */
             for (int64_t b = 0; b < NB; b++) {
-                uint8_t *p = w + g * gbytes + b * pb;
+                uint8_t *p = (uint8_t *)gguf_group_blocks(w, kind, NB, g) + b * pb;
                 if (kind == GGUF_F8) {
                     for (int i = 0; i < 48; i++) {
                         const float f = (float)((int)(rnd() % 2001) - 1000) / 65536;
