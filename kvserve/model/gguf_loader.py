@@ -123,6 +123,13 @@ def gguf_arch(g: GGUFFile) -> ModelArch:
     if name == "qwen3_moe":  # the experts' width; llama.cpp renormalizes the top k
         arch.intermediate_size = md[f"{a}.expert_feed_forward_length"]
         arch.norm_topk_prob = bool(md.get(f"{a}.expert_weights_norm", True))
+    if name == "qwen2_moe":  # llama.cpp's qwen2moe keeps the top k's softmax weights as they are
+        arch.intermediate_size = md[f"{a}.expert_feed_forward_length"]
+        arch.shared_expert_size = md.get(f"{a}.expert_shared_feed_forward_length", 0)
+        arch.norm_topk_prob = False
+    scale = md.get(f"{a}.expert_weights_scale", 0.0)
+    if scale not in (0.0, 1.0):
+        raise ValueError(f"{g.path}: expert_weights_scale {scale} is not supported (only 1)")
     if name == "phi3":
         arch.rotary_dim = rope_dims if rope_dims != head_dim else None
     if name == "gemma3":
@@ -199,11 +206,22 @@ _BLOCK["phi3"] = {
 # in older files, one tensor per expert (blk.N.ffn_gate.E.weight).
 _BLOCK["mixtral"] = {**_BLOCK["llama"], "ffn_gate_inp": "block_sparse_moe.gate"}
 _BLOCK["qwen3_moe"] = {**_BLOCK["qwen3"], "ffn_gate_inp": "mlp.gate"}
+# Qwen2-MoE: Qwen2's names (q/k/v biases), the router, and a shared expert with its sigmoid gate
+# (ffn_gate_inp_shexp: [H] in llama.cpp's files, HF's [1, H]).
+_BLOCK["qwen2_moe"] = {
+    **_BLOCK["qwen2"],
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 # Per MoE architecture: the HF module of the experts, and GGUF expert tensor -> HF weight.
 _EXPERTS = {
     "mixtral": ("block_sparse_moe", {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}),
     "qwen3_moe": ("mlp", {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}),
 }
+_EXPERTS["qwen2_moe"] = _EXPERTS["qwen3_moe"]
 
 
 def hf_name(gguf_name: str, arch_name: str = "llama") -> str | None:
@@ -241,6 +259,9 @@ def iter_gguf_weights(g: GGUFFile, arch: ModelArch, keep_blocks=()):
             continue
         if arch.name == "gemma3" and "norm" in target:
             yield target, load_tensor(g, t) - 1.0  # the file's 1 + w -> HF's w
+            continue
+        if target.endswith("shared_expert_gate.weight"):  # one row, kept dense: [H] -> [1, H]
+            yield target, load_tensor(g, t).reshape(1, -1)
             continue
         order = None
         if arch.name in ("llama", "mixtral") and (".attn_q." in name or ".attn_k." in name):

@@ -89,7 +89,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "gemma3",
 }
 # GGUF general.architecture of a file with experts (expert_count > 0) -> ModelArch.name.
-GGUF_MOE_ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+GGUF_MOE_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # HF config.json "architectures" -> ModelArch.name.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

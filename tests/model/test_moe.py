@@ -248,6 +248,35 @@ def test_qwen2_moe_checkpoint_logits_match_transformers(qwen2_moe_dir):
     torch.testing.assert_close(_logits(lm), _reference(hf), atol=1e-4, rtol=1e-4)
 
 
+def test_qwen2_moe_gguf_float32_matches_transformers(qwen2_moe_dir, tmp_path):
+    hf_path, hf = qwen2_moe_dir
+    path = str(tmp_path / "qwen2moe-f32.gguf")
+    write_gguf(path, hf, arch="qwen2moe")
+    lm = _load(path, quantization="none", tokenizer=hf_path)
+    assert type(lm.model).__name__ == "Qwen2MoeForCausalLM"
+    a = lm.arch
+    assert (a.intermediate_size, a.shared_expert_size, a.norm_topk_prob) == (FFN, 128, False)
+    assert a.attention_bias
+    torch.testing.assert_close(_logits(lm), _reference(hf), atol=1e-4, rtol=1e-4)
+
+
+def test_qwen2_moe_gguf_q8_experts_stay_packed(qwen2_moe_dir, tmp_path):
+    """Q8_0 experts under the gguf format keep the file's blocks; the logits follow transformers
+    on the same dequantized expert weights (the shared expert and its gate float32)."""
+    from kvserve.ops import cpu_kernels
+
+    hf_path, hf = qwen2_moe_dir
+    path = str(tmp_path / "qwen2moe-q8.gguf")
+    write_gguf(path, hf, expert_type="Q8_0", arch="qwen2moe")
+    lm = _load(path, quantization="gguf", tokenizer=hf_path)
+    expert = lm.model.layers[1].mlp.experts[3].down_proj
+    if cpu_kernels.available():
+        assert expert.gguf_parts and expert.dense_weight is None
+    ours, want = _logits(lm), _reference(_q8_experts(hf))
+    assert (ours.argmax(-1) == want.argmax(-1)).all()
+    torch.testing.assert_close(ours, want, atol=2e-2, rtol=2e-2)
+
+
 def test_qwen2_moe_greedy_matches_transformers_through_engine(qwen2_moe_dir):
     from kvserve import LLM, SamplingParams
 
@@ -272,13 +301,13 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path: str, hf, expert_type=None, arch="llama") -> None:
-    """hf's weights as llama.cpp writes a Mixtral ("llama") or Qwen3-MoE ("qwen3moe") GGUF;
-    experts in `expert_type` (a GGML type name) or float32. No tokenizer in the file: the tests
-    load the HF directory's (ModelConfig.tokenizer)."""
+    """hf's weights as llama.cpp writes a Mixtral ("llama"), Qwen2-MoE ("qwen2moe") or Qwen3-MoE
+    ("qwen3moe") GGUF; experts in `expert_type` (a GGML type name) or float32. No tokenizer in
+    the file: the tests load the HF directory's (ModelConfig.tokenizer)."""
     from gguf import GGMLQuantizationType as Q
 
     cfg, sd = hf.config, {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    head_dim = cfg.head_dim or HIDDEN // HEADS
+    head_dim = getattr(cfg, "head_dim", None) or HIDDEN // HEADS
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
@@ -291,7 +320,10 @@ def write_gguf(path: str, hf, expert_type=None, arch="llama") -> None:
     if arch == "qwen3moe":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch != "llama":
         w.add_expert_feed_forward_length(FFN)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(EXPERTS)
     w.add_expert_used_count(TOP_K)
@@ -314,11 +346,21 @@ def write_gguf(path: str, hf, expert_type=None, arch="llama") -> None:
         w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
-        if arch == "llama":  # llama.cpp's rope order; its qwen3moe files keep HF's
+        if arch == "llama":  # llama.cpp's rope order; its qwen files keep HF's
             q, k = _permute(q, HEADS), _permute(k, KV_HEADS)
-        else:
+        elif arch == "qwen3moe":
             w.add_tensor(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
             w.add_tensor(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+        else:  # qwen2moe: q/k/v biases, the shared expert and its gate ([H], as llama.cpp's)
+            for x in "qkv":
+                w.add_tensor(f"blk.{i}.attn_{x}.bias", sd[p + f"self_attn.{x}_proj.bias"])
+            for x in ("gate", "up", "down"):
+                w.add_tensor(
+                    f"blk.{i}.ffn_{x}_shexp.weight", sd[p + f"mlp.shared_expert.{x}_proj.weight"]
+                )
+            w.add_tensor(
+                f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0]
+            )
         w.add_tensor(f"blk.{i}.attn_q.weight", q)
         w.add_tensor(f"blk.{i}.attn_k.weight", k)
         w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
@@ -332,6 +374,19 @@ def write_gguf(path: str, hf, expert_type=None, arch="llama") -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _q8_experts(hf):
+    """A copy of hf whose expert weights are rounded through Q8_0, as write_gguf stores them."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(layer.mlp.experts, name)
+                raw = gguf.quants.quantize(p.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+                back = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(back).reshape(p.shape))
+    return ref
 
 
 def test_gguf_float32_matches_transformers(hf_dir, tmp_path):
@@ -362,15 +417,7 @@ def test_gguf_q8_experts_stay_packed(hf_dir, tmp_path, caplog):
     assert why is not None and "4 experts per layer" in why
 
     # transformers on the dequantized expert weights: the same values kvserve holds
-    ref = copy.deepcopy(hf)
-    with torch.no_grad():
-        for i, layer in enumerate(ref.model.layers):
-            for name in ("gate_up_proj", "down_proj"):
-                p = getattr(layer.mlp.experts, name)
-                raw = gguf.quants.quantize(p.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
-                back = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
-                p.copy_(torch.from_numpy(back).reshape(p.shape))
-    ours, want = _logits(lm), _reference(ref)
+    ours, want = _logits(lm), _reference(_q8_experts(hf))
     assert (ours.argmax(-1) == want.argmax(-1)).all()
     # activations enter the integer kernel as 8-bit parts: close, not bit-equal
     torch.testing.assert_close(ours, want, atol=2e-2, rtol=2e-2)
