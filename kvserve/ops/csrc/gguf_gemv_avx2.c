@@ -133,8 +133,12 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, wg += pb) {
         gguf_prefetch_block(wg, pb);
+        /* Both loops unrolled: chunk c a constant, so the compact kinds' unpacking (k6_chunk,
+         * k3_chunk, x4_chunk) takes its shifts as immediates, not a runtime choice per chunk. */
+        #pragma GCC unroll 2
         for (int part = 0; part < parts; part++) {
             __m256i s[R_MAX][2][2];                /* [row][half][rows 0..3 | 4..7 of the half] */
+            #pragma GCC unroll 8
             for (int c = part * cn; c < part * cn + cn; c++) {
                 const uint8_t *wc = wg + qo + 64 * c;
                 __m256i w[2][2];

@@ -61,10 +61,12 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
     const int four = gguf_nibble_kind(kind);
     const int sums = gguf_two_halves(kind) ? 2 : 1, cn = four ? 4 : 8 / sums;   /* chunks per sum */
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+    #pragma GCC unroll 2
     for (int k = 0; k < sums; k++) {
         __m256i s[R_MAX][2][2];                    /* [row][part xa | xb][half] */
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
+        #pragma GCC unroll 8   /* c a constant: the compact kinds' unpacking shifts by immediates */
         for (int c = k * cn; c < k * cn + cn; c++) {
             const __m256i v0 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 0)
                              : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 0)
