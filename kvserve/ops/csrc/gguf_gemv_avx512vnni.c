@@ -11,6 +11,10 @@
 
 const char *gguf_kernel_isa(void) { return "avx512vnni"; }
 
+/* Whole unrolling of the chunk loops: with c a constant, each chunk's unpacking shifts by
+ * immediates and picks its source register at compile time (GCC keeps 8-iteration loops rolled). */
+#define UNROLL _Pragma("GCC unroll 8")
+
 /* 256 sum_j q_j xa_j + sum_j q_j xb_j for the 16 rows over chunks c0 .. c1 - 1: q[c] holds
  * weights 4c..4c+3 of each row, x the block's 32 xa then 32 xb. P = 1 (one-part activations, every
  * xb = 0): 256 sum_j q_j xa_j, the same integer from half the multiplies. */
@@ -64,14 +68,14 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             const __m512 m = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)))
                                              : neg(k_scale(sup + 32, wg + 16, 0));
             __m512i q[8];
-            for (int c = 0; c < 4; c++) {
+            UNROLL for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
                 q[c] = _mm512_and_si512(v, low4);                           /* q[4c .. 4c+3] */
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4); /* q[4c+16 .. 4c+19] */
             }
             if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
                 const __m512i t = _mm512_loadu_si512(wg + qo + 256);
-                for (int c = 0; c < 8; c++) {
+                UNROLL for (int c = 0; c < 8; c++) {
                     const __m512i tc = c < 4 ? _mm512_slli_epi16(t, 4 - c) : c == 4 ? t : _mm512_srli_epi16(t, c - 4);
                     q[c] = _mm512_ternarylogic_epi32(q[c], tc, bit4, 0xF8);    /* q | (tc & bit4) */
                 }
@@ -95,7 +99,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                                              : k_scale(gguf_super_scales(wg, kind, nb, b), wg, 1);
             __m512i q[8];
             if (kind == GGUF_X4) {
-                for (int c = 0; c < 4; c++) {
+                UNROLL for (int c = 0; c < 4; c++) {
                     const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
                     q[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
                     q[c + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
@@ -126,7 +130,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
             if (k3) {                          /* u = low 2 bits | high bit << 2 (gguf_k3_byte) */
                 const __m512i l0 = _mm512_loadu_si512(wg + qo), l1 = _mm512_loadu_si512(wg + qo + 64);
                 const __m512i t = _mm512_loadu_si512(wg + qo + 128);
-                for (int c = 0; c < 8; c++) {
+                UNROLL for (int c = 0; c < 8; c++) {
                     const __m512i l = c < 4 ? l0 : l1;
                     const int sh = 2 * (c & 3);
                     const __m512i lo = _mm512_and_si512(sh == 0 ? l : sh == 2 ? _mm512_srli_epi16(l, 2)
@@ -137,7 +141,7 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
                 }
             } else if (k6) {                          /* u = low 4 bits | top 2 bits << 4 (gguf_k6_byte) */
                 const __m512i h0 = _mm512_loadu_si512(wg + qo + 256), h1 = _mm512_loadu_si512(wg + qo + 320);
-                for (int c = 0; c < 4; c++) {
+                UNROLL for (int c = 0; c < 4; c++) {
                     const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
                     const __m512i t0 = c == 0 ? _mm512_slli_epi16(h0, 4) : c == 1 ? _mm512_slli_epi16(h0, 2)
                                      : c == 2 ? h0 : _mm512_srli_epi16(h0, 2);
