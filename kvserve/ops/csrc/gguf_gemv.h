@@ -348,8 +348,9 @@ static inline void gguf_row_scales(const uint8_t *blk, int64_t kind, int64_t nb,
 
 /* Byte offset of a packed block's integer chunks (after its scales). */
 static inline int64_t gguf_ints_offset(int64_t kind) {
-    return kind == GGUF_Q4 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 32 : kind == GGUF_K8 ? 48
-         : kind == GGUF_K6 || kind == GGUF_K5 || kind == GGUF_K3 ? 32 : kind == GGUF_X4 ? 16 : 192;
+    return kind == GGUF_Q4 || kind == GGUF_K2 ? 64 : kind == GGUF_Q8 ? 32 : kind == GGUF_K4 ? 32
+         : kind == GGUF_K8 ? 48 : kind == GGUF_K6 || kind == GGUF_K5 || kind == GGUF_K3 ? 32
+         : kind == GGUF_X4 ? 16 : 192;
 }
 
 #endif

@@ -68,8 +68,6 @@ static int64_t file_block_bytes(int64_t t) {
 static int64_t file_block_weights(int64_t t) {
     return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_Q3_K || t == T_IQ4_XS || t == T_Q2_K ? 256 : 32;
 }
-/* Where a kind's integers start in its block (after the 16 rows' scales). */
-static int64_t ints_offset(int64_t kind) { return kind == GGUF_K2 ? 64 : gguf_ints_offset(kind); }
 
 /* Q4_0 / Q4_1 row (nb blocks of 32) -> row i of a kind-4 group. Returns 1 on a NaN Q4_0 d. */
 static int row_q4(const uint8_t *src, int64_t t, int64_t nb, uint8_t *g, int i) {
@@ -82,7 +80,7 @@ static int row_q4(const uint8_t *src, int64_t t, int64_t nb, uint8_t *g, int i) 
         if (t == T_Q4_1) {
             m = gguf_load_u16(src + 2);
         } else {
-            nan |= (d & 0x7c00) == 0x7c00 && (d & 0x3ff);
+            nan |= half_is_nan(d);
             m = float_to_half(half_to_float(d) * -8.0f);
         }
         st16(blk + 2 * i, d);
@@ -102,6 +100,20 @@ static void row_q8(const uint8_t *src, int64_t nb, uint8_t *g, int i) {
     }
 }
 
+/* The 32 weights of a Q5_0 / Q5_1 block as bytes: the low 4 bits from qs (weights w and w + 16
+ * in byte w), bit 4 from qh, plus `add`. */
+static inline void q5_bytes(uint32_t qh, const uint8_t *qs, uint8_t add, uint8_t v[32]) {
+    for (int w = 0; w < 16; w++) {
+        v[w] = (uint8_t)(((qs[w] & 15) | (((qh >> w) & 1) << 4)) + add);
+        v[w + 16] = (uint8_t)(((qs[w] >> 4) | (((qh >> (w + 16)) & 1) << 4)) + add);
+    }
+}
+
+/* A block's 32 bytes v as row i's share of 8 chunks of 64 bytes at ints (kinds 8, 18, 19). */
+static inline void put_chunks(uint8_t *ints, const uint8_t v[32], int i) {
+    for (int c = 0; c < 8; c++) memcpy(ints + 64 * c + 4 * i, v + 4 * c, 4);
+}
+
 /* Q5_0 / IQ4_NL row -> row i of a kind-8 group: the fp16 d, then each weight's q + 128 (Q5_0:
  * q = its 5 bits - 16; IQ4_NL: q = the table value of its 4-bit index). */
 static void row_q8b(const uint8_t *src, int64_t t, int64_t nb, uint8_t *g, int i) {
@@ -111,12 +123,7 @@ static void row_q8b(const uint8_t *src, int64_t t, int64_t nb, uint8_t *g, int i
         uint8_t *blk = g + b * 544;
         memcpy(blk + 2 * i, src, 2);
         if (five) {
-            const uint32_t qh = ld32(src + 2);
-            const uint8_t *qs = src + 6;
-            for (int w = 0; w < 16; w++) {
-                v[w] = (uint8_t)(((qs[w] & 15) | (((qh >> w) & 1) << 4)) + 112);
-                v[w + 16] = (uint8_t)(((qs[w] >> 4) | (((qh >> (w + 16)) & 1) << 4)) + 112);
-            }
+            q5_bytes(ld32(src + 2), src + 6, 112, v);
         } else {
             const uint8_t *qs = src + 2;
             for (int w = 0; w < 16; w++) {
@@ -124,7 +131,7 @@ static void row_q8b(const uint8_t *src, int64_t t, int64_t nb, uint8_t *g, int i
                 v[w + 16] = (uint8_t)(gguf_iq4_values[qs[w] >> 4] + 128);
             }
         }
-        for (int c = 0; c < 8; c++) memcpy(blk + 32 + 64 * c + 4 * i, v + 4 * c, 4);
+        put_chunks(blk + 32, v, i);
     }
 }
 
@@ -141,13 +148,8 @@ static int row_q5_1(const uint8_t *src, int64_t nb, uint8_t *g, int i) {
         memcpy(blk + 4 * i, &d, 4);
         memcpy(blk + 64 + 4 * i, &d, 4);
         memcpy(blk + 128 + 4 * i, &m, 4);
-        const uint32_t qh = ld32(src + 4);
-        const uint8_t *qs = src + 8;
-        for (int w = 0; w < 16; w++) {
-            v[w] = (uint8_t)(((qs[w] & 15) | (((qh >> w) & 1) << 4)) + 128);
-            v[w + 16] = (uint8_t)(((qs[w] >> 4) | (((qh >> (w + 16)) & 1) << 4)) + 128);
-        }
-        for (int c = 0; c < 8; c++) memcpy(blk + 192 + 64 * c + 4 * i, v + 4 * c, 4);
+        q5_bytes(ld32(src + 4), src + 8, 128, v);
+        put_chunks(blk + 192, v, i);
     }
     return nan;
 }
@@ -290,7 +292,7 @@ static void row_k2(const uint8_t *src, int64_t nb, uint8_t *g, uint8_t *sup, int
 
 /* Row i of a group as padding: every scale 0, q = 0 (kinds 8 and 19 store q + 128). */
 static void row_pad(int64_t kind, int64_t nb, uint8_t *g, uint8_t *sup, int i) {
-    const int64_t pb = gguf_packed_block_bytes(kind), qo = ints_offset(kind);
+    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
     const int ssize = kind == GGUF_Q4 || kind == GGUF_Q8 ? 2 : kind == GGUF_F8 ? 4 : 1; /* bytes per row of a scale */
     const int nscales = (int)(qo / (16 * ssize));
     const uint8_t fill = kind == GGUF_Q8 || kind == GGUF_F8 ? 0x80 : 0;
