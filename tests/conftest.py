@@ -46,3 +46,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"model", "server"} & set(item.path.parent.parts[-1:]):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count in a test (threads(n)); restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

@@ -24,6 +24,7 @@ import torch
 
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.quant import GgufMethod
+from kvserve.model.quant.gguf import FLOAT_ACTS, pack_dense_model
 from kvserve.ops import cpu_kernels
 from kvserve.ops.attention import AttentionMetadata
 
@@ -33,7 +34,8 @@ class CLayerStack:
         self.model = model
         self.isa = cpu_kernels.selected_isa()  # the kernel build, fixed for the engine's life
         self.parts = parts  # the activations' 8-bit parts (cpu_kernels.ACT_PARTS); other than
-        # "two" (gguf-a8, gguf-mixed): every token on the integer GEMV
+        # "two" (gguf-a8, gguf-mixed): every token on the integer GEMV; FLOAT_ACTS (a dense
+        # float32 model, pack_dense_model): every token on the float32 GEMM
         self._kv_caches = None  # the pools the layer table points at
         self._layers = None
         self._struct = None
@@ -50,8 +52,12 @@ class CLayerStack:
     def build_with_reason(cls, model, kv_caches=None) -> tuple[CLayerStack | None, Refusal | None]:
         """(a CLayerStack, None) for `model` (and its KV pools when given), or (None, why not):
         the tensor or condition that keeps it on the PyTorch forward and the setting that brings
-        it back, for the start-up log."""
+        it back, for the start-up log. A model the stack takes but for its dense float32 linears
+        (--quantization none) is packed for it first (pack_dense_model: float32 GEMMs whose sums
+        keep one order, whatever the batch)."""
         why = cls.refusal(model)
+        if why is not None and why.fix == GGUF_FIX and pack_dense_model(model) is None:
+            why = cls.refusal(model)
         if why is None and kv_caches is not None and not cls.runs(kv_caches):
             why = Refusal(
                 f"the KV cache is {kv_caches[0][0].dtype}; the C attention reads float32, "
@@ -174,7 +180,7 @@ class CLayerStack:
             ptr(m.rotary.cos),
             ptr(m.rotary.sin),
             ctypes.cast(layers, ctypes.POINTER(cpu_kernels.StackLayer)),
-            cpu_kernels.ACT_PARTS[self.parts],
+            cpu_kernels.ACT_PARTS["two" if self.parts == FLOAT_ACTS else self.parts],
             m.rotary.cos.shape[1],  # rotated dims (partial rotary: fewer than head_dim)
         )
         self._layers, self._kv_caches = layers, kv_caches
@@ -205,17 +211,20 @@ class CLayerStack:
         length; its tokens at positions below it are prompt tokens (their linears run the float32
         GEMM, the others the integer GEMV; a generated token recomputed after preemption is not
         one; see csrc/gguf_gemv.h). With parts other than "two" every token runs the integer
-        GEMV. A pipeline stage (a model holding only its layers): `h_in` [T, hidden], the previous
-        stage's hidden states, replaces the embedding, and final_norm=False returns the rows
-        unnormed, for the next stage."""
+        GEMV, with FLOAT_ACTS the float32 GEMM. A pipeline stage (a model holding only its
+        layers): `h_in` [T, hidden], the previous stage's hidden states, replaces the embedding,
+        and final_norm=False returns the rows unnormed, for the next stage."""
         if kv_caches is not self._kv_caches:
             self._bind(kv_caches)
         qsl = meta.query_start_loc
         q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)], dtype=torch.long)
         seq = torch.repeat_interleave(torch.arange(meta.num_seqs, dtype=torch.long), q_lens)
-        prompt = positions < torch.repeat_interleave(
-            torch.tensor(prompt_lens, dtype=torch.long), q_lens
-        )
+        if self.parts == FLOAT_ACTS:
+            prompt = torch.ones(positions.shape[0], dtype=torch.bool)
+        else:
+            prompt = positions < torch.repeat_interleave(
+                torch.tensor(prompt_lens, dtype=torch.long), q_lens
+            )
         out = torch.empty(out_rows.shape[0], self.model.arch.hidden_size)
         lora_slots = self._lora_slots(input_ids.shape[0])
         cpu_kernels.layer_stack(

@@ -136,21 +136,36 @@ def setup(tmp_path_factory):
     return base_path, paths, refs
 
 
-@pytest.fixture(scope="module")
-def llm(setup):
+@pytest.fixture(scope="module", params=["C layer stack", "PyTorch forward"])
+def llm(setup, request):
+    """The engine on the dense checkpoint, on each step path: the C layer stack (its float32
+    weights packed for it, the deltas from its LoRA table) and, with the C kernels turned off
+    while it starts, the PyTorch forward (its Linears adding the deltas)."""
     from kvserve.engine.llm import LLM
 
     base_path, paths, _ = setup
-    return LLM(
-        base_path,
-        enable_lora=True,
-        lora_modules=[f"a={paths['a']}"],
-        max_loras=3,
-        max_lora_rank=8,
-        kv_cache_dtype="float32",
-        kv_cache_memory="16MiB",
-        num_threads=1,
-    )
+    before = os.environ.get("KVSERVE_NO_C_KERNELS")
+    if request.param == "PyTorch forward":
+        os.environ["KVSERVE_NO_C_KERNELS"] = "1"
+    try:
+        llm = LLM(
+            base_path,
+            enable_lora=True,
+            lora_modules=[f"a={paths['a']}"],
+            max_loras=3,
+            max_lora_rank=8,
+            kv_cache_dtype="float32",
+            kv_cache_memory="16MiB",
+            num_threads=1,
+        )
+    finally:
+        if before is None:
+            os.environ.pop("KVSERVE_NO_C_KERNELS", None)
+        else:
+            os.environ["KVSERVE_NO_C_KERNELS"] = before
+    assert request.param in llm.engine.step_path
+    yield llm
+    del llm
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -163,11 +178,6 @@ def request(name, paths):
 
 def tokens(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def test_the_pytorch_forward_runs_the_adapters(llm):
-    # a dense safetensors model: the PyTorch forward, its Linears adding the deltas
-    assert "PyTorch forward" in llm.engine.step_path
 
 
 @pytest.mark.parametrize("name", [None, "a", "b", "c"])

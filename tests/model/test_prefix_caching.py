@@ -3,11 +3,9 @@
 Reusing cached KV blocks (and forking a prompt's blocks for n samples, with copy-on-write)
 must never change what the model generates. A chunk's attention reads its whole context from the
 KV pool (this step's keys and values are written first), so a hit and a miss attend over the same
-values. On the C layer stack (the default GGUF format) every token's numbers are computed on their
-own: hit or miss, the tokens and logprobs are the same bits. On the PyTorch forward
-(--quantization none) the dense matrix products round a row differently with the rows that share
-the call (docs/architecture.md, determinism), so there the test bounds the logprobs' drift and
-allows another token only where the top two were that close.
+values. On the C layer stack (the default GGUF format, and --quantization none, whose float32
+weights it runs through its float32 GEMM) every token's numbers are computed on their own: hit or
+miss, the tokens and logprobs are the same bits.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.model.quant.gguf import FLOAT_ACTS
 
 SYSTEM = (
     "You are a careful assistant for a library of Python documentation. Answer briefly, "
@@ -50,23 +49,6 @@ def _texts(outs):
 
 def _logprobs(outs):
     return [[[lp.top for lp in c.logprobs] for c in o.outputs] for o in outs]
-
-
-# PyTorch forward: what rows sharing a matrix product may move a logprob by (measured: < 2e-3).
-DRIFT = 1e-2
-
-
-def _agree_up_to_drift(ref, got):
-    """Greedy outputs of the PyTorch forward (logprobs=2): the logprobs within DRIFT until the
-    tokens part, and they part only where the reference's top two were within 2 * DRIFT."""
-    for a, b in zip(ref, got, strict=True):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        for j, (la, lb) in enumerate(zip(a.outputs[0].logprobs, b.outputs[0].logprobs)):
-            if ta[j] != tb[j]:
-                gap = la.top[0][2] - la.top[1][2]
-                assert gap < 2 * DRIFT, f"token {j}: {ta[j]} != {tb[j]} with a top-2 gap of {gap}"
-                break
-            assert abs(la.logprob - lb.logprob) < DRIFT, (j, la.logprob, lb.logprob)
 
 
 def _assert_idle(llm: LLM) -> None:
@@ -161,15 +143,15 @@ def test_int8_kv_cache_engine_prefix_hits_and_forks():
 
 
 def test_float_weights_prefix_hits_chunks_and_company():
-    """--quantization none (the PyTorch forward): each prompt alone in one chunk without the cache
-    against all of them together in 32-token chunks with the cache (later prompts hit the system
-    prompt's blocks; a second run hits every full block): logprobs within DRIFT, the same tokens
-    but at near-ties."""
+    """--quantization none (float32 weights on the C stack's float32 GEMM): each prompt alone in
+    one chunk without the cache against all of them together in 32-token chunks with the cache
+    (later prompts hit the system prompt's blocks; a second run hits every full block): the same
+    tokens and logprobs, bit for bit."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     prompts = _prompts()[:3]
     common = dict(quantization="none", kv_cache_memory="64MiB", max_model_len=1024, num_threads=1)
     miss = LLM(enable_prefix_caching=False, **common)
-    assert miss.engine.runner.layer_stack is None  # the PyTorch forward
+    assert miss.engine.runner.layer_stack.parts == FLOAT_ACTS
     ref = [miss.generate([p], params, use_tqdm=False)[0] for p in prompts]
     del miss
     hit = LLM(enable_prefix_caching=True, max_num_batched_tokens=32, **common)
@@ -178,6 +160,7 @@ def test_float_weights_prefix_hits_chunks_and_company():
     assert all(o.num_cached_tokens > 0 for o in first[1:]) and all(
         o.num_cached_tokens > 0 for o in again
     )
-    _agree_up_to_drift(ref, first)
-    _agree_up_to_drift(ref, again)
+    want = (_texts(ref), _logprobs(ref))
+    assert (_texts(first), _logprobs(first)) == want
+    assert (_texts(again), _logprobs(again)) == want
     _assert_idle(hit)

@@ -301,13 +301,6 @@ def use_isa(monkeypatch, decode_path):
     cpu_kernels._load.cache_clear()
 
 
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 def token_rows(meta, seed=0):
     """One kernel row per token of the batch (prompt tokens and decodes alike), in shuffled order
     (seed None: in order):

@@ -1,7 +1,7 @@
 """The gguf-a8 format's one-part activations (csrc/gguf_gemv.h, gguf_acts_t.parts GGUF_ONE_PART):
 each block of 32 activations as one signed 8-bit part, xa = rint(x 127 / max|x|), the m term
 taking the sum of the quantized values (llama.cpp's Q8_1 s); and gguf-mixed's (GGUF_MIXED_PARTS):
-that, except the blocks where sum xb^2 >= 8 sum xa^2, which keep both parts and the float sum.
+that, except the blocks where sum xb^2 >= 4 sum xa^2, which keep both parts and the float sum.
 Every ISA build computes exactly that contract, checked against an independent numpy float32
 version; one part stays within 2^-8 of a block's max |x| per weight of the dequantized matmul,
 mixed parts within that and closer on outlier blocks. (Every build against the portable one:
@@ -174,7 +174,7 @@ _block = st.lists(st.floats(-4.0, 4.0, width=32), min_size=32, max_size=32)
 def test_mixed_parts_match_the_contract_on_any_blocks(rows):
     """Fuzzed rows of two blocks, each with one value set to an outlier of any size (0: none): the
     mixed quantizer's per-block choice and the GEMV give numpy's contract bit for bit on every
-    build, whichever side of the 8 sum xa^2 line a block falls."""
+    build, whichever side of the 4 sum xa^2 line a block falls."""
     bt, packed, kind = weights(Q.Q4_1, 16, 64, seed=11)
     x = torch.tensor([a + b for a, b, _, _ in rows], dtype=torch.float32)
     for r, (_, _, at, big) in enumerate(rows):

@@ -150,6 +150,41 @@ def test_float_weights_gemv_is_the_contract_bit_for_bit(isa, qtype):
     assert torch.equal(cpu_kernels.gguf_rows(packed, kind, n, k, ids, isa=isa), W[ids])
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16])
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_float_gemm_of_a_few_rows_gives_the_tiles_bits(isa, qtype, threads):
+    """Float weights against at most GGUF_F32_FEW (4) rows take the float32 GEMM without tiles:
+    each row gets the bits the tiles give it among 19 others (K across slices, a last group of
+    5 rows, one and two threads), with the bias and accumulate of the tiles' writes."""
+    _lib_or_skip(isa)
+    n, k = 37, 288
+    W, _ = _float_weights(qtype, n, k, seed=9)
+    W.gguf_qtype = qtype
+    packed, kind = pack_float_parts([W])
+    x = _acts(20, k)
+    bias = torch.randn(n)
+    many = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True)
+    for t in (1, 2):
+        threads(t)
+        for rows in ([0], [3, 17], [19, 2, 11], [5, 6, 7, 8]):
+            few = cpu_kernels.gguf_gemv(packed, kind, n, x[rows].clone(), isa=isa, f32=True)
+            assert torch.equal(few, many[rows]), (t, rows)
+        out = torch.randn(3, n)
+        want = out + many[[1, 4, 9]] + bias
+        cpu_kernels.gguf_gemv(
+            packed,
+            kind,
+            n,
+            x[[1, 4, 9]].clone(),
+            out=out,
+            bias=bias,
+            accumulate=True,
+            isa=isa,
+            f32=True,
+        )
+        assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16])
 @pytest.mark.parametrize("isa", HOST_ISAS)
 def test_16_bit_float_kinds_give_kind_32s_bits(isa, qtype):

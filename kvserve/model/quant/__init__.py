@@ -2,7 +2,8 @@
 per format:
 
     none   UnquantizedMethod (kvserve.model.layers): dense weights in the model dtype (GGUF blocks
-           dequantized to fp32)
+           dequantized to fp32); where the C layer stack runs the model (float32 on a CPU) its
+           start packs them for the float32 GEMM (gguf.pack_dense_model)
     int8   (int8.py) per-output-channel symmetric int8 weights, LM head included; weight-only kernel
            (_weight_int8pack_mm, bf16 activations) by default, fbgemm's dynamic int8 linear with
            KVSERVE_INT8_KERNEL=fbgemm (faster; activations quantized per token, at some cost in
@@ -27,7 +28,7 @@ per format:
            GEMV too; outside eval-quality's bound on the default model, so never the default.
            Without the C kernels it falls back as gguf does.
     gguf-mixed  (the default for GGUF files) gguf with the activations as one 8-bit part per
-           block, except the blocks whose second part carries at least 2^-13 of the block's
+           block, except the blocks whose second part carries at least 2^-14 of the block's
            energy (an outlier's block): near gguf-a8's work,
            prompt tokens on the integer GEMV too, and inside eval-quality's bound. Falls back as
            gguf does.
@@ -162,7 +163,8 @@ KEEP_BLOCKS = {"int4": _q4_types(), **{fmt: _packable_types() for fmt in GGUF_FO
 DEFAULT_GGUF = "gguf-mixed"
 
 DESCRIPTION = {
-    "none": "dense weights in the model dtype, GGUF blocks dequantized",
+    "none": "dense weights in the model dtype, GGUF blocks dequantized (float32 on a CPU: "
+    "packed for the C layer stack's float32 GEMM when it runs the model)",
     "int8": "per-channel int8 weights (weight-only int8pack, bf16 activations), LM head included",
     "int4": "group-32 int4 weights (int4pack, bf16 activations), GGUF Q4 blocks as they are, "
     "LM head included",

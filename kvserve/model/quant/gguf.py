@@ -20,6 +20,8 @@ from kvserve.ops.gguf_blocks import (
     unpack_gguf_rows,
 )
 
+FLOAT_ACTS = "float"  # GgufMethod's parts for float32 activations on every token (no 8-bit parts)
+
 
 class GgufMethod(_PackedMethod):
     """The file's blocks, decoded without changing a value and interleaved 16 rows at a time
@@ -45,11 +47,14 @@ class GgufMethod(_PackedMethod):
     the activations as one 8-bit part per block, llama.cpp's precision, at half the integer work;
     "mixed" (gguf-mixed), one part except in the blocks whose second part carries enough (an
     outlier's block), close to one part's work at well inside the quality bound. With one or mixed
-    parts the layer stack runs prompt tokens through the integer GEMV too (csrc/layer_stack.c)."""
+    parts the layer stack runs prompt tokens through the integer GEMV too (csrc/layer_stack.c).
+    FLOAT_ACTS ("float"): float32 activations for every token, through the float32 GEMM (a dense
+    float32 model packed for the C kernels, pack_dense_model)."""
 
     def __init__(self, parts: str = "two"):
-        if parts not in cpu_kernels.ACT_PARTS:
-            raise ValueError(f"parts must be one of {sorted(cpu_kernels.ACT_PARTS)}, got {parts!r}")
+        if parts not in (*cpu_kernels.ACT_PARTS, FLOAT_ACTS):
+            choices = sorted((*cpu_kernels.ACT_PARTS, FLOAT_ACTS))
+            raise ValueError(f"parts must be one of {choices}, got {parts!r}")
         self.isa = cpu_kernels.selected_isa()  # the kernel build, fixed for the layer's life
         self.parts = parts
 
@@ -89,10 +94,13 @@ class GgufMethod(_PackedMethod):
             bias = layer.bias.float() if layer.bias is not None else None
             return F.linear(x.float(), layer.dense_weight, bias).to(x.dtype)
 
+        f32 = self.parts == FLOAT_ACTS
+        parts = "two" if f32 else self.parts
+
         def kernel(x2):
             x2 = x2.float().contiguous()
             outs = [
-                cpu_kernels.gguf_gemv(w, kind, rows, x2, isa=self.isa, parts=self.parts)
+                cpu_kernels.gguf_gemv(w, kind, rows, x2, isa=self.isa, parts=parts, f32=f32)
                 for w, kind, rows in layer.gguf_parts
             ]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -174,3 +182,47 @@ def _dense_reason(parts, kinds, runs) -> str | None:
         if any(sum(p.shape[0] for p in run) % 16 for _, run in runs):
             return "a part of mixed kinds does not end on a group of 16 rows"
     return None
+
+
+def pack_dense_model(model) -> str | None:
+    """Pack a dense float32 model's linears (the tied LM head from the embedding, which then
+    reads its rows from the head) into kind 32 with FLOAT_ACTS, in place, so the C kernels run it
+    in float32 with one fixed order of every sum: a token's numbers do not depend on the other
+    rows of the call, as the BLAS's do. Returns None when done, else why not (nothing changed)."""
+    from kvserve.model.layers import Linear, UnquantizedMethod
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    arch = model.arch
+    tied = model.lm_head is None and arch.tie_word_embeddings
+    if model.dtype != torch.float32:
+        return f"the model computes in {model.dtype}"
+    if not cpu_kernels.available():
+        return "the C kernels are not built"
+    for lin in linears:
+        if type(lin.quant_method) is not UnquantizedMethod:
+            return f"a linear holds {type(lin.quant_method).__name__} weights"
+        if lin.in_features % 32:
+            return f"a linear's {lin.in_features} inputs are not a multiple of 32"
+    if tied and (model.embed_tokens.weight is None or arch.hidden_size % 32):
+        return "the tied head's embedding is not one dense matrix of whole blocks"
+    for lin in linears:
+        _pack_float(lin, lin.weight.data)
+    if tied:
+        head = Linear(arch.hidden_size, arch.vocab_size, quant_method=GgufMethod(FLOAT_ACTS))
+        _pack_float(head, model.embed_tokens.weight.data)
+        model.tie_quantized_head(head)
+        model.embed_tokens.read_rows_with(head.row_reader())
+    return None
+
+
+def _pack_float(lin, w: torch.Tensor) -> None:
+    """lin's float32 weight w [out, in] -> kind 32, with float32 activations (FLOAT_ACTS)."""
+    from kvserve.ops.gguf_types import GGMLQuantizationType
+
+    method = GgufMethod(FLOAT_ACTS)
+    lin.quant_method = method
+    method.create_weights(lin, torch.float32)
+    del lin._staged
+    w = w.contiguous()
+    w.gguf_qtype = GGMLQuantizationType.F32  # float32 values: pack_float_parts' kind 32
+    method.pack(lin, [w])

@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) q8f pick(q8i mask, q8f a, q8f b) { 
 
 /* One block of 32 of a row of x (p) -> xq (64 s8: the 32 xa, then the 32 xb), x16, dx, sx, sq and
  * sq0 (gguf_acts_t), with the parts of gguf_gemv.h: GGUF_ONE_PART: every xb = 0 and sx = dx sq;
- * GGUF_MIXED_PARTS: that, unless sum xb^2 >= 8 sum xa^2 (exact integers). The sum sx runs
+ * GGUF_MIXED_PARTS: that, unless sum xb^2 >= 4 sum xa^2 (exact integers). The sum sx runs
  * j = 0..31 in order (no reassociation: -ffp-contract=off, no -ffast-math); the rest is
  * element-wise, in 8-float vectors, and the max and the integer sums do not depend on their order.
  * Blocks are independent of each other, so the threads split a call's rows by block. */
@@ -107,7 +107,7 @@ static void quantize_block(const float *p, int8_t *qa, int16_t *x16, float *dx, 
             sa += ea[l];
             sb += eb[l];
         }
-        one = sb < 8 * sa;
+        one = sb < 4 * sa;
     }
     q8i s16 = {0}, s16h = {0};
     for (int c = 0; c < 4; c++) {
@@ -360,7 +360,8 @@ int64_t gguf_f32_workspace_bytes(int64_t M, int64_t N, int64_t K, int64_t thread
     return (rows * K + pairs * rows * GGUF_F32_N + threads * GGUF_F32_KC * GGUF_F32_N) * (int64_t)sizeof(float) + 64;
 }
 
-/* y rows (+)= x rows W^T through the float32 tiles, shared by the threads of an enclosing
+/* y rows (+)= x rows W^T through the float32 tiles (float weights against at most GGUF_F32_FEW
+ * rows: the same sums without tiles, gguf_float_group_fma), shared by the threads of an enclosing
  * OpenMP region like gguf_gemv_team (same arguments; ws: gguf_f32_workspace_bytes(M, N, K, the
  * team's size), 64-byte aligned). Blocked as a GEMM: for each slice of GGUF_F32_KC k and chunk
  * of GGUF_F32_MC rows (their packed activations, <= 200 KB, stay in L2), each thread dequantizes
@@ -372,6 +373,20 @@ void gguf_gemm_f32_team(const uint8_t *w, int64_t kind, int64_t N, int64_t K, co
                         const int64_t *rows, int64_t M, float *y, int64_t ldy, const float *bias,
                         int64_t accumulate, void *ws) {
     const int64_t nb = K / 32, groups = (N + GGUF_ROWS - 1) / GGUF_ROWS, pairs = (groups + 1) / 2;
+    if (M <= GGUF_F32_FEW && (kind == GGUF_W32 || kind == GGUF_W16 || kind == GGUF_B16)) {
+        const float *xr[GGUF_F32_FEW];                  /* a few rows: the same sums, no tiles */
+        for (int64_t i = 0; i < M; i++) xr[i] = x + (rows ? rows[i] : i) * ldx;
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            float o[GGUF_F32_FEW * GGUF_ROWS];
+            gguf_float_group_fma(gguf_group_blocks(w, kind, nb, g), kind, nb, xr, (int)M, o);
+            const int64_t n = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
+            for (int64_t i = 0; i < M; i++)
+                write_row(y + (rows ? rows[i] : i) * ldy + g * GGUF_ROWS, o + i * GGUF_ROWS, n,
+                          bias ? bias + g * GGUF_ROWS : NULL, accumulate);
+        }
+        return;
+    }
     const int64_t T = gguf_f32_tile_rows(), tiles = (M + T - 1) / T;
     const int64_t mc = (GGUF_F32_MC + T - 1) / T;                  /* tiles per chunk */
     float *xp = (float *)ws, *acc = xp + tiles * T * K;

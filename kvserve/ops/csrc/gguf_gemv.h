@@ -72,10 +72,12 @@
  *   GGUF_ONE_PART (gguf-a8): one part, as llama.cpp does: every xb = 0 and sx = dx sq, the sum of
  *       the quantized values, so the m term's error cancels the d q term's.
  *   GGUF_MIXED_PARTS (gguf-mixed): per block, one part where the second one carries little:
- *       the block keeps xb (and sx = the float sum) when sum xb^2 >= 8 sum xa^2 (the residual
- *       holds at least 2^-13 of the block's energy: blocks with an outlier, whose other values
+ *       the block keeps xb (and sx = the float sum) when sum xb^2 >= 4 sum xa^2 (the residual
+ *       holds at least 2^-14 of the block's energy: blocks with an outlier, whose other values
  *       one part would round away), else it is a one-part block as above. Integers: the choice
- *       is the same on every build.
+ *       is the same on every build. The line is where every kind of eval-quality's varied text
+ *       (code, prose, chat, eight languages) keeps the top-1 bound (at 2^-13 most languages
+ *       other than English and French do not: docs/methodology.md).
  * The formulas below are the same for every block: a zero xb contributes nothing, so a kernel
  * that skips the xb products of a block whose xb are all zero (every block with one part, any
  * block with mixed parts; gguf_xb_zero) gives the bits of one that multiplies the zeros. One part
@@ -132,6 +134,7 @@
 #define GGUF_F32_N 32        /* weight rows per float32 tile: two groups */
 #define GGUF_F32_KC 128      /* k per slice of the float32 GEMM (16 KB of two groups' weights) */
 #define GGUF_F32_MC 192      /* activation rows per chunk of the float32 GEMM */
+#define GGUF_F32_FEW 4       /* float weights against at most this many rows: without tiles */
 
 /* The packed kinds (above) and the bytes of one block of 32 weights of a group; 0: not a kind. */
 enum { GGUF_Q4 = 4, GGUF_Q8 = 8, GGUF_K4 = 14, GGUF_K8 = 18, GGUF_F8 = 19, GGUF_K6 = 26, GGUF_K2 = 10, GGUF_W32 = 32,

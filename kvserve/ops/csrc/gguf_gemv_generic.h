@@ -8,6 +8,7 @@
 #ifndef KVSERVE_GGUF_GEMV_GENERIC_H
 #define KVSERVE_GGUF_GEMV_GENERIC_H
 
+#include "fixed_math.h"
 #include "gguf_gemv.h"
 #if defined(__F16C__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #include <immintrin.h>
@@ -215,6 +216,50 @@ static inline __attribute__((always_inline)) void gguf_w16_rows(const uint8_t *w
 static inline __attribute__((always_inline)) void gguf_b16_rows(const uint8_t *wg, int64_t nb, const gguf_acts_t *a,
                                                                 const int R, float *out) {
     gguf_wf_rows(GGUF_B16, wg, nb, a, R, out);
+}
+
+/* Kinds 32, 33, 34 against R (a constant, <= GGUF_F32_FEW) float32 rows x + rows[r] ldx: the
+ * float32 GEMM's sums without its tiles (gguf_gemv.h: for each of the group's 16 rows,
+ * acc = fma(w, x, acc) over k = 0 .. K-1 in order, from 0), so a row gets the bits a tile gives
+ * it. For a decode's few rows the tiles' packing and zero rows cost more than the stream of the
+ * weights, which this reads once for the R rows. out[r * 16 + i]. */
+static inline __attribute__((always_inline)) void gguf_wf_fma_rows(const int64_t kind, const uint8_t *wg, int64_t nb,
+                                                                   const float *const *x, const int R, float *out) {
+    const int64_t pb = gguf_packed_block_bytes(kind), wb = gguf_float_bytes(kind);
+    gguf_v8f acc[GGUF_F32_FEW][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (gguf_v8f){0};
+    for (int64_t b = 0; b < nb; b++, wg += pb) {
+        gguf_prefetch_block(wg, pb);
+        for (int j = 0; j < 32; j++) {
+            const gguf_v8f w0 = gguf_v8f_weights(wg + 16 * wb * j, kind);
+            const gguf_v8f w1 = gguf_v8f_weights(wg + 16 * wb * j + 8 * wb, kind);
+            for (int r = 0; r < R; r++) {
+                const float v = x[r][32 * b + j];
+                const gguf_v8f xv = {v, v, v, v, v, v, v, v};
+                acc[r][0] = fma8(w0, xv, acc[r][0]);
+                acc[r][1] = fma8(w1, xv, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) memcpy(out + r * GGUF_ROWS, acc[r], 64);
+}
+
+/* gguf_wf_fma_rows for R <= GGUF_F32_FEW rows given at run time. */
+static void gguf_float_group_fma(const uint8_t *wg, int64_t kind, int64_t nb, const float *const *x, int R,
+                                 float *out) {
+#define GGUF_FMA_ROWS(K) \
+    switch (R) { case 1: gguf_wf_fma_rows(K, wg, nb, x, 1, out); break; \
+                 case 2: gguf_wf_fma_rows(K, wg, nb, x, 2, out); break; \
+                 case 3: gguf_wf_fma_rows(K, wg, nb, x, 3, out); break; \
+                 default: gguf_wf_fma_rows(K, wg, nb, x, 4, out); break; }
+    if (kind == GGUF_W16) {
+        GGUF_FMA_ROWS(GGUF_W16)
+    } else if (kind == GGUF_B16) {
+        GGUF_FMA_ROWS(GGUF_B16)
+    } else {
+        GGUF_FMA_ROWS(GGUF_W32)
+    }
+#undef GGUF_FMA_ROWS
 }
 
 /* Kinds 10, 32, 33 and 34 against R <= GGUF_TILE_M activation rows: up to 4 rows a pass over the group's

@@ -158,30 +158,6 @@ static inline __attribute__((always_inline)) v8f load8(const uint8_t *row, int64
     return v;
 }
 
-/* a b + c lane by lane, each rounded once (a fused multiply-add on every build: FMA3, NEON's
- * vfmaq, or C's fmaf), so the bits are the same everywhere. */
-static inline __attribute__((always_inline)) v8f fma8(v8f a, v8f b, v8f c) {
-#if defined(__FMA__)
-    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#elif defined(__aarch64__)
-    float32x4_t r[2];
-    for (int h = 0; h < 2; h++) {
-        float32x4_t x, y, z;
-        memcpy(&x, (const char *)&a + 16 * h, 16);
-        memcpy(&y, (const char *)&b + 16 * h, 16);
-        memcpy(&z, (const char *)&c + 16 * h, 16);
-        r[h] = vfmaq_f32(z, x, y);
-    }
-    v8f out;
-    memcpy(&out, r, 32);
-    return out;
-#else
-    v8f out;
-    for (int l = 0; l < 8; l++) out[l] = fmaf(a[l], b[l], c[l]);
-    return out;
-#endif
-}
-
 static inline __attribute__((always_inline)) v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
 /* row_dot for head_dim = 8 C (C 8-float chunks, a compile-time constant), the K row already
