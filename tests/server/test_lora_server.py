@@ -67,7 +67,7 @@ def lora_server(tmp_path_factory):
     )  # fmt: skip
     try:
         srv.wait_ready(120)
-        assert "PyTorch forward" in srv.log_text()
+        assert "C layer stack" in srv.log_text()  # float32 weights packed for it, LoRA table
         base_name = httpx.get(f"{srv.base_url}/v1/models", headers=AUTH).json()["data"][0]["id"]
         yield srv.base_url, base_name, paths, refs
     finally:
