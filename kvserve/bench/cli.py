@@ -1,5 +1,5 @@
 """`kvserve bench throughput | serve | latency | roofline | soak | structured | spec | host |
-report`."""
+start | report`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvserve.bench import (
     serve,
     soak,
     spec,
+    start,
     structured,
     throughput,
 )
@@ -44,6 +45,11 @@ COMMANDS = {
     "host": (
         host,
         "host time per decode step by phase, with a null forward (batch 1 to 1024)",
+    ),
+    "start": (
+        start,
+        "server start: seconds from exec to ready and to a first reply, peak RSS, against "
+        "llama-server",
     ),
     "report": (report, "regenerate docs/benchmarks.md from docs/bench-results/*.json"),
 }

@@ -157,8 +157,11 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
         return "default"
 
 
-def wait_ready(base_url: str, timeout: float, proc=None, api_key: str | None = None) -> None:
-    """Poll /v1/models until the server answers 200 (or the process dies, or time runs out)."""
+def wait_ready(
+    base_url: str, timeout: float, proc=None, api_key: str | None = None, poll_s: float = 0.5
+) -> None:
+    """Poll /v1/models every `poll_s` until the server answers 200 (or the process dies, or time
+    runs out)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -173,5 +176,5 @@ def wait_ready(base_url: str, timeout: float, proc=None, api_key: str | None = N
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"server at {base_url} not ready after {timeout:.0f}s")

@@ -439,6 +439,53 @@ def rows_host(res: dict) -> list[dict]:
     return out
 
 
+def rows_start(res: dict) -> list[dict]:
+    """`bench start`: seconds from exec to ready (and to a first reply), peak RSS against the
+    file, each against a peer where one ran (ratio: the peer's figure over kvserve's, so above 1
+    is kvserve starting sooner or holding less)."""
+    size = res["workload"]["model_bytes"]
+    base = next((r for r in res["runs"] if r["engine"] == "kvserve"), None)
+    if base is None:
+        return []
+    n = len(base["samples"])
+
+    def cells(run):
+        s = run["summary"]
+        ready, first = s["ready_s"]["median"], s["first_reply_s"]["median"]
+        peak = s["peak_rss_bytes"]["median"]
+        return (
+            (ready, f"{ready:.2f} (first reply {first:.2f})"),
+            (peak, f"{peak / 1e9:.2f} (+{(peak - size) / 1e9:.2f} over the file)"),
+        )
+
+    what = (
+        f"seconds from exec to ready, median of {n} (warm page cache)",
+        f"peak RSS GB after one request, median of {n}",
+    )
+    load = f"start, {size / 1e9:.2f} GB file"
+    ours = cells(base)
+    peers = [r for r in res["runs"] if r is not base]
+    if not peers:
+        return [dict(what=w, metric=f"start{i}", load=load, ours=o[1]) for i, (w, o) in
+                enumerate(zip(what, ours))]  # fmt: skip
+    out = []
+    for r in peers:
+        for i, (w, o, th) in enumerate(zip(what, ours, cells(r))):
+            out.append(
+                dict(
+                    what=w,
+                    metric=f"start{i}",
+                    load=load,
+                    ours=o[1],
+                    peer=peer_label(res, r),
+                    peer_key=r["engine"],
+                    theirs=th[1],
+                    ratio=x(common.ratio(th[0], o[0])),
+                )
+            )
+    return out
+
+
 KINDS = {
     "latency": ("latency", rows_latency),
     "throughput": ("throughput", rows_throughput),
@@ -449,6 +496,7 @@ KINDS = {
     "roofline": ("roofline", rows_roofline),
     "gpu-kernels": ("GPU kernels", rows_gpu_kernels),
     "host": ("host", rows_host),
+    "start": ("start", rows_start),
 }
 
 

@@ -38,6 +38,7 @@ class ServerProcess:
     ):
         self.name, self.cmd, self.port, self.ready_timeout = name, cmd, port, ready_timeout
         self.api_key = api_key
+        self.poll_s = 0.5  # how often __enter__ asks whether the server is ready
         self.base_url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(
@@ -56,7 +57,7 @@ class ServerProcess:
             start_new_session=True,
         )
         try:
-            wait_ready(self.base_url, self.ready_timeout, self.proc, self.api_key)
+            wait_ready(self.base_url, self.ready_timeout, self.proc, self.api_key, self.poll_s)
         except RuntimeError as e:
             self.stop()
             raise RuntimeError(
