@@ -147,7 +147,10 @@ def main(args, argv: list[str]) -> int:
         )
         result["runs"].append(run)
     print(table(result))
-    common.save_result(result, args.output, args.save, "start")
+    name = "start" + (
+        f"-{os.path.basename(args.model).removesuffix('.gguf')}" if args.model else ""
+    )
+    common.save_result(result, args.output, args.save, name)
     return 0
 
 
