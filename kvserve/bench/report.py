@@ -169,6 +169,8 @@ def settings(res: dict) -> str:
         out.append("no prefix caching")
     if args.get("kv_cache_dtype") not in (None, "auto"):
         out.append(f"{args['kv_cache_dtype']} KV")
+    if args.get("quantization") == "none":  # float weights: another format, not a GGUF one
+        out.append("float weights")
     return "".join(f", {s}" for s in out)
 
 
