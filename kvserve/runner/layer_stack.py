@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.model.layers import UnquantizedMethod
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.quant import GgufMethod
 from kvserve.model.quant.gguf import FLOAT_ACTS, pack_dense_model
@@ -56,8 +57,12 @@ class CLayerStack:
         (--quantization none) is packed for it first (pack_dense_model: float32 GEMMs whose sums
         keep one order, whatever the batch)."""
         why = cls.refusal(model)
-        if why is not None and why.fix == GGUF_FIX and pack_dense_model(model) is None:
-            why = cls.refusal(model)
+        if why is not None and why.fix == GGUF_FIX:
+            declined = pack_dense_model(model)
+            if declined is None:
+                why = cls.refusal(model)
+            elif isinstance(model.layers[0].mlp.down_proj.quant_method, UnquantizedMethod):
+                why = Refusal(f"dense weights not packed for it: {declined}", GGUF_FIX)
         if why is None and kv_caches is not None and not cls.runs(kv_caches):
             why = Refusal(
                 f"the KV cache is {kv_caches[0][0].dtype}; the C attention reads float32, "

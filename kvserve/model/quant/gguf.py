@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers import dense
+from kvserve.model.layers import Linear, UnquantizedMethod, dense
 from kvserve.model.quant.base import _PackedMethod
 from kvserve.model.quant.blocks import BlockTensor
 from kvserve.ops import cpu_kernels
@@ -19,6 +19,7 @@ from kvserve.ops.gguf_blocks import (
     packed_kind,
     unpack_gguf_rows,
 )
+from kvserve.ops.gguf_types import GGMLQuantizationType
 
 FLOAT_ACTS = "float"  # GgufMethod's parts for float32 activations on every token (no 8-bit parts)
 
@@ -189,8 +190,6 @@ def pack_dense_model(model) -> str | None:
     reads its rows from the head) into kind 32 with FLOAT_ACTS, in place, so the C kernels run it
     in float32 with one fixed order of every sum: a token's numbers do not depend on the other
     rows of the call, as the BLAS's do. Returns None when done, else why not (nothing changed)."""
-    from kvserve.model.layers import Linear, UnquantizedMethod
-
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     arch = model.arch
     tied = model.lm_head is None and arch.tie_word_embeddings
@@ -217,8 +216,6 @@ def pack_dense_model(model) -> str | None:
 
 def _pack_float(lin, w: torch.Tensor) -> None:
     """lin's float32 weight w [out, in] -> kind 32, with float32 activations (FLOAT_ACTS)."""
-    from kvserve.ops.gguf_types import GGMLQuantizationType
-
     method = GgufMethod(FLOAT_ACTS)
     lin.quant_method = method
     method.create_weights(lin, torch.float32)
