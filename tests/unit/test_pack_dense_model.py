@@ -64,3 +64,5 @@ def test_a_model_it_cannot_pack_is_left_dense_and_named():
     m.dtype = torch.bfloat16
     assert pack_dense_model(m) == "the model computes in torch.bfloat16"
     assert isinstance(m.down.quant_method, UnquantizedMethod)
+    m = _Tiny(hidden=64).to("meta")  # any device but the CPU
+    assert pack_dense_model(m) == "the weights are not on the CPU"

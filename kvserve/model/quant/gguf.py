@@ -197,6 +197,8 @@ def pack_dense_model(model) -> str | None:
         return f"the model computes in {model.dtype}"
     if not cpu_kernels.available():
         return "the C kernels are not built"
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return "the weights are not on the CPU"
     for lin in linears:
         if type(lin.quant_method) is not UnquantizedMethod:
             return f"a linear holds {type(lin.quant_method).__name__} weights"
