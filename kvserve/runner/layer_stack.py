@@ -1,14 +1,15 @@
 """Whole steps of a Llama-family model as one C call (kvserve/ops/csrc/layer_stack.c), Qwen3's
 q/k norms and Phi-3's partial rotary and LongRoPE tables included.
 
-When every linear of the model holds GGUF-packed weights (quant.GgufMethod) and the C kernels
-are built, the runner's step backend (runner/backends/layer_stack.py) sends every step here,
-prompt chunks and decodes alike: same weights and same math as LlamaForCausalLM.forward (tests
-compare the two), no Python between layers, and each token's numbers computed on their own in a
-fixed order, so a request's tokens at temperature 0 do not depend on the thread count, on how
-its prompt was chunked, on what else shares the step, nor on the ISA build. Other models (dense
-or int4/int8 weights, bf16) run the PyTorch forward; `refusal()` names what keeps one off and
-the setting that brings it back.
+When every linear of the model holds GGUF-packed weights (quant.GgufMethod; a dense float32
+model's are packed so at start, quant.gguf.pack_dense_model) and the C kernels are built, the
+runner's step backend (runner/backends/layer_stack.py) sends every step here, prompt chunks and
+decodes alike: same weights and same math as LlamaForCausalLM.forward (tests compare the two),
+no Python between layers, and each token's numbers computed on their own in a fixed order, so a
+request's tokens at temperature 0 do not depend on the thread count, on how its prompt was
+chunked, on what else shares the step, nor on the ISA build. Other models (int4/int8 weights,
+bf16, families it does not run) take the PyTorch forward; `refusal()` names what keeps one off
+and the setting that brings it back.
 
 LoRA adapters (--enable-lora) run here too: the model's LoRAManager (model.lora_step) holds each
 targeted linear's stacked A and scaled B per slot; the C side gets them as a table per layer,
