@@ -17,14 +17,14 @@ from kvserve.bench import common
 from kvserve.bench.datasets import standard_requests
 from kvserve.bench.loadgen import run_load
 from kvserve.bench.servers import kvserve_server, llamacpp_request_kwargs, llamacpp_server
+from kvserve.bench.start import tree_peak_rss
 
 
 def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc status")
+    peak = tree_peak_rss(pid)
+    if not peak:
+        raise RuntimeError("no VmHWM in /proc status")
+    return peak / 2**20
 
 
 def main() -> int:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import statistics
 import sys
 import time
 
 import httpx
 
 from kvserve.bench import common
+from kvserve.bench.latency import summarize_list
 from kvserve.bench.throughput import add_output_args, add_peer_args, llamacpp_config, threads
 
 FIGURES = ("ready_s", "first_reply_s", "peak_rss_bytes")
@@ -86,14 +86,7 @@ def one_start(server) -> dict:
 
 
 def summarize(samples: list[dict]) -> dict:
-    return {
-        k: {
-            "median": statistics.median(s[k] for s in samples),
-            "min": min(s[k] for s in samples),
-            "max": max(s[k] for s in samples),
-        }
-        for k in FIGURES
-    }
+    return {k: summarize_list([s[k] for s in samples]) for k in FIGURES}
 
 
 def main(args, argv: list[str]) -> int:
