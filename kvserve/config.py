@@ -903,8 +903,8 @@ class EngineConfig:
     )
     seed: int = knob(0, "engine seed for unseeded sampling (default: %(default)s)", flag="--seed")
     num_threads: int = knob(
-        help="torch threads (default: the cores this process may use; `serve`: one less, "
-        "leaving a core for HTTP)",
+        help="torch threads (default: the cores this process may use; `serve` on 8 or more: "
+        "one less, leaving a core for HTTP)",
         default_factory=_cores,  # make_engine_config shares them among this machine's ranks
         flag="--threads",
     )
@@ -1239,6 +1239,34 @@ def add_engine_args(parser) -> None:
             groups[title] = parser.add_argument_group(title)
         action = groups[title].add_argument(k.knob.flag, **k.argparse_kwargs())
         action.file_names = k.file_names  # read by kvserve/config_file.py
+
+
+def engine_flags(argv: list[str]) -> list[str]:
+    """The engine flags of a command line, with their values, in their order: what another
+    command (a server started by a benchmark) needs to build the same engine. Other flags and
+    positional arguments are left out."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    actions = parser._option_string_actions
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, _ = argv[i].partition("=")
+        action = actions.get(name) if name.startswith("--") else None
+        if action is None:
+            i += 1
+            continue
+        if eq or action.nargs == 0:
+            take = 1
+        elif action.nargs in ("+", "*"):
+            take = 1
+            while i + take < len(argv) and not argv[i + take].startswith("--"):
+                take += 1
+        else:
+            take = 1 + (action.nargs if isinstance(action.nargs, int) else 1)
+        out += argv[i : i + take]
+        i += take
+    return out
 
 
 def engine_config_from_args(args) -> EngineConfig:

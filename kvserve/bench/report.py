@@ -148,6 +148,8 @@ def peer_label(res: dict, run: dict) -> str:
         return f"transformers {dtype}{on}"
     if engine == "vllm":
         return f"vLLM {cfg.get('version', '?')} CPU"
+    if engine == "server":
+        return "kvserve serve, same flags, streamed"
     return engine
 
 

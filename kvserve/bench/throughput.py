@@ -32,9 +32,10 @@ def add_peer_args(p, what: str, vllm: bool = False) -> None:
     g.add_argument(
         "--peer",
         action="append",
-        choices=["hf", "llamacpp", *(["vllm"] if vllm else [])],
+        choices=["hf", "llamacpp", *(["vllm", "server"] if vllm else [])],
         default=[],
-        help=f"also {what} a peer on the same workload and print ratios (repeatable)",
+        help=f"also {what} a peer on the same workload and print ratios (repeatable)"
+        + ("; server: kvserve's own server with the same engine flags" if vllm else ""),
     )
     g.add_argument(
         "--only-peers", action="store_true", help="skip kvserve, run only the --peer engines"
@@ -440,7 +441,35 @@ def run_vllm(args, reqs: list[BenchRequest], gguf: str) -> dict:
     }
 
 
-PEERS = {"hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm}
+def run_server(args, reqs: list[BenchRequest], gguf: str) -> dict:
+    """kvserve's own server, started here with this command's engine flags, sent the same
+    requests all at once and streamed: what the HTTP server costs over the offline run."""
+    from kvserve.bench.loadgen import run_load, served_model
+    from kvserve.bench.servers import kvserve_server
+
+    flags = list(args.engine_flags)
+    if not any(f.split("=")[0] == "--threads" for f in flags):  # serve's default keeps a core
+        flags += ["--threads", str(threads(args))]
+    warm = [BenchRequest(reqs[0].prompt_ids[:8], 4)]
+    with kvserve_server(None, flags) as url:
+        model = served_model(url)
+        asyncio.run(run_load(url, warm, model, progress=False))
+        timings, elapsed = asyncio.run(run_load(url, reqs, model, progress=not args.no_progress))
+    failed = [t for t in timings if not t.ok]
+    if failed:
+        raise RuntimeError(f"kvserve serve: {len(failed)} requests failed: {failed[0].error}")
+    inp, _ = _counts(reqs)
+    useful = sum(min(t.output_tokens, r.max_tokens) for t, r in zip(timings, reqs))
+    return {
+        "engine": "server",
+        "config": {"server_args": flags, "streamed": True},
+        "metrics": throughput_report(
+            len(reqs), inp, sum(t.output_tokens for t in timings), useful, elapsed
+        ),
+    }
+
+
+PEERS = {"hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm, "server": run_server}
 
 
 def _pct(rate: float | None) -> str:
@@ -560,6 +589,8 @@ def main_multiturn(args, argv: list[str]) -> int:
 
 
 def main(args, argv: list[str]) -> int:
+    from kvserve.config import engine_flags
+
     if args.dataset == MULTITURN:
         return main_multiturn(args, argv)
     msg = check_peers(args)
@@ -574,6 +605,7 @@ def main(args, argv: list[str]) -> int:
 
         encode = encoder(gguf)
     reqs = load_requests(args, gguf, encode)
+    args.engine_flags = engine_flags(argv)  # what --peer server starts the server with
     inp, useful = _counts(reqs)
     print(
         f"workload {args.dataset}: {len(reqs)} requests, {inp} prompt tokens, "

@@ -254,11 +254,17 @@ def banner(core, host: str, port: int, model_name: str, api_key: str | None) -> 
     )
 
 
+# From this many cores on, a server leaves one to HTTP, tokenizing and local clients.
+KEEP_A_CORE_FROM = 8
+
+
 def serving_threads(local_ranks: int = 1) -> int:
-    """torch threads of each rank on this machine when serving and --threads is not given: one
-    core less than the process may use, shared by the ranks, so HTTP, tokenization and local
-    clients keep a core (docs/benchmarks.md). The offline API keeps every core."""
-    return max(1, (len(os.sched_getaffinity(0)) - 1) // local_ranks)
+    """torch threads of each rank on this machine when serving and --threads is not given, shared
+    by the ranks: one core less than the process may use from KEEP_A_CORE_FROM cores on, so HTTP
+    and local clients keep a core; every core below that, where one core is a seventh or more of
+    the compute and the server's own work takes a small part of one (docs/server.md)."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, (cores - (cores >= KEEP_A_CORE_FROM)) // local_ranks)
 
 
 def bind_error(host: str, port: int) -> str | None:
