@@ -163,6 +163,13 @@ def shown_command(res: dict) -> str:
     return f"{'KVSERVE_ISA=' + isa + ' ' if isa else ''}{cmd}"
 
 
+def engine_default(dest: str):
+    """The default of the engine flag whose argparse attribute is `dest`."""
+    from kvserve.config import engine_knobs
+
+    return next(k.entry for k in engine_knobs() if k.dest == dest)
+
+
 def settings(res: dict) -> str:
     """Settings that change what a workload measures (part of a row's identity)."""
     args = res.get("args") or {}
@@ -173,6 +180,9 @@ def settings(res: dict) -> str:
         out.append(f"{args['kv_cache_dtype']} KV")
     if args.get("quantization") == "none":  # float weights: another format, not a GGUF one
         out.append("float weights")
+    seqs = args.get("max_num_seqs")
+    if seqs is not None and seqs != engine_default("max_num_seqs"):
+        out.append(f"{seqs} running at most")
     return "".join(f", {s}" for s in out)
 
 

@@ -187,10 +187,13 @@ void gguf_gemv_quantized_team(const uint8_t *w, int64_t kind, int64_t N, int64_t
     /* Rows go in chunks of GGUF_CHUNK_M, whose quantized activations (<= 64 x 2 K bytes) stay in
      * L2 while every row group's weights pass by; inside a chunk a thread runs every activation
      * tile against a group while the group's weights (K / 32 blocks, a few KB) are in L1. Up to
-     * GGUF_CHUNK_M rows (every decode step) the weights stream from memory once per call. */
+     * GGUF_CHUNK_M rows (every decode step) the weights stream from memory once per call.
+     * Groups are handed out guided (shrinking contiguous runs) rather than static: when the OS
+     * gives a thread's core to another (a server's HTTP thread, its clients), the others take
+     * the groups it has not started instead of waiting at the barrier for all of its share. */
     for (int64_t c0 = 0; c0 < M; c0 += GGUF_CHUNK_M) {
         const int64_t c1 = M - c0 < GGUF_CHUNK_M ? M : c0 + GGUF_CHUNK_M;
-        #pragma omp for schedule(static) nowait
+        #pragma omp for schedule(guided) nowait
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = gguf_group_blocks(w, kind, nb, g);
             const int64_t n = N - g * GGUF_ROWS < GGUF_ROWS ? N - g * GGUF_ROWS : GGUF_ROWS;
