@@ -240,32 +240,40 @@ class ModelRunner:
             if c.table_version is None or c.table_version != st.version:
                 tables.write(st.row, c.block_tables)
                 st.version = c.table_version
-        input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-        counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
-        ends = np.cumsum(counts)
-        # per sampling chunk: its last known token, then its drafts
-        sample_idx = [
-            i
-            for c, end in zip(chunks, ends.tolist())
-            if c.sample
-            for i in range(end - 1 - len(c.draft_token_ids), end)
-        ]
-        greedy = _plain_greedy(chunks, sts)
+        n = len(chunks)
         rows_np = np.array([st.row for st in sts], dtype=np.int64)
         starts_np = np.array([c.start_pos for c in chunks], dtype=np.int64)
-        positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(
-            starts_np - (ends - counts), counts
-        )
-        token_rows = np.repeat(rows_np, counts)
-        query_start_loc = [0] + ends.tolist()
-        seq_lens = (starts_np + counts).tolist()
+        input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        greedy = _plain_greedy(chunks, sts)
+        if len(input_ids) == n:  # one token per chunk (a decode step): no drafts, no spans
+            counts = None
+            sample_idx = [i for i, c in enumerate(chunks) if c.sample]
+            positions, token_rows = starts_np, rows_np
+            query_start_loc = list(range(n + 1))
+            seq_lens = (starts_np + 1).tolist()
+        else:
+            counts = np.fromiter((len(c.token_ids) for c in chunks), np.int64, n)
+            ends = np.cumsum(counts)
+            # per sampling chunk: its last known token, then its drafts
+            sample_idx = [
+                i
+                for c, end in zip(chunks, ends.tolist())
+                if c.sample
+                for i in range(end - 1 - len(c.draft_token_ids), end)
+            ]
+            positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(
+                starts_np - (ends - counts), counts
+            )
+            token_rows = np.repeat(rows_np, counts)
+            query_start_loc = [0] + ends.tolist()
+            seq_lens = (starts_np + counts).tolist()
         block, offset = np.divmod(positions, bs)
         metas = []
         for g in range(len(self.kv_groups)):
             table = tables.tables[g]
             lens = tables.lens[g][rows_np]
             width = int(lens.max())
-            if (block >= np.repeat(lens, counts)).any():
+            if (block >= (lens if counts is None else np.repeat(lens, counts))).any():
                 raise ValueError("a scheduled position lies past its sequence's block table")
             metas.append(
                 AttentionMetadata(
@@ -281,11 +289,9 @@ class ModelRunner:
             meta.layers = [metas[g] for g in self.layer_group]
         lora = getattr(self.model, "lora_step", None)  # LoRA adapters: each token's slot
         if lora is not None:
-            slots = [lora.slot_of(c.seq.lora_key) for c in chunks]
-            lora.set(
-                torch.tensor(slots, dtype=torch.long).repeat_interleave(torch.from_numpy(counts))
-            )
-        ids = torch.tensor(input_ids, dtype=torch.long)
+            slots = torch.tensor([lora.slot_of(c.seq.lora_key) for c in chunks], dtype=torch.long)
+            lora.set(slots if counts is None else slots.repeat_interleave(torch.from_numpy(counts)))
+        ids = long_tensor(input_ids)
         return _Flat(ids, torch.from_numpy(positions), meta, sample_idx, greedy)
 
     def prepare(
@@ -305,7 +311,7 @@ class ModelRunner:
         sample_idx = f.sample_idx
         if spans:
             sample_idx = sample_idx + [r for _, a, n, _ in spans for r in range(a, a + n)]
-        rows = torch.tensor(sample_idx, dtype=torch.long)
+        rows = long_tensor(sample_idx)
         return StepBatch(
             out, f.input_ids, f.positions, f.meta, rows, len(f.sample_idx), spans, f.greedy
         )
@@ -339,10 +345,10 @@ class ModelRunner:
             batch = self.batch(out)
         return self.sample(batch, self.forward(out, batch), grammar)
 
-    @torch.inference_mode()
     def forward(self, out: SchedulerOutput, batch: StepBatch | None) -> torch.Tensor | None:
         """The first half of `execute`: the step's copy-on-write copies and its forward, the
-        logits at `batch.rows` (None when `out` has no chunk)."""
+        logits at `batch.rows` (None when `out` has no chunk). Runs inside execute's inference
+        mode (entering it costs microseconds a step)."""
         if out.copy_blocks:
             self.copy_blocks(out.copy_blocks)
         if not out.chunks:
@@ -351,10 +357,9 @@ class ModelRunner:
             return None
         return self.backend.logits(batch)
 
-    @torch.inference_mode()
     def sample(self, batch: StepBatch | None, logits: torch.Tensor | None, grammar) -> StepOutput:
         """The second half of `execute`: the step's tokens (and prompt logprobs) from the
-        logits `forward` returned."""
+        logits `forward` returned, inside execute's inference mode."""
         if logits is None or batch.rows.numel() == 0:
             return StepOutput()
         n = batch.num_sample_rows
@@ -516,6 +521,11 @@ class _BlockTables:
             if old > n:
                 table[row, n:old] = 0
             lens[row] = n
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """An int64 CPU tensor of a list, through numpy: a third of torch.tensor's cost per call."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def _plain_greedy(chunks: list, states: list) -> bool:
