@@ -82,6 +82,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return "", True
         self._ids.extend(new_token_ids)
+        if not self.stop:  # nothing to match or hold back
+            return self._emit(self._decode_new()), False
         buf = self._pending + self._decode_new()
         self._pending = ""
 

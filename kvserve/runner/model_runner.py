@@ -363,7 +363,9 @@ class ModelRunner:
         if logits is None or batch.rows.numel() == 0:
             return StepOutput()
         n = batch.num_sample_rows
-        step = StepOutput(prompt_logprobs=prompt_logprobs(batch.spans, logits[n:]))
+        step = StepOutput()
+        if batch.spans:
+            step.prompt_logprobs = prompt_logprobs(batch.spans, logits[n:])
         sampling = [c for c in batch.out.chunks if c.sample]
         step.sampled = self._sample(sampling, logits[:n], grammar, batch.greedy)
         return step
