@@ -245,7 +245,7 @@ class ModelRunner:
         starts_np = np.array([c.start_pos for c in chunks], dtype=np.int64)
         input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         greedy = _plain_greedy(chunks, sts)
-        if len(input_ids) == n:  # one token per chunk (a decode step): no drafts, no spans
+        if len(input_ids) == n:  # one token per chunk (a decode step): no drafts
             counts = None
             sample_idx = [i for i, c in enumerate(chunks) if c.sample]
             positions, token_rows = starts_np, rows_np
