@@ -398,14 +398,19 @@ def run_llamacpp(args, reqs: list[BenchRequest], gguf: str) -> dict:
                 **llamacpp_request_kwargs(gguf, args.llamacpp_bin, reqs),
             )
         )
+    return served_run("llamacpp", llamacpp_config(args), reqs, timings, elapsed)
+
+
+def served_run(engine: str, config: dict, reqs: list[BenchRequest], timings, elapsed) -> dict:
+    """The run of a server peer from its requests' timings; any failed request fails the run."""
     failed = [t for t in timings if not t.ok]
     if failed:
-        raise RuntimeError(f"llama.cpp: {len(failed)} requests failed, first: {failed[0].error}")
+        raise RuntimeError(f"{engine}: {len(failed)} requests failed, first: {failed[0].error}")
     inp, _ = _counts(reqs)
     useful = sum(min(t.output_tokens, r.max_tokens) for t, r in zip(timings, reqs))
     return {
-        "engine": "llamacpp",
-        "config": llamacpp_config(args),
+        "engine": engine,
+        "config": config,
         "metrics": throughput_report(
             len(reqs), inp, sum(t.output_tokens for t in timings), useful, elapsed
         ),
@@ -455,18 +460,7 @@ def run_server(args, reqs: list[BenchRequest], gguf: str) -> dict:
         model = served_model(url)
         asyncio.run(run_load(url, warm, model, progress=False))
         timings, elapsed = asyncio.run(run_load(url, reqs, model, progress=not args.no_progress))
-    failed = [t for t in timings if not t.ok]
-    if failed:
-        raise RuntimeError(f"kvserve serve: {len(failed)} requests failed: {failed[0].error}")
-    inp, _ = _counts(reqs)
-    useful = sum(min(t.output_tokens, r.max_tokens) for t, r in zip(timings, reqs))
-    return {
-        "engine": "server",
-        "config": {"server_args": flags, "streamed": True},
-        "metrics": throughput_report(
-            len(reqs), inp, sum(t.output_tokens for t in timings), useful, elapsed
-        ),
-    }
+    return served_run("server", {"server_args": flags, "streamed": True}, reqs, timings, elapsed)
 
 
 PEERS = {"hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm, "server": run_server}
