@@ -23,10 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.model.layers import UnquantizedMethod
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.quant import GgufMethod
-from kvserve.model.quant.gguf import FLOAT_ACTS, pack_dense_model
+from kvserve.model.quant.gguf import FLOAT_ACTS, pack_dense_model, packed_linear
 from kvserve.ops import cpu_kernels
 from kvserve.ops.attention import AttentionMetadata
 
@@ -62,7 +61,7 @@ class CLayerStack:
             declined = pack_dense_model(model)
             if declined is None:
                 why = cls.refusal(model)
-            elif isinstance(model.layers[0].mlp.down_proj.quant_method, UnquantizedMethod):
+            elif packed_linear(model) is None:  # dense, yet not packed: say why
                 why = Refusal(f"dense weights not packed for it: {declined}", GGUF_FIX)
         if why is None and kv_caches is not None and not cls.runs(kv_caches):
             why = Refusal(

@@ -289,7 +289,7 @@ class ModelRunner:
             meta.layers = [metas[g] for g in self.layer_group]
         lora = getattr(self.model, "lora_step", None)  # LoRA adapters: each token's slot
         if lora is not None:
-            slots = torch.tensor([lora.slot_of(c.seq.lora_key) for c in chunks], dtype=torch.long)
+            slots = long_tensor([lora.slot_of(c.seq.lora_key) for c in chunks])
             lora.set(slots if counts is None else slots.repeat_interleave(torch.from_numpy(counts)))
         ids = long_tensor(input_ids)
         return _Flat(ids, torch.from_numpy(positions), meta, sample_idx, greedy)

@@ -185,6 +185,19 @@ def _dense_reason(parts, kinds, runs) -> str | None:
     return None
 
 
+def packed_linear(model) -> Linear | None:
+    """The first linear of `model` that does not hold dense float weights (UnquantizedMethod),
+    or None: a dense model, the kind pack_dense_model takes."""
+    return next(
+        (
+            m
+            for m in model.modules()
+            if isinstance(m, Linear) and type(m.quant_method) is not UnquantizedMethod
+        ),
+        None,
+    )
+
+
 def pack_dense_model(model) -> str | None:
     """Pack a dense float32 model's linears (the tied LM head from the embedding, which then
     reads its rows from the head) into kind 32 with FLOAT_ACTS, in place, so the C kernels run it
@@ -199,9 +212,10 @@ def pack_dense_model(model) -> str | None:
         return "the C kernels are not built"
     if any(p.device.type != "cpu" for p in model.parameters()):
         return "the weights are not on the CPU"
+    other = packed_linear(model)
+    if other is not None:
+        return f"a linear holds {type(other.quant_method).__name__} weights"
     for lin in linears:
-        if type(lin.quant_method) is not UnquantizedMethod:
-            return f"a linear holds {type(lin.quant_method).__name__} weights"
         if lin.in_features % 32:
             return f"a linear's {lin.in_features} inputs are not a multiple of 32"
     if tied and (model.embed_tokens.weight is None or arch.hidden_size % 32):
