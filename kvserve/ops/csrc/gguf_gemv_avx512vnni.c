@@ -17,16 +17,18 @@ const char *gguf_kernel_isa(void) { return "avx512vnni"; }
 
 /* 256 sum_j q_j xa_j + sum_j q_j xb_j for the 16 rows over chunks c0 .. c1 - 1: q[c] holds
  * weights 4c..4c+3 of each row, x the block's 32 xa then 32 xb. P = 1 (one-part activations, every
- * xb = 0): 256 sum_j q_j xa_j, the same integer from half the multiplies. */
+ * xb = 0): 256 sum_j q_j xa_j, the same integer from half the multiplies, summed in two chains
+ * (even and odd chunks) so that consecutive vpdpbusd do not wait on each other's latency. */
 static inline __attribute__((always_inline)) __m512i
 dot_two_parts(const __m512i q[8], const int8_t *x, const int c0, const int c1, const int P) {
     const int32_t *xa = (const int32_t *)x, *xb = xa + 8;
     __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
     for (int c = c0; c < c1; c++) {
-        sa = _mm512_dpbusd_epi32(sa, q[c], _mm512_set1_epi32(xa[c]));
+        if (P == 1 && (c - c0) & 1) sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xa[c]));
+        else sa = _mm512_dpbusd_epi32(sa, q[c], _mm512_set1_epi32(xa[c]));
         if (P == 2) sb = _mm512_dpbusd_epi32(sb, q[c], _mm512_set1_epi32(xb[c]));
     }
-    return P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb) : _mm512_slli_epi32(sa, 8);
+    return P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(sa, 8), sb) : _mm512_slli_epi32(_mm512_add_epi32(sa, sb), 8);
 }
 
 /* dot_two_parts of row r's block b, with the xb products skipped (P = 1) where mixed parts left
