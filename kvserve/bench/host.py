@@ -25,6 +25,8 @@ C kernels leave it), standing in for the device's time per step, and times by th
 the next step is scheduled and flattened while the forward sleeps, so a step takes about
 max(host, X) plus the update and output work instead of host + X. Its phases overlap the
 forward, so they no longer add up to the step ("other" goes negative).
+
+--server also runs each batch size behind the HTTP server (kvserve/bench/host_served.py).
 """
 
 from __future__ import annotations
@@ -127,6 +129,13 @@ def add_args(p) -> None:
         "(default: %(default)s)",
     )
     g.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    g.add_argument(
+        "--server",
+        action="store_true",
+        help="also run each batch size behind kvserve's HTTP server, streamed to a client "
+        "process: the step period and CPU time per step with the server in the loop "
+        "(kvserve/bench/host_served.py)",
+    )
     g.add_argument(
         "--profile-batch",
         type=int,
@@ -501,6 +510,35 @@ def print_table(results: list[dict]) -> None:
     print(common.table(head, rows))
 
 
+def run_served(engine, args, sizes: list[int], async_on: bool) -> dict:
+    """Every batch size again with the engine behind the server (host_served.py); its run."""
+    from kvserve.bench import host_served
+
+    served = host_served.ServedEngine(engine)
+    try:
+        rng = random.Random(1)
+        results = []
+        for b in sizes:
+            print(f"batch {b}, served: {args.rounds} rounds of {args.steps} steps", file=sys.stderr)
+            results.append(host_served.measure(served, args, b, rng))
+    finally:
+        served.close()
+    head = ["batch", "step period us", "tok/s", "process CPU us", "engine thread us", "HTTP us"]
+    rows = [
+        [r["batch"], f"{r['step_wall_us']:.0f}", f"{r['tok_s']:,.0f}"]
+        + [f"{r[k]:.0f}" for k in ("process_cpu_us", "engine_thread_cpu_us", "http_cpu_us")]
+        for r in results
+    ]
+    print("\nwith the server in the loop (per step; HTTP: the event loop and other threads)")
+    print(common.table(head, rows))
+    return {
+        "engine": "kvserve",
+        "mode": "server, null forward" + (", async scheduling" if async_on else ""),
+        "config": {"threads": args.threads, "async_scheduling": async_on},
+        "batches": results,
+    }
+
+
 def main(args, argv: list[str]) -> int:
     import torch
 
@@ -517,6 +555,10 @@ def main(args, argv: list[str]) -> int:
         args.clock = "wall" if args.forward_ms else "cpu"
     result = common.new_result("host", argv, args)
     max_len = args.prompt_len + args.warmup + 2 * args.steps + 16
+    if args.server:
+        from kvserve.bench.host_served import served_tokens
+
+        max_len = max(max_len, args.prompt_len + served_tokens(args) + 16)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     result["workload"] = {
         "batch_sizes": sizes,
@@ -587,6 +629,8 @@ def main(args, argv: list[str]) -> int:
                         ],
                     )
                 )
+        if args.server:
+            result["runs"].append(run_served(engine, args, sizes, async_on))
         engine.close()
     result["load_avg_after"] = os.getloadavg()[0]
     common.save_result(result, args.output, args.save, "host-steps")

@@ -450,6 +450,21 @@ def rows_host(res: dict) -> list[dict]:
                 + ", ".join(f"{p} {ph[p]:,.0f}" for p in top),
             )
         )
+    for run in res["runs"]:
+        if not run["mode"].startswith("server"):
+            continue
+        for b in run["batches"]:
+            out.append(
+                dict(
+                    what="host us per decode step with the server in the loop: step period "
+                    f"(tok/s), CPU per step, median of {w['rounds']} rounds",
+                    metric="host",
+                    load=f"batch {b['batch']}, prompt {w['prompt_tokens']}, streamed",
+                    ours=f"{b['step_wall_us']:,.0f} ({fmt_rate(b['tok_s'])}); CPU "
+                    f"{b['process_cpu_us']:,.0f} = engine thread {b['engine_thread_cpu_us']:,.0f}"
+                    f" + HTTP {b['http_cpu_us']:,.0f}",
+                )
+            )
     return out
 
 
