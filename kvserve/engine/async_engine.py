@@ -20,6 +20,8 @@ stop strings (`defer_text`); each step's deferred snapshots travel with its outp
 same `call_soon_threadsafe`, and the event loop detokenizes them before routing anything, in
 step order. The engine thread is left the work that decides what runs next (a stop string
 ends its sequence at once, so requests with stop strings detokenize on the engine thread).
+An unfinished output's `token_ids` and `logprobs` hold the step's tokens only (the processor's
+`delta_snapshots`: no copy of a long completion's lists each step); the final output is whole.
 
 Admission fast path: when the waiting queue is known to be full, `generate` raises
 QueueFullError on the event loop at once instead of waiting for the engine thread to get
@@ -77,6 +79,7 @@ class AsyncEngine:
         self._processor = getattr(core, "processor", None)
         if self._processor is not None:
             self._processor.defer_text = True  # detokenized on the event loop: _dispatch
+            self._processor.delta_snapshots = True  # whole lists in final outputs only
         self.max_waiting: int = core.config.scheduler.max_waiting
         self.accepting = True
         self.restarts = 0

@@ -12,6 +12,11 @@ engine's thread. Its snapshots leave the processor with their token deltas only 
 in `deferred`; `fill_deferred_text` runs the sample's detokenizer over them on another thread
 (the event loop, in step order), token by token as here, so the text is the same. Samples with
 stop strings, and beam search, detokenize here: a stop string must end the sequence at once.
+
+Delta snapshots (`delta_snapshots`, set by the server's AsyncEngine, whose streams read deltas
+and whole lists only from the final output): an unfinished sample's snapshot carries the step's
+token ids and logprobs as its `token_ids` and `logprobs` instead of copies of the whole lists,
+so a snapshot costs the same at the 10,000th token as at the first. The final snapshot is whole.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class OutputProcessor:
         self.generation_tokens_total = 0
         # Detokenize samples without stop strings elsewhere (see the module's docstring).
         self.defer_text = False
+        # Unfinished samples' snapshots carry only the step's lists (see the module's docstring).
+        self.delta_snapshots = False
         # (request id, snapshot, detokenizer) of deferred samples' snapshots, in emit order.
         self.deferred: list[tuple[str, CompletionOutput, IncrementalDetokenizer]] = []
 
@@ -245,16 +252,19 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs if complete else None,
         )
 
-    @staticmethod
-    def _snapshot(sample: SampleState) -> CompletionOutput:
+    def _snapshot(self, sample: SampleState) -> CompletionOutput:
         o = sample.out
+        whole = not self.delta_snapshots or o.finished
+        lps = o.logprobs
+        if lps is not None:
+            lps = list(lps) if whole else o.delta_logprobs
         snap = CompletionOutput(
             index=o.index,
             text=o.text,
-            token_ids=list(o.token_ids),
+            token_ids=list(o.token_ids) if whole else o.delta_token_ids,
             delta_text=o.delta_text,
             delta_token_ids=o.delta_token_ids,
-            logprobs=None if o.logprobs is None else list(o.logprobs),
+            logprobs=lps,
             delta_logprobs=o.delta_logprobs,
             cumulative_logprob=o.cumulative_logprob,
             finish_reason=o.finish_reason,

@@ -264,16 +264,22 @@ def test_one_decode_per_token_once_the_window_texts_are_cached(tokenizer):
 # ---- deferred text: the server's OutputProcessor detokenizes off the engine thread ----
 
 
-def run_processor(tokenizer, params, ids: list[int], defer: bool, finish_at: int | None = None):
+def run_processor(
+    tokenizer, params, ids, defer: bool, finish_at: int | None = None, delta=False, raw=None
+):
     """Feed `ids` to an OutputProcessor one step (token) at a time; the snapshots it emits, text
-    filled by fill_deferred_text where deferred. `finish_at`: the sequence ends (length) there."""
+    filled by fill_deferred_text where deferred. `finish_at`: the sequence ends (length) there.
+    `delta`: delta snapshots; `raw`: a list that gets the snapshots themselves. With
+    params.logprobs, token t comes with logprob -t / 1000."""
     from types import SimpleNamespace
 
     from kvserve.engine.output_processor import OutputProcessor, fill_deferred_text
+    from kvserve.runner.sampler import TokenLogprobs
     from kvserve.runner.step_output import SampledToken
 
     proc = OutputProcessor(tokenizer)
     proc.defer_text = defer
+    proc.delta_snapshots = delta
     seq = SimpleNamespace(
         seq_id="r#0",
         sampling_params=params,
@@ -286,12 +292,17 @@ def run_processor(tokenizer, params, ids: list[int], defer: bool, finish_at: int
     snaps = []
     for k, tok in enumerate(ids):
         seq.output_token_ids.append(tok)
-        stopped = proc.append_token(state, sample, SampledToken(tok, None), 0.0)
+        lp = None
+        if params.logprobs is not None:
+            lp = TokenLogprobs(tok, -tok / 1000, 1, [(tok, -tok / 1000)])
+        stopped = proc.append_token(state, sample, SampledToken(tok, lp), 0.0)
         if not stopped and k + 1 == finish_at:
             proc.finish_sample(sample, seq)
         out = proc.emit(state)
         assert not fill_deferred_text(proc.take_deferred())
         snaps.extend(out.outputs)
+        if raw is not None:
+            raw.extend(out.outputs)
         if out.finished:
             break
     return [(s.text, s.delta_text, s.delta_token_ids, s.finish_reason) for s in snaps], sample
@@ -315,3 +326,24 @@ def test_stop_strings_stay_on_the_engine_thread(tokenizer):
     assert not sample.deferred
     assert snaps[-1][0] == "then " and snaps[-1][3] == "stop"
     assert sum(len(s[2]) for s in snaps) < len(ids)  # the sequence ended at the stop string
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_delta_snapshots_carry_the_step_and_end_whole(tokenizer, defer):
+    """The server's snapshots: the same text and deltas as whole ones; an unfinished snapshot's
+    token_ids and logprobs are its step's alone (never a growing copy), the final one whole."""
+    params = SamplingParams(logprobs=1)
+    ids = tokenizer.encode("안녕하세요, 세계! 🙂 and the rest of it")
+    whole, delta = [], []
+    a, _ = run_processor(tokenizer, params, ids, defer, len(ids), raw=whole)
+    b, _ = run_processor(tokenizer, params, ids, defer, len(ids), delta=True, raw=delta)
+    assert a == b and len(delta) == len(ids)
+    for k, (w, d) in enumerate(zip(whole, delta)):
+        assert w.token_ids == ids[: k + 1]
+        assert [lp.logprob for lp in w.logprobs] == [-t / 1000 for t in ids[: k + 1]]
+        if k + 1 < len(ids):
+            assert d.token_ids == [ids[k]] == d.delta_token_ids
+            assert [lp.token_id for lp in d.logprobs] == [ids[k]]
+        else:
+            assert d.finish_reason == "length"
+            assert d.token_ids == ids and len(d.logprobs) == len(ids)
