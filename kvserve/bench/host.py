@@ -523,10 +523,12 @@ def run_served(engine, args, sizes: list[int], async_on: bool) -> dict:
             results.append(host_served.measure(served, args, b, rng))
     finally:
         served.close()
-    head = ["batch", "step period us", "tok/s", "process CPU us", "engine thread us", "HTTP us"]
+    head = ["batch", "step period us", "tok/s", "process CPU us", "engine thread us"]
+    head += ["in core.step us", "HTTP us"]
+    keys = ("process_cpu_us", "engine_thread_cpu_us", "core_step_cpu_us", "http_cpu_us")
     rows = [
         [r["batch"], f"{r['step_wall_us']:.0f}", f"{r['tok_s']:,.0f}"]
-        + [f"{r[k]:.0f}" for k in ("process_cpu_us", "engine_thread_cpu_us", "http_cpu_us")]
+        + [f"{r[k]:.0f}" for k in keys]
         for r in results
     ]
     print("\nwith the server in the loop (per step; HTTP: the event loop and other threads)")

@@ -7,7 +7,9 @@ the cycle's text over SSE, a stop string checked on every token). Once every req
 --steps consecutive steps of B tokens (after --warmup such steps) are timed from the engine
 thread: the step period (wall clock from one step's start to the next one's, the engine thread
 waiting for the GIL and the event loop included), this process's CPU time per step (engine
-thread, event loop: HTTP, SSE and detokenizing), and the engine thread's own CPU time per step.
+thread, event loop: HTTP, SSE and detokenizing), the engine thread's own CPU time per step, and
+the part of it inside EngineCore.step (the rest: the AsyncEngine loop's commands, output
+delivery and metrics).
 The client's work is in its own process and not counted. Compared with the offline figure of the
 same batch (no server), the difference is what serving costs per step.
 """
@@ -29,23 +31,22 @@ from kvserve.bench.host import NEVER_STOP, _prompts
 
 
 class StepLog:
-    """(wall, process CPU, engine-thread CPU, tokens) at the start of each engine step, recorded
-    by a wrapper set on the core as an instance attribute (the engine thread calls it)."""
+    """(wall, process CPU, engine-thread CPU, engine-thread CPU inside EngineCore.step so far,
+    tokens) at the start of each engine step, recorded by a wrapper set on the core as an
+    instance attribute (the engine thread calls it)."""
 
     def __init__(self, core):
-        self.core, self.rows = core, []
+        self.core, self.rows, self.inside = core, [], 0.0
         step = core.step
 
         def timed():
-            self.rows.append(
-                (
-                    time.perf_counter(),
-                    time.process_time(),
-                    time.thread_time(),
-                    core.last_step_tokens,
-                )
-            )
-            return step()
+            t = time.thread_time()
+            row = (time.perf_counter(), time.process_time(), t, self.inside, core.last_step_tokens)
+            self.rows.append(row)
+            try:
+                return step()
+            finally:
+                self.inside += time.thread_time() - t
 
         core.step = timed
 
@@ -54,14 +55,18 @@ class StepLog:
 
 
 class ServedEngine:
-    """The null engine behind kvserve's app and uvicorn, on 127.0.0.1 (a free port)."""
+    """The null engine behind kvserve's app and uvicorn, on 127.0.0.1 (a free port), with the
+    GIL switch interval `kvserve serve` sets."""
 
     def __init__(self, core):
         import uvicorn
 
         from kvserve.engine.async_engine import AsyncEngine
         from kvserve.server.app import build_app
+        from kvserve.server.launcher import SWITCH_INTERVAL_S
 
+        self.switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `kvserve serve` runs
         self.log = StepLog(core)
         self.engine = AsyncEngine(core)
         app = build_app(self.engine)
@@ -86,6 +91,7 @@ class ServedEngine:
         asyncio.run(self.engine.shutdown(timeout=5))
         self.log.remove()
         self.sock.close()
+        sys.setswitchinterval(self.switch_interval)
 
 
 def served_tokens(args) -> int:
@@ -115,12 +121,13 @@ def measure_round(served: ServedEngine, args, batch: int, rng) -> dict:
         if time.monotonic() > deadline:
             raise RuntimeError(f"batch {batch}: the server kept requests of a gone client")
         time.sleep(0.05)
-    (w0, p0, e0, _), (w1, p1, e1, _) = rows[0], rows[-1]
+    (w0, p0, e0, s0, _), (w1, p1, e1, s1, _) = rows[0], rows[-1]
     n = len(rows) - 1
     return {
         "step_wall_us": (w1 - w0) / n * 1e6,
         "process_cpu_us": (p1 - p0) / n * 1e6,
         "engine_thread_cpu_us": (e1 - e0) / n * 1e6,
+        "core_step_cpu_us": (s1 - s0) / n * 1e6,
     }
 
 
@@ -132,7 +139,7 @@ def _wait_for_steps(log: StepLog, start: int, batch: int, warmup: int, steps: in
         rows = log.rows[start:]
         run = 0
         for i in range(1, len(rows)):
-            run = run + 1 if rows[i][3] == batch else 0
+            run = run + 1 if rows[i][4] == batch else 0
             if run == warmup + steps + 1:  # rows i - steps .. i start steps of batch tokens
                 return rows[i - steps : i + 1]
         if client.poll() is not None:
