@@ -366,7 +366,7 @@ def _params(args, max_tokens: int):
     )
 
 
-def _prompts(engine, batch: int, length: int, rng: random.Random) -> list[list[int]]:
+def random_prompts(engine, batch: int, length: int, rng: random.Random) -> list[list[int]]:
     """Random prompts of ordinary tokens, none in the cycle (the first token is cycle[0])."""
     avoid = set(engine.cycle) | set(engine.eos_token_ids)
     vocab = engine.arch.vocab_size
@@ -379,7 +379,7 @@ def run_round(engine, timers: PhaseTimers, args, batch: int, rng, profile=None) 
     max_tokens = args.warmup + 2 * args.steps + 8
     params = _params(args, max_tokens)
     ids = [f"h{batch}-{rng.randrange(1 << 30)}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, _prompts(engine, batch, args.prompt_len, rng)):
+    for rid, prompt in zip(ids, random_prompts(engine, batch, args.prompt_len, rng)):
         engine.add_request(rid, prompt, params)
     produced = dict.fromkeys(ids, 0)
     waiting = set(ids)

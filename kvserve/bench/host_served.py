@@ -9,9 +9,8 @@ thread: the step period (wall clock from one step's start to the next one's, the
 waiting for the GIL and the event loop included), this process's CPU time per step (engine
 thread, event loop: HTTP, SSE and detokenizing), the engine thread's own CPU time per step, and
 the part of it inside EngineCore.step (the rest: the AsyncEngine loop's commands, output
-delivery and metrics).
-The client's work is in its own process and not counted. Compared with the offline figure of the
-same batch (no server), the difference is what serving costs per step.
+delivery and metrics). The client's work is in its own process and not counted. Compared with
+the offline figure of the same batch (no server), the difference is what serving costs per step.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import tempfile
 import threading
 import time
 
-from kvserve.bench.host import NEVER_STOP, _prompts
+from kvserve.bench.host import NEVER_STOP, random_prompts
 
 
 class StepLog:
@@ -105,7 +104,7 @@ def measure_round(served: ServedEngine, args, batch: int, rng) -> dict:
     --warmup such steps: step period, process and engine-thread CPU per step. The client is then
     stopped (the server aborts what it left) and the engine left idle."""
     core = served.log.core
-    prompts = _prompts(core, batch, args.prompt_len, rng)
+    prompts = random_prompts(core, batch, args.prompt_len, rng)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"url": served.url, "prompts": prompts, "max_tokens": served_tokens(args)}, f)
     start = len(served.log.rows)
