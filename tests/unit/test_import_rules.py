@@ -65,7 +65,19 @@ RULES: dict[str, set[str]] = {
     # The benchmarks drive kvserve as a user does: the HTTP server as a client, `kvserve.LLM` (the
     # package) offline, the engine flags of config. bench.tokenize counts tokens on the client side
     # with the served model's tokenizer (model.tokenizer only: no torch, no weights).
-    "bench": {"kvserve", "config", "sampling_params", "model.tokenizer"},
+    "bench": {"kvserve", "config", "sampling_params", "model.tokenizer", "bench.host_served"},
+    # `bench host --server` measures the engine's step behind the server's own app, in-process
+    # around a null forward: the one bench module that sees the async engine and the app.
+    "bench.host_served": {
+        "bench",
+        "kvserve",
+        "config",
+        "sampling_params",
+        "model.tokenizer",
+        "engine.async_engine",
+        "server.app",
+        "server.launcher",
+    },
     # Top-level tools and entry points.
     "kvserve": {"sampling_params", "engine.llm"},  # the package: SamplingParams, LLM (lazily)
     "__main__": {"cli"},
@@ -79,7 +91,7 @@ RULES: dict[str, set[str]] = {
 NO_TORCH = {"core", "config", "sampling_params", "outputs", "router"}
 # Rooms inside a room, with rules of their own -> the rooms that may enter them. The engine learns
 # how steps run from ModelRunner.step_path, never from a backend.
-SUBROOMS: dict[str, set[str]] = {"runner.backends": {"runner"}}
+SUBROOMS: dict[str, set[str]] = {"runner.backends": {"runner"}, "bench.host_served": {"bench"}}
 
 
 def module_name(path: Path, root: Path = KVSERVE) -> str:
