@@ -11,8 +11,8 @@ windows of --window tokens. Every linear's Hessian 2 X^T X comes from one pass o
 (inputs not re-run through the quantized layers before it). Groups are fixed by column (g_idx =
 column // group, the layout kvserve packs onto its 4-bit blocks); --act-order rounds the columns
 in decreasing Hessian diagonal order within those fixed groups (gptqmodel's static groups).
-The packing is the tests' reference packer (tests/unit/test_gptq_awq.py): run from the
-repository's root.
+Group parameters and packing are the tests' reference (tests/unit/test_gptq_awq.py): run from
+the repository's root.
 """
 
 from __future__ import annotations
@@ -27,20 +27,9 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 
-from tests.unit.test_gptq_awq import pack_gptq  # noqa: E402
+from tests.unit.test_gptq_awq import group_params, pack_gptq  # noqa: E402
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min/max zero point and fp16 scale of each row of w [out, cols] (symmetric: z = 2^(b-1))."""
-    top = (1 << bits) - 1
-    if sym:
-        s = (2 * w.abs().amax(1) / top).clamp_min(1e-6).half()
-        return torch.full((w.shape[0],), (top + 1) // 2, dtype=torch.int64), s
-    lo, hi = w.amin(1).clamp_max(0), w.amax(1).clamp_min(0)
-    s = ((hi - lo) / top).clamp_min(1e-6).half()
-    return torch.round(-lo / s.float()).clamp(0, top).long(), s
 
 
 def quantize_linear(w, H, group: int, bits: int, sym: bool, damp: float, act_order: bool, rtn):

@@ -20,9 +20,21 @@ OUT, IN = 48, 256  # 48 rows: the packed kind's last group of 16 rows is padded
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: field j holds output column 8 c + ORDER[j]
 
 
+def group_params(wg, bits: int, sym: bool):
+    """Each row's zero point (int64) and fp16 scale over the columns wg [out, cols] of one group:
+    min/max asymmetric, or symmetric with z = 2^(bits-1). Computed in wg's dtype."""
+    top = (1 << bits) - 1
+    if sym:
+        s = (2 * wg.abs().amax(1) / top).clamp_min(1e-6).half()
+        return torch.full((wg.shape[0],), (top + 1) // 2, dtype=torch.int64), s
+    lo, hi = wg.amin(1).clamp_max(0), wg.amax(1).clamp_min(0)
+    s = ((hi - lo) / top).clamp_min(1e-6).half()
+    return torch.round(-lo / s.float()).clamp(0, top).long(), s
+
+
 def quantize(w, groups, ngroups, sym, bits=4):
-    """Round-to-nearest per group (min/max asymmetric, or symmetric with z = 2^(bits-1)):
-    q [out, in], z [ngroups, out] integers, s fp16 [ngroups, out]."""
+    """Round-to-nearest per group (group_params): q [out, in], z [ngroups, out] integers,
+    s fp16 [ngroups, out]."""
     top = (1 << bits) - 1
     q = torch.zeros(w.shape, dtype=torch.int64)
     z = torch.zeros(ngroups, w.shape[0], dtype=torch.int64)
@@ -30,13 +42,7 @@ def quantize(w, groups, ngroups, sym, bits=4):
     for g in range(ngroups):
         cols = (groups == g).nonzero().reshape(-1)
         wg = w[:, cols]
-        if sym:
-            sg = (2 * wg.abs().amax(1) / top).clamp_min(1e-6).half()
-            zg = torch.full((w.shape[0],), (top + 1) // 2)
-        else:
-            lo, hi = wg.amin(1).clamp_max(0), wg.amax(1).clamp_min(0)
-            sg = ((hi - lo) / top).clamp_min(1e-6).half()
-            zg = torch.round(-lo / sg.float()).clamp(0, top).long()
+        zg, sg = group_params(wg, bits, sym)
         q[:, cols] = torch.clamp(torch.round(wg / sg.float()[:, None]) + zg[:, None], 0, top).long()
         z[g], s[g] = zg, sg
     return q, z, s
