@@ -438,6 +438,15 @@ class ModelConfig:
         "context length cap (default: the model's own)",
         flag="--max-model-len",
     )
+    packed_cache: bool = knob(
+        True,
+        "turn the packed-weight cache off: a large GGUF model's weights, once packed for the C "
+        "kernels, are kept in packed/ of the cache directory ($KVSERVE_CACHE_DIR, else "
+        "~/.cache/kvserve), and a later start maps them instead of repacking the file "
+        "(default: on)",
+        flag="--no-packed-cache",
+        negate=True,
+    )
     tokenizer: str | None = None  # tokenizer.json path when not in the model file
 
     def context_len(self, max_position_embeddings: int) -> int:

@@ -39,6 +39,7 @@ class ServerProcess:
         self.name, self.cmd, self.port, self.ready_timeout = name, cmd, port, ready_timeout
         self.api_key = api_key
         self.poll_s = 0.5  # how often __enter__ asks whether the server is ready
+        self.stop_timeout = 15.0  # seconds from SIGTERM to SIGKILL
         self.base_url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(
@@ -77,7 +78,7 @@ class ServerProcess:
             return
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()

@@ -133,8 +133,9 @@ class Embedding(nn.Module):
         """Keep GGUF blocks `w` packed (kvserve.ops.gguf_blocks) and read rows from them: the
         file's values, without a float32 copy of the whole table. False (nothing kept) when `w`
         is not blocks of a packed kind, the model is not float32, or no C kernels are built."""
+        from kvserve.model import packed_cache
         from kvserve.ops import cpu_kernels
-        from kvserve.ops.gguf_blocks import pack_gguf_rows, packed_kind
+        from kvserve.ops.gguf_blocks import pack_gguf_parts, packed_kind
 
         qtype = getattr(w, "qtype", None)
         if (
@@ -147,7 +148,7 @@ class Embedding(nn.Module):
         n, k = self.weight.shape
         if tuple(w.shape) != (n, k):
             raise ValueError(f"embedding is {(n, k)}, got {tuple(w.shape)}")
-        packed, kind = pack_gguf_rows(w)
+        packed, kind = packed_cache.pack([w], pack_gguf_parts)
         self.packed, self.kind = packed, kind
         isa = cpu_kernels.selected_isa()
         self.read_rows_with(lambda ids: cpu_kernels.gguf_rows(packed, kind, n, k, ids, isa=isa))

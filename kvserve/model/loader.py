@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import DTYPES, MODEL_DTYPES, ModelConfig, canonical_dtype
-from kvserve.model import quant
+from kvserve.model import packed_cache, quant
 from kvserve.model.arch import ModelArch
 from kvserve.model.registry import CausalLM, build_model
 from kvserve.model.tokenizer import Tokenizer
@@ -65,6 +65,7 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
     path = cfg.model or default_model_path()
     dtype = torch_dtype(cfg.dtype, MODEL_DTYPES)
     fmt = resolve_quantization(cfg.quantization, path)
+    cache = None  # the packed-weight cache of a GGUF file (model/packed_cache.py)
     if os.path.isdir(path):
         from kvserve.model import hf_loader
 
@@ -93,6 +94,8 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
             else Tokenizer.from_gguf_metadata(g.metadata)
         )
         weights = gguf_loader.iter_gguf_weights(g, arch, keep_blocks=quant.KEEP_BLOCKS.get(fmt, ()))
+        if cfg.packed_cache and fmt in quant.KEEP_BLOCKS:
+            cache = packed_cache.PackedCache(path, fmt)
     else:
         raise FileNotFoundError(f"model {path!r}: no such GGUF file or HF directory")
     arch.bos_token_id = tokenizer.bos_token_id
@@ -108,8 +111,8 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with gguf_repack.threads(threads):  # the C repack runs on every thread
-            for name, w in weights:
+        with gguf_repack.threads(threads), packed_cache.active(cache):
+            for name, w in weights:  # the C repack runs on every thread
                 model.load_weight(name, w)
                 loaded.add(name)
     finally:
@@ -119,6 +122,8 @@ def load_model(cfg: ModelConfig, device: str = "cpu") -> LoadedModel:
         raise ValueError(
             f"{path}: missing weights {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}"
         )
+    if cache is not None:
+        cache.finish()
     model.eval()
     if device != "cpu":
         model.to(device)

@@ -20,7 +20,10 @@ def test_bench_start_times_a_real_server_and_reads_its_memory(tmp_path):
         assert 0 < s["ready_s"] < s["first_reply_s"] < 600
         # the weights are held (at least the file's bytes, packed) beside Python and torch
         assert size < s["peak_rss_bytes"] < size + 4e9
+    first = run["first_start"]  # the untimed start before the rounds
+    assert 0 < first["ready_s"] < first["first_reply_s"] < 600
     rows = report.rows_start(res)
     assert [r["metric"] for r in rows] == ["start0", "start1"]
     ready = run["summary"]["ready_s"]["median"]
     assert rows[0]["ours"].startswith(f"{ready:.2f} (first reply ")
+    assert rows[0]["ours"].endswith(f"; the start before, {first['ready_s']:.2f})")

@@ -42,3 +42,12 @@ def test_the_report_gives_each_figure_against_the_peer():
     assert ready["ours"] == "2.00 (first reply 2.50)" and ready["theirs"].startswith("3.00")
     assert ready["ratio"] == report.x(1.5)
     assert rss["ours"] == "1.30 (+0.30 over the file)" and rss["ratio"] == report.x(1.1 / 1.3)
+
+
+def test_the_report_names_the_untimed_start_before_the_rounds():
+    sample = {"ready_s": 2.0, "first_reply_s": 2.5, "peak_rss_bytes": 1.3e9}
+    base = {"engine": "kvserve", "samples": [sample], "summary": start.summarize([sample])}
+    base["first_start"] = {"ready_s": 9.25, "first_reply_s": 9.5, "peak_rss_bytes": 1.3e9}
+    res = {"kind": "start", "workload": {"model_bytes": 1_000_000_000}, "runs": [base]}
+    ready, _ = report.rows_start(res)
+    assert ready["ours"] == "2.00 (first reply 2.50; the start before, 9.25)"

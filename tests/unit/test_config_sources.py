@@ -273,6 +273,7 @@ def test_the_keywords_are_the_fields():
         [
             "model",
             "dtype",
+            "packed_cache",
             "quantization",
             "lm_head_format",
             "max_model_len",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import packed_cache
 from kvserve.model.layers import Linear, UnquantizedMethod, dense
 from kvserve.model.quant.base import _PackedMethod
 from kvserve.model.quant.blocks import BlockTensor
@@ -81,7 +82,8 @@ class GgufMethod(_PackedMethod):
             return
         layer.dense_weight = None
         for i, (k, run) in enumerate(runs):
-            packed, kind = pack_float_parts(run) if k == FLOAT_KIND else pack_gguf_parts(run)
+            packer = pack_float_parts if k == FLOAT_KIND else pack_gguf_parts
+            packed, kind = packed_cache.pack(run, packer)
             name = "gguf_packed" if len(runs) == 1 else f"gguf_packed_part{i}"
             layer.register_buffer(name, packed, persistent=False)
             layer.gguf_parts.append((packed, kind, sum(p.shape[0] for p in run)))
