@@ -83,6 +83,32 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, later: CompletionOutput) -> CompletionOutput:
+        """This sample's output followed by `later`, its next one, as one output: both deltas,
+        `later`'s state. Lists are new ones: an unfinished `later` adds its delta to this
+        output's lists (whole lists, or a step's as the server's snapshots carry them); a
+        finished one's are whole already."""
+        lps = later.logprobs
+        if not later.finished and self.logprobs is not None:
+            lps = self.logprobs + (later.delta_logprobs or [])
+        delta_lps = later.delta_logprobs
+        if self.delta_logprobs is not None:
+            delta_lps = self.delta_logprobs + (later.delta_logprobs or [])
+        return CompletionOutput(
+            index=later.index,
+            text=later.text,
+            token_ids=(
+                later.token_ids if later.finished else self.token_ids + later.delta_token_ids
+            ),
+            delta_text=self.delta_text + later.delta_text,
+            delta_token_ids=self.delta_token_ids + later.delta_token_ids,
+            logprobs=lps,
+            delta_logprobs=delta_lps,
+            cumulative_logprob=later.cumulative_logprob,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+        )
+
 
 @dataclass
 class RequestOutput:
@@ -100,3 +126,25 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (the first is None, nothing
     # predicts it), in every output once the whole prompt has been computed.
     prompt_logprobs: list[Logprob | None] | None = None
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by `later`, the same request's next one, as one (a stream whose
+        reader fell behind sends one chunk for both): each sample that changed in either, merged
+        where both changed it, in index order; everything else is `later`'s."""
+        samples = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            before = samples.get(o.index)
+            samples[o.index] = o if before is None else before.merge(o)
+        return RequestOutput(
+            request_id=later.request_id,
+            prompt_token_ids=later.prompt_token_ids,
+            outputs=[samples[i] for i in sorted(samples)],
+            finished=later.finished,
+            num_cached_tokens=later.num_cached_tokens,
+            metrics=later.metrics,
+            prompt=later.prompt if later.prompt is not None else self.prompt,
+            error=later.error,
+            prompt_logprobs=(
+                later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs
+            ),
+        )

@@ -5,8 +5,10 @@ EngineCore is not thread-safe, so exactly one thread (the engine thread) ever to
 construction. `generate()` queues an "add", cancelling or closing the generator an "abort"; the
 engine thread applies queued commands between steps, runs `core.step()` while there is work,
 and hands each step's outputs to the event loop in one `loop.call_soon_threadsafe`, into
-per-request asyncio queues. So a client that goes away frees its KV blocks within one step,
-and a long prefill never blocks the event loop (torch releases the GIL inside its kernels).
+per-request OutputStreams (a reader that fell behind takes the outputs of several steps merged
+into one, as vLLM's output collector does: one chunk instead of a backlog). So a client that
+goes away frees its KV blocks within one step, and a long prefill never blocks the event loop
+(torch releases the GIL inside its kernels).
 
 The engine loop is supervised: if anything raises out of a step (EngineCore already fails a
 request that breaks a step alone, so this is a bug, not bad input), the requests in flight fail
@@ -67,6 +69,35 @@ class QueueReservation:
         self.left = num_sequences
 
 
+class OutputStream:
+    """One request's outputs on the event loop: the next one, or, when its reader fell behind,
+    everything that came since it last took one merged into one (RequestOutput.merge), so a slow
+    reader sends one chunk for several steps instead of a backlog of chunks. An error is kept
+    apart and handed over after the outputs that came before it; none that come after it."""
+
+    __slots__ = ("output", "error", "ready")
+
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = self.error or item
+        elif self.error is None:  # after an error the request is over: nothing follows it
+            self.output = item if self.output is None else self.output.merge(item)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The pending output (merged), else the error; waits while there is neither."""
+        while self.output is None and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        out, self.output = self.output, None
+        return out if out is not None else self.error
+
+
 class AsyncEngine:
     def __init__(self, core, metrics: EngineMetrics | None = None):
         self.core = core  # touched only by the engine thread from now on
@@ -91,7 +122,7 @@ class AsyncEngine:
         self._core_waiting = 0  # written by the engine thread after each step
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
+        self._streams: dict[str, OutputStream] = {}  # event-loop thread only
         self._live: set[str] = set()  # engine thread only: ids the core holds
         self._last_token_at: dict[str, float] = {}  # engine thread only: for inter-token latency
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
@@ -135,8 +166,7 @@ class AsyncEngine:
         if reservation is None:
             self.check_queue(params.n)
         self._loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        stream = self._streams[request_id] = OutputStream()
         with self._cv:
             if reservation is not None:  # its places become queued ones
                 taken = min(params.n, reservation.left)
@@ -159,7 +189,7 @@ class AsyncEngine:
         done = False
         try:
             while not done:
-                item = await queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -269,13 +299,13 @@ class AsyncEngine:
             if failed and request_id in failed and not isinstance(item, BaseException):
                 item = RuntimeError(f"detokenizing failed: {failed[request_id]!r}")
                 self.abort(request_id)
-            queue = self._streams.get(request_id)
-            if queue is not None:
-                queue.put_nowait(item)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(item)
 
     def _fail_all(self, err: BaseException) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(err)
+        for stream in self._streams.values():
+            stream.put(err)
 
     # ---- the engine thread ----
     def _run(self) -> None:
