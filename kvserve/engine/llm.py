@@ -154,6 +154,10 @@ class LLM:
             total=len(order), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True
         )
         start, generated = time.perf_counter(), 0
+        # Only deltas and final outputs are read here: unfinished outputs need not copy the
+        # whole token and logprob lists every step (O(length) each, O(length^2) a request).
+        proc = self.engine.processor
+        before, proc.delta_snapshots = proc.delta_snapshots, True
         try:
             while pending:
                 for out in self.engine.step():
@@ -180,5 +184,6 @@ class LLM:
             self.engine.step()
             raise
         finally:
+            proc.delta_snapshots = before
             bar.close()
         return final

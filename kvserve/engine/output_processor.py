@@ -13,10 +13,11 @@ in `deferred`; `fill_deferred_text` runs the sample's detokenizer over them on a
 (the event loop, in step order), token by token as here, so the text is the same. Samples with
 stop strings, and beam search, detokenize here: a stop string must end the sequence at once.
 
-Delta snapshots (`delta_snapshots`, set by the server's AsyncEngine, whose streams read deltas
-and whole lists only from the final output): an unfinished sample's snapshot carries the step's
-token ids and logprobs as its `token_ids` and `logprobs` instead of copies of the whole lists,
-so a snapshot costs the same at the 10,000th token as at the first. The final snapshot is whole.
+Delta snapshots (`delta_snapshots`, set by the server's AsyncEngine and by LLM.generate while
+it runs, which read deltas and whole lists only from the final output): an unfinished sample's
+snapshot carries the step's token ids and logprobs as its `token_ids` and `logprobs` instead of
+copies of the whole lists, so a snapshot costs the same at the 10,000th token as at the first.
+The final snapshot is whole.
 """
 
 from __future__ import annotations
