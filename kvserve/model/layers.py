@@ -180,6 +180,7 @@ class TiedHeadMixin:
 
     lm_head: "Linear | None"
     tied_head: bool = False
+    lora_step = None  # set by a LoRAManager on the model (a class default: a cheap lookup)
 
     def tie_quantized_head(self, head: Linear) -> None:
         self.lm_head = head

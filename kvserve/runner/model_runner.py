@@ -46,7 +46,7 @@ from kvserve.runner.sampler import (
     SamplerOutput,
     SamplingRow,
     apply_token_bitmask,
-    argmax_rows,
+    argmax_list,
     is_plain_greedy,
     take_rows,
 )
@@ -381,7 +381,7 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare(out)
         rows = torch.tensor(meta.query_start_loc[1:], dtype=torch.long) - 1
         batch = StepBatch(out, input_ids, positions, meta, rows, len(rows))
-        return argmax_rows(self.backend.logits(batch)).tolist()
+        return argmax_list(self.backend.logits(batch))
 
     # ---- sampling ----
     def _sample(self, sampling: list, logits: torch.Tensor, grammar, greedy: bool = False) -> dict:
@@ -391,7 +391,7 @@ class ModelRunner:
         `greedy`: every chunk is a plain greedy one (StepBatch.greedy); unless a grammar masks
         one of them, one argmax over the batch is what the sampler would take for each row."""
         if greedy and (grammar is None or not grammar.rows):
-            tokens = argmax_rows(logits).tolist()
+            tokens = argmax_list(logits)
             return {c.seq.seq_id: [SampledToken(t, None)] for c, t in zip(sampling, tokens)}
         first_rows, row = [], 0
         for c in sampling:

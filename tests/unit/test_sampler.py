@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.runner.sampler import Sampler, SamplingRow, argmax_rows, take_rows
+from kvserve.runner.sampler import Sampler, SamplingRow, argmax_list, argmax_rows, take_rows
 from kvserve.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -252,11 +252,14 @@ def test_sampling_params_validation_names_the_field(kwargs, field):
 )
 def test_argmax_rows_is_torch_argmax(rows):
     """The numpy path gives torch's index on ties (the first), infinities and NaNs (the first
-    NaN)."""
+    NaN), as a tensor and as argmax_list's list."""
     x = torch.tensor(rows, dtype=torch.float32)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[0]), x[0].argmax(dim=-1))  # a 1-d row: a 0-d index
     assert torch.equal(argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # a strided view
+    assert argmax_list(x) == x.argmax(dim=-1).tolist()  # the greedy step's list
+    assert argmax_list(x[:, ::2]) == x[:, ::2].argmax(dim=-1).tolist()
+    assert argmax_list(x.double()) == x.double().argmax(dim=-1).tolist()
     assert torch.equal(
         argmax_rows(x.double()), x.double().argmax(dim=-1)
     )  # other dtypes: torch itself
