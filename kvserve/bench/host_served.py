@@ -16,6 +16,7 @@ the offline figure of the same batch (no server), the difference is what serving
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import socket
@@ -55,20 +56,22 @@ class StepLog:
 
 class ServedEngine:
     """The null engine behind kvserve's app and uvicorn, on 127.0.0.1 (a free port), with the
-    GIL switch interval `kvserve serve` sets."""
+    GIL switch interval `kvserve serve` sets and its startup objects frozen out of the cyclic
+    collector's reach, as it does."""
 
     def __init__(self, core):
         import uvicorn
 
         from kvserve.engine.async_engine import AsyncEngine
         from kvserve.server.app import build_app
-        from kvserve.server.launcher import SWITCH_INTERVAL_S
+        from kvserve.server.launcher import SWITCH_INTERVAL_S, freeze_startup_objects
 
         self.switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `kvserve serve` runs
         self.log = StepLog(core)
         self.engine = AsyncEngine(core)
         app = build_app(self.engine)
+        freeze_startup_objects()  # as `kvserve serve` does
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -91,6 +94,7 @@ class ServedEngine:
         self.log.remove()
         self.sock.close()
         sys.setswitchinterval(self.switch_interval)
+        gc.unfreeze()
 
 
 def served_tokens(args) -> int:

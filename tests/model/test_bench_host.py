@@ -102,9 +102,24 @@ def test_bad_batch_sizes_are_refused():
 def test_command_with_the_server_in_the_loop(tmp_path):
     """--server: the same null-forward engine behind the HTTP server, streamed to a client
     process that must get every token (measure_round raises otherwise); per-step figures."""
+    import gc
+
+    from kvserve.bench import host_served
+
     out = tmp_path / "host.json"
     argv = ["host", "--batch-sizes", "1,3", "--steps", "12", "--warmup", "2", "--rounds", "1"]
-    assert cli.main(argv + ["--server", "--output", str(out)]) == 0
+    frozen = []  # while serving, the startup objects are out of the collector's reach
+    measure = host_served.measure_round
+
+    def watched(*a, **kw):
+        frozen.append(gc.get_freeze_count())
+        return measure(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_served, "measure_round", watched)
+        assert cli.main(argv + ["--server", "--output", str(out)]) == 0
+    assert len(frozen) == 2 and min(frozen) > 10_000
+    assert gc.get_freeze_count() == 0  # and back within reach once the server is closed
     res = json.loads(out.read_text())
     assert [r["mode"] for r in res["runs"]] == ["offline, null forward", "server, null forward"]
     served = res["runs"][1]["batches"]
