@@ -45,6 +45,7 @@ ALIGN = 4096  # every entry starts on a page
 MIN_BYTES = 256 << 20  # smaller loads repack in well under a second
 KEEP_FILES = 4
 FREE_MARGIN = 1 << 30
+MAX_HEADER = 64 << 20  # the entries' JSON: well under a megabyte for any model
 _MADV_POPULATE_READ = 22  # Linux 5.14: map every page now, read faults only (no copies)
 _ROOT = Path(__file__).resolve().parent.parent
 # The sources that define the packed bytes (the kernels' layout and both packers).
@@ -110,18 +111,22 @@ class PackedCache:
         except OSError:
             return
         try:
-            head = os.pread(fd, 16, 0)
-            if len(head) != 16 or head[:8] != MAGIC:
-                return
-            (n,) = struct.unpack("<Q", head[8:])
-            meta = json.loads(os.pread(fd, n, 16))
             st = os.fstat(fd)
             if st.st_uid != os.geteuid() or st.st_mode & 0o022:
                 log.warning("packed-weight cache %s: not this user's alone; repacking", self.file)
                 return
             size = st.st_size
-            if meta.get("key") != self.key or meta.get("size") != size:
+            head = os.pread(fd, 16, 0)
+            if len(head) != 16 or head[:8] != MAGIC:
                 return
+            (n,) = struct.unpack("<Q", head[8:])
+            if n > min(size - 16, MAX_HEADER):
+                raise ValueError(f"a header of {n} bytes")
+            meta = json.loads(os.pread(fd, n, 16))
+            if not isinstance(meta, dict) or meta.get("key") != self.key:
+                return
+            if meta.get("size") != size or not _valid_entries(meta.get("entries"), size):
+                raise ValueError("its entries do not fit the file")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError, json.JSONDecodeError) as e:
             log.warning("packed-weight cache %s unreadable (%s): repacking", self.file, e)
@@ -242,6 +247,19 @@ class PackedCache:
         for _, p in sorted(files, reverse=True)[KEEP_FILES:]:
             with contextlib.suppress(OSError):
                 p.unlink()
+
+
+def _valid_entries(entries, size: int) -> bool:
+    """Whether `entries` (a header's) are what _write writes, each inside a file of `size`."""
+    if not isinstance(entries, list):
+        return False
+    for e in entries:
+        if not isinstance(e, dict) or not isinstance(e.get("parts"), list):
+            return False
+        at, n, kind = e.get("offset"), e.get("nbytes"), e.get("kind")
+        if not all(type(v) is int for v in (at, n, kind)) or at < 0 or n < 0 or at + n > size:
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ bytes the first one packed, byte for byte and with the same greedy tokens; a cha
 damaged cache file or an entry packed from other blocks is repacked, never trusted; a failed
 write leaves nothing behind; small loads and --no-packed-cache write nothing."""
 
+import json
 import logging
 import os
 import threading
@@ -171,7 +172,10 @@ def test_an_entry_packed_from_other_blocks_turns_the_cache_off(tmp_path, small):
     assert again.hits == 3
 
 
-@pytest.mark.parametrize("damage", ["magic", "truncated", "header", "writable by others"])
+@pytest.mark.parametrize(
+    "damage",
+    ["magic", "truncated", "header", "huge header", "not a dict", "entry past the end", "mode"],
+)
 def test_a_damaged_file_is_repacked(tmp_path, small, damage):
     _write(tmp_path, [1, 2])
     (f,) = (tmp_path / "packed").glob("*.pack")
@@ -182,8 +186,20 @@ def test_a_damaged_file_is_repacked(tmp_path, small, damage):
         data = data[: len(data) - 100]
     elif damage == "header":
         data[20:30] = b"\xff" * 10
+    elif damage == "huge header":
+        data[8:16] = (1 << 62).to_bytes(8, "little")
+    elif damage in ("not a dict", "entry past the end"):
+        n = int.from_bytes(data[8:16], "little")
+        meta = json.loads(bytes(data[16 : 16 + n]))
+        if damage == "not a dict":
+            meta = [meta]
+        else:
+            meta["entries"][1]["nbytes"] = len(data)
+        body = json.dumps(meta).encode()  # into the header's spare room
+        data[8:16] = len(body).to_bytes(8, "little")
+        data[16 : 16 + len(body)] = body
     f.write_bytes(bytes(data))
-    if damage == "writable by others":
+    if damage == "mode":  # writable by others
         f.chmod(0o666)
     c = _cache(tmp_path)
     assert c.take(_parts(1)) is None and c.mapped is None
