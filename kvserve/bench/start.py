@@ -117,34 +117,31 @@ def main(args, argv: list[str]) -> int:
     server_args = shlex.split(args.server_args)
     if not any(a.startswith("--threads") for a in server_args):
         server_args += ["--threads", str(n)]
-    first = None
-    if "kvserve" in engines:  # untimed: writes the packed-weight cache the rounds then map
-        server = kvserve_server(args.model, server_args)
+
+    def start(engine: str, label: str, untimed: bool = False) -> dict:
+        if engine == "kvserve":
+            server = kvserve_server(args.model, server_args)
+        else:
+            server = llamacpp_server(
+                gguf, n, 1, args.llamacpp_ctx, args.llamacpp_bin,
+                shlex.split(args.llamacpp_args),
+            )  # fmt: skip
         server.ready_timeout, server.poll_s = args.ready_timeout, POLL_S
-        server.stop_timeout = args.ready_timeout  # the server finishes the cache file first
-        first = one_start(server)
+        if untimed:  # a first start writes the packed-weight cache before it exits: wait for it
+            server.stop_timeout = args.ready_timeout
+        s = one_start(server)
         print(
-            f"first start kvserve: ready {first['ready_s']:.2f} s, first reply "
-            f"{first['first_reply_s']:.2f} s, peak RSS {first['peak_rss_bytes'] / 1e9:.2f} GB",
+            f"{label} {engine}: ready {s['ready_s']:.2f} s, first reply "
+            f"{s['first_reply_s']:.2f} s, peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB",
             file=sys.stderr,
         )
+        return s
+
+    # Untimed: a large model's first start writes the packed-weight cache the rounds then map.
+    first = start("kvserve", "first start", untimed=True) if "kvserve" in engines else None
     for i in range(args.repeat):
         for engine in engines:
-            if engine == "kvserve":
-                server = kvserve_server(args.model, server_args)
-            else:
-                server = llamacpp_server(
-                    gguf, n, 1, args.llamacpp_ctx, args.llamacpp_bin,
-                    shlex.split(args.llamacpp_args),
-                )  # fmt: skip
-            server.ready_timeout, server.poll_s = args.ready_timeout, POLL_S
-            s = one_start(server)
-            samples[engine].append(s)
-            print(
-                f"round {i + 1} {engine}: ready {s['ready_s']:.2f} s, first reply "
-                f"{s['first_reply_s']:.2f} s, peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB",
-                file=sys.stderr,
-            )
+            samples[engine].append(start(engine, f"round {i + 1}"))
     for engine in engines:
         run = {"engine": engine, "samples": samples[engine], "summary": summarize(samples[engine])}
         if engine == "kvserve":

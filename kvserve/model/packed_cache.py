@@ -22,6 +22,7 @@ is $KVSERVE_CACHE_DIR/packed (default ~/.cache/kvserve/packed), readable by its 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from kvserve.ops import cpu_kernels
 
 log = logging.getLogger("kvserve.model")
 
@@ -55,11 +58,12 @@ _active: PackedCache | None = None
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve"
-    return Path(base) / "packed"
+    return cpu_kernels.cache_dir() / "packed"
 
 
+@functools.cache
 def layout_digest() -> str:
+    """The packed layout's digest: read once a process (its sources do not change under it)."""
     h = hashlib.sha256()
     for name in _LAYOUT_SOURCES:
         h.update((_ROOT / name).read_bytes())

@@ -166,7 +166,9 @@ def check_isa(name: str, what: str = "isa") -> str:
     return isa
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where kvserve keeps what it builds (these kernels) or converts (packed weights):
+    $KVSERVE_CACHE_DIR, else ~/.cache/kvserve."""
     return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
 
 
@@ -260,7 +262,7 @@ def build(cc: str, isa: str) -> Path:
     key = hashlib.sha256(
         text + " ".join([cc, isa, *_BASE_FLAGS, *ISA_FLAGS[isa]]).encode()
     ).hexdigest()[:16]
-    lib_path = _cache_dir() / f"kvserve-{isa}-{key}.so"
+    lib_path = cache_dir() / f"kvserve-{isa}-{key}.so"
     if lib_path.exists():
         return lib_path
     flags = _BASE_FLAGS + list(_openmp_flags(cc)) + ISA_FLAGS[isa]

@@ -42,17 +42,22 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     the first maximum, a NaN counting as the largest. Every greedy choice and exponential race
     takes it. A CPU float32 tensor goes through numpy, whose argmax gives the same index about 8
     times faster than torch's CPU argmax over a vocabulary-sized row (docs/benchmarks.md)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.from_numpy(np.asarray(np.argmax(x.detach().numpy(), axis=-1), dtype=np.int64))
+    a = _numpy_of(x)
+    if a is not None:
+        return torch.from_numpy(np.asarray(np.argmax(a, axis=-1), dtype=np.int64))
     return x.argmax(dim=-1)
 
 
 def argmax_list(x: torch.Tensor) -> list[int]:
     """argmax_rows of a 2-d x as a list of ints (a greedy step's tokens), without the tensor
     round trip: microseconds a step when the batch is one row."""
-    if x.is_cpu and x.dtype == torch.float32:
-        return x.detach().numpy().argmax(axis=-1).tolist()
-    return x.argmax(dim=-1).tolist()
+    a = _numpy_of(x)
+    return a.argmax(axis=-1).tolist() if a is not None else x.argmax(dim=-1).tolist()
+
+
+def _numpy_of(x: torch.Tensor) -> np.ndarray | None:
+    """x as the numpy array the argmaxes take (a CPU float32 tensor), else None (torch's)."""
+    return x.detach().numpy() if x.is_cpu and x.dtype == torch.float32 else None
 
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
