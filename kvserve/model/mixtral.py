@@ -164,8 +164,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """The Llama model with a SparseMoE in each layer's `mlp`; its own checkpoint names.
     Subclasses change only those names (`_MOE`, `_W`)."""
 
-    # Not sharded: runner/tensor_parallel.py and pipeline_parallel.py know the dense MLP's names.
-    supports_parallel = False
+    # Tensor parallelism cuts every expert's width (runner/tensor_parallel.py); pipeline stages
+    # keep whole layers.
+    supports_parallel = True
 
     def __init__(
         self, arch: ModelArch, dtype: torch.dtype = torch.float32, max_positions: int | None = None

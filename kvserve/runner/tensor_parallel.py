@@ -79,17 +79,31 @@ def _set_weight(
     linear.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
 
 
+def _mlps(mlp: nn.Module) -> list[nn.Module]:
+    """The linears of a layer's MLP: a dense SwiGLU's two, or every expert's (and the shared
+    expert's) of a mixture of experts."""
+    gated = [mlp]
+    if hasattr(mlp, "experts"):
+        gated = [*mlp.experts, *filter(None, [getattr(mlp, "shared_expert", None)])]
+    return [lin for g in gated for lin in (g.gate_up_proj, g.down_proj)]
+
+
+def _shard_gated(mlp: nn.Module, cut: range, width: int, hidden: int, rank: int) -> None:
+    """A SwiGLU (fused gate/up, down) cut to the `cut` columns of its `width`: gate and up keep
+    those rows, down those columns; down's bias is added by rank 0 only."""
+    gu, d = mlp.gate_up_proj, mlp.down_proj
+    idx = torch.tensor([*cut] + [width + i for i in cut], dtype=torch.long)
+    _set_weight(gu, gu.weight[idx], [len(cut), len(cut)], None if gu.bias is None else gu.bias[idx])
+    bias = d.bias if (d.bias is not None and rank == 0) else None
+    _set_weight(d, d.weight[:, cut.start : cut.stop], [hidden], bias)
+
+
 def shard_model(loaded, rank: int, world: int):
     """`loaded` (a LoadedModel of the Llama family with float weights) cut to rank `rank`'s shard,
     in place; returns the LoadedModel with the shard's arch (its heads, its MLP width)."""
     model, arch = loaded.model, loaded.arch
     for layer in model.layers:
-        for lin in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        ):
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlps(layer.mlp)):
             if (
                 not hasattr(lin, "weight")
                 or lin.weight is None
@@ -104,6 +118,7 @@ def shard_model(loaded, rank: int, world: int):
     q_rows = range(kv.start * per_kv * hd, kv.stop * per_kv * hd)
     kv_rows = range(kv.start * hd, kv.stop * hd)
     inter = even_split(arch.intermediate_size, world, rank)
+    shared_size = arch.shared_expert_size
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q_size, kv_size = attn.q_size, attn.kv_size
@@ -127,20 +142,18 @@ def shard_model(loaded, rank: int, world: int):
             o.bias if (o.bias is not None and rank == 0) else None,
         )
         attn.o_proj = AllReduced(o)
-        gu = mlp.gate_up_proj
-        inter_size = arch.intermediate_size
-        idx = torch.tensor([*inter] + [inter_size + i for i in inter], dtype=torch.long)
-        _set_weight(
-            gu, gu.weight[idx], [len(inter), len(inter)], None if gu.bias is None else gu.bias[idx]
-        )
-        d = mlp.down_proj
-        _set_weight(
-            d,
-            d.weight[:, inter.start : inter.stop],
-            [arch.hidden_size],
-            d.bias if (d.bias is not None and rank == 0) else None,
-        )
-        mlp.down_proj = AllReduced(d)
+        if hasattr(mlp, "experts"):  # a mixture of experts: every expert's width is cut
+            for expert in mlp.experts:
+                _shard_gated(expert, inter, arch.intermediate_size, arch.hidden_size, rank)
+            shared = getattr(mlp, "shared_expert", None)
+            if shared is not None:
+                cut = even_split(arch.shared_expert_size, world, rank)
+                _shard_gated(shared, cut, arch.shared_expert_size, arch.hidden_size, rank)
+                shared_size = len(cut)
+            layer.mlp = AllReduced(mlp)  # the router's weights sum the ranks' partial outputs
+        else:
+            _shard_gated(mlp, inter, arch.intermediate_size, arch.hidden_size, rank)
+            mlp.down_proj = AllReduced(mlp.down_proj)
     vocab = even_split(arch.vocab_size, world, rank)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.tp_head = head[vocab.start : vocab.stop].contiguous()
@@ -149,6 +162,7 @@ def shard_model(loaded, rank: int, world: int):
         num_heads=len(q_rows) // hd,
         num_kv_heads=len(kv_rows) // hd,
         intermediate_size=len(inter),
+        shared_expert_size=shared_size,
     )
     model.arch = shard_arch
     return dataclasses.replace(loaded, arch=shard_arch)

@@ -13,7 +13,8 @@ with and without norm_topk_prob, and its GGUF (general.architecture "qwen3moe").
     - Qwen3-MoE: the HF directory's logits, both routings; the float32 GGUF's logits
     - Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert): the HF directory's logits, and
       32 greedy tokens through kvserve.LLM
-    - the runner declines the C layer stack and parallel sizes above 1 for them
+    - the runner declines the C layer stack for them; two tensor-parallel ranks or two
+      pipeline stages give one process's tokens (Mixtral, and Qwen2-MoE's shared expert)
 """
 
 from __future__ import annotations
@@ -425,9 +426,28 @@ def test_gguf_q8_experts_stay_packed(hf_dir, tmp_path, caplog):
     assert (ours - want).abs().max() < (ours - _reference(hf)).abs().max()
 
 
-def test_parallel_sizes_refused(hf_dir):
-    from kvserve import LLM
+@pytest.mark.parametrize("which", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_split_over_two_ranks_gives_one_process_tokens(request, which, split):
+    """Two ranks (every expert's and the shared expert's width cut in half, or two stages of one
+    layer each) give one process's greedy tokens and top-2 logprobs (the tensor-parallel sums
+    add in another order: within 1e-4, with a float32 KV cache); every KV block comes back."""
+    from kvserve import LLM, SamplingParams
 
-    path, _ = hf_dir
-    with pytest.raises(ValueError, match="cannot be split over ranks"):
-        LLM(path, kv_cache_memory="16MiB", tensor_parallel_size=2)
+    path, _ = request.getfixturevalue("hf_dir" if which == "mixtral" else "qwen2_moe_dir")
+    prompts = [{"prompt_token_ids": p} for p in (IDS[:5], list(range(2000, 2023)))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    engine = {"kv_cache_memory": "16MiB", "kv_cache_dtype": "float32", "num_threads": 1}
+    engine["max_num_batched_tokens"] = 16  # prompts in chunks
+    want = LLM(path, **engine).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, **engine, **{split: 2})
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_used_blocks == 0
+    finally:
+        llm.engine.close()
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert [t[0] for t in la.top] == [t[0] for t in lb.top]
+            assert all(abs(x[2] - y[2]) < 1e-4 for x, y in zip(la.top, lb.top))
