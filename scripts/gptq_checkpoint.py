@@ -79,14 +79,16 @@ def calibration_ids(tokenizer, offset: int, n: int) -> list[int]:
     return ids[offset : offset + n]
 
 
-def hessians(model, ids: list[int], window: int) -> dict[str, torch.Tensor]:
-    """2 X^T X / n of every targeted linear's inputs over the windows (one float pass)."""
-    H, count, hooks = {}, {}, []
+def input_stats(model, ids: list[int], window: int):
+    """({linear: 2 X^T X / n}, {linear: mean |x| per input channel}) of every targeted linear's
+    inputs X over the windows (one float pass, float64 sums)."""
+    H, absum, count, hooks = {}, {}, {}, []
 
     def hook(name):
         def f(mod, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
             H[name] = H.get(name, 0) + 2 * x.t() @ x
+            absum[name] = absum.get(name, 0) + x.abs().sum(0)
             count[name] = count.get(name, 0) + x.shape[0]
 
         return f
@@ -99,7 +101,55 @@ def hessians(model, ids: list[int], window: int) -> dict[str, torch.Tensor]:
             model(torch.tensor([ids[at : at + window]]))
     for h in hooks:
         h.remove()
-    return {k: v / count[k] for k, v in H.items()}
+    return {k: v / count[k] for k, v in H.items()}, {k: v / count[k] for k, v in absum.items()}
+
+
+def load_float(path):
+    """(transformers model in float32, its tokenizer) of a GGUF file (the default model if None)."""
+    import transformers
+
+    from kvserve.bench.common import model_path
+
+    gguf = model_path(path)
+    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def checkpoint_tensors(model, pack) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: each targeted linear as `pack(name, float32 weight)` gives its
+    packed tensors (under the linear's name), every other tensor of the model as it is."""
+    tensors, done = {}, set()
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.rpartition(".")[2] in PROJS:
+                packed = pack(name, mod.weight.float())
+                tensors.update({f"{name}.{k}": v.contiguous() for k, v in packed.items()})
+                done.add(name)
+        for name, t in model.state_dict().items():
+            if name.rpartition(".")[0] not in done:
+                tensors[name] = t.contiguous()
+    return tensors
+
+
+def save_checkpoint(out: str, model, tok, tensors: dict, quantization_config: dict) -> None:
+    """The HF directory: config (with its quantization_config), tokenizer, model.safetensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(out)
+    tok.save_pretrained(out)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.loads(open(cfg_path).read())
+    cfg["quantization_config"] = quantization_config
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def main(argv=None) -> int:
@@ -117,57 +167,31 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=512)
     args = p.parse_args(argv)
 
-    import transformers
-    from safetensors.torch import save_file
-
-    from kvserve.bench.common import model_path
-
-    gguf = model_path(args.model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
-    ).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf)
-    )
+    model, tok = load_float(args.model)
     t0 = time.perf_counter()
     H = {}
     if args.method == "gptq":
-        H = hessians(model, calibration_ids(tok, args.calib_offset, args.calib_tokens), args.window)
+        ids = calibration_ids(tok, args.calib_offset, args.calib_tokens)
+        H, _ = input_stats(model, ids, args.window)
     print(f"calibration: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    tensors, done = {}, set()
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if name.rpartition(".")[2] not in PROJS:
-                continue
-            cols = mod.weight.shape[1]
-            q, z, s = quantize_linear(
-                mod.weight.float(),
-                H.get(name),
-                args.group,
-                args.bits,
-                args.sym,
-                args.damp,
-                args.act_order,
-                rtn=args.method == "rtn",
-            )
-            g_idx = torch.arange(cols) // args.group
-            packed = pack_gptq(q, z, s, g_idx, v1=True, bits=args.bits)
-            tensors.update({f"{name}.{k}": v.contiguous() for k, v in packed.items()})
-            done.add(name)
-        for name, t in model.state_dict().items():
-            if name.rpartition(".")[0] not in done:
-                tensors[name] = t.contiguous()
-    print(f"quantized {len(done)} linears in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    os.makedirs(args.out, exist_ok=True)
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    model.config.architectures = ["LlamaForCausalLM"]
-    model.config.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
-    save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
-    cfg_path = os.path.join(args.out, "config.json")
-    cfg = json.loads(open(cfg_path).read())
-    cfg["quantization_config"] = {
+
+    def pack(name: str, w: torch.Tensor) -> dict:
+        q, z, s = quantize_linear(
+            w,
+            H.get(name),
+            args.group,
+            args.bits,
+            args.sym,
+            args.damp,
+            args.act_order,
+            rtn=args.method == "rtn",
+        )
+        g_idx = torch.arange(w.shape[1]) // args.group
+        return pack_gptq(q, z, s, g_idx, v1=True, bits=args.bits)
+
+    tensors = checkpoint_tensors(model, pack)
+    print(f"quantized in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    quantization_config = {
         "quant_method": "gptq",
         "bits": args.bits,
         "group_size": args.group,
@@ -175,8 +199,7 @@ def main(argv=None) -> int:
         "desc_act": False,  # static groups: g_idx is column // group whatever the rounding order
         "checkpoint_format": "gptq",
     }
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    save_checkpoint(args.out, model, tok, tensors, quantization_config)
     print(f"wrote {args.out}: {args.method}, group {args.group}", file=sys.stderr)
     return 0
 
