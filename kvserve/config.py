@@ -369,8 +369,8 @@ def lora_modules(value) -> dict[str, str] | None:
 
 def check_lora(config) -> None:
     """The limits of LoRA serving (the one place that says them): adapters need --enable-lora,
-    no more of them at start than --max-loras, and no tensor or pipeline parallelism or
-    speculative decoding with them. ValueError naming the fix."""
+    no more of them at start than --max-loras, and no tensor parallelism or speculative decoding
+    with them (pipeline stages take them). ValueError naming the fix."""
     modules = config.lora_modules or {}
     if not config.enable_lora:
         if modules:
@@ -381,10 +381,10 @@ def check_lora(config) -> None:
             f"--lora-modules names {len(modules)} adapters but --max-loras is "
             f"{config.max_loras}: raise --max-loras or load fewer"
         )
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+    if config.tensor_parallel_size > 1:
         raise ValueError(
-            "LoRA adapters run on one process: drop --tensor-parallel-size/"
-            "--pipeline-parallel-size with --enable-lora"
+            "LoRA adapters do not run over tensor-parallel ranks: drop --tensor-parallel-size "
+            "(--pipeline-parallel-size takes them) or --enable-lora"
         )
     if config.speculative is not None:
         raise ValueError(

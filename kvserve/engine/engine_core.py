@@ -229,6 +229,8 @@ class EngineCore:
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora")
         adapter = self.lora.load(name, path)
+        if self.ranks is not None:  # the other pipeline stages load their layers' part
+            self.ranks.broadcast(("lora", "load", name, path))
         log.info(
             "LoRA adapter %r loaded from %s: rank %d, scale %g, %s",
             name,
@@ -251,6 +253,8 @@ class EngineCore:
                 "have finished"
             )
         self.lora.unload(name)
+        if self.ranks is not None:
+            self.ranks.broadcast(("lora", "unload", name))
         log.info("LoRA adapter %r unloaded", name)
 
     def abort_request(self, request_id: str) -> None:

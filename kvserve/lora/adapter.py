@@ -51,7 +51,8 @@ _TENSOR = re.compile(
 @dataclass
 class LoRAAdapter:
     """One adapter read from its directory: per (layer, PEFT module name) its A [r, in] and
-    B [out, r] in the model dtype, and the scale its delta is multiplied by."""
+    B [out, r] in the model dtype, and the scale its delta is multiplied by. Layers are indices
+    into the model's `layers`: a pipeline stage keeps the matrices of its own layers only."""
 
     name: str
     path: str
@@ -77,9 +78,16 @@ def find_linear(model, layer: int, module: str):
     return None
 
 
+def model_layers(model) -> tuple[int, int]:
+    """(the global index of model.layers[0], the whole model's layer count): a pipeline stage
+    holds a run of the layers (runner/pipeline_parallel.keep_stage), one process all of them."""
+    return getattr(model, "first_layer", 0), getattr(model, "num_model_layers", len(model.layers))
+
+
 def max_weights_bytes(model, max_rank: int) -> int:
     """The largest adapter_model.safetensors an adapter of rank <= max_rank on `model` can need
-    (every module of every layer targeted, float64 at most), plus room for the file's header."""
+    (every module of every layer of the whole model targeted, float64 at most; a stage's layers
+    stand for the others, all alike), plus room for the file's header."""
     total = 0
     for i in range(len(model.layers)):
         for module in TARGETS:
@@ -87,7 +95,7 @@ def max_weights_bytes(model, max_rank: int) -> int:
             if found is not None:
                 linear, shard = found
                 total += max_rank * (linear.in_features + linear.shard_sizes[shard]) * 8
-    return total + (1 << 20)
+    return total * model_layers(model)[1] // len(model.layers) + (1 << 20)
 
 
 def _read_config(path: str, name: str) -> dict:
@@ -217,7 +225,8 @@ def load_adapter(
         raise ValueError(f"{where}: cannot read {weights_path}: {e}") from None
     if not found:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA matrices")
-    num_layers = len(model.layers)
+    first, num_layers = model_layers(model)
+    mine = range(first, first + len(model.layers))
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in sorted(found.items()):
         if layer >= num_layers:
@@ -227,7 +236,8 @@ def load_adapter(
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise ValueError(f"{where}: layer {layer} {module} has no {missing} matrix")
-        target = find_linear(model, layer, module)
+        # another stage's layer is checked against this stage's first (the layers are alike)
+        target = find_linear(model, layer - first if layer in mine else 0, module)
         if target is None:
             raise ValueError(f"{where}: the base model has no {module} in layer {layer}")
         linear, shard = target
@@ -245,5 +255,6 @@ def load_adapter(
         a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ValueError(f"{where}: layer {layer} {module} holds inf or nan")
-        weights[(layer, module)] = (a, b)
+        if layer in mine:  # by the index in model.layers
+            weights[(layer - first, module)] = (a, b)
     return LoRAAdapter(name, path, rank, scaling, targets, weights)

@@ -128,7 +128,6 @@ class ModelRunner:
             tp=tp,
             pp=pp,
             worker=worker,
-            lora=config.enable_lora,
         )
         reason = f"; {self.backend_reason}" if self.backend_reason else ""
         log.info("steps: %s%s", self.step_path, reason)

@@ -66,6 +66,8 @@ def keep_stage(loaded, stage: int, stages: int):
         layer_windows=list(loaded.arch.layer_windows[layers.start : layers.stop]),
     )
     model.arch = arch
+    # where its layers sit in the whole model (a LoRA adapter names layers by that index)
+    model.first_layer, model.num_model_layers = layers.start, loaded.arch.num_layers
     return dataclasses.replace(loaded, arch=arch)
 
 
@@ -91,11 +93,10 @@ def micro_batches(out: SchedulerOutput, stages: int) -> list[list[int]]:
     return runs
 
 
-def stage_stack(model, kv_caches, lora: bool = False) -> tuple[CLayerStack | None, Refusal | None]:
+def stage_stack(model, kv_caches) -> tuple[CLayerStack | None, Refusal | None]:
     """(the C layer stack over this stage's layers and KV pools, None), or (None, why not): what
-    select_backend decides for one process, for the stage's share of the model."""
-    if lora:
-        return None, Refusal("LoRA adapters run on the PyTorch forward", "drop --enable-lora")
+    select_backend decides for one process, for the stage's share of the model (LoRA adapters
+    included: the stack reads them from the stage model's LoRAManager)."""
     windows = {model.arch.window_of(i) for i in range(len(model.layers))}
     if len(windows) != 1:
         return None, Refusal("the C layer stack takes one attention window for every layer")
@@ -131,19 +132,21 @@ class PipelineGroup(Ranks):
         copy_blocks,
         stack: CLayerStack | None = None,
     ) -> list[torch.Tensor]:
-        """parts: per micro-batch (input_ids, positions, meta, rows, prompt_lens); returns their
-        logits. `stack`: stage 0's C layer stack (None: the PyTorch forward)."""
+        """parts: per micro-batch (input_ids, positions, meta, rows, prompt_lens, lora_slots);
+        returns their logits. `stack`: stage 0's C layer stack (None: the PyTorch forward);
+        `lora_slots`: each token's adapter slot (None without --enable-lora)."""
         self.broadcast(
             (
                 "step",
                 copy_blocks,
-                [(pos, meta, rows, ids.shape[0], lens) for ids, pos, meta, rows, lens in parts],
+                [(p[1], p[2], p[3], p[0].shape[0], p[4], p[5]) for p in parts],
             )
         )
         pending = []
         try:
             with torch.inference_mode():
-                for ids, positions, meta, _, lens in parts:
+                for ids, positions, meta, _, lens, slots in parts:
+                    set_lora_slots(model, slots)
                     if stack is not None:
                         every = torch.arange(ids.shape[0])
                         h = stack(ids, positions, meta, kv_caches, every, lens, final_norm=False)
@@ -151,7 +154,7 @@ class PipelineGroup(Ranks):
                         h = run_layers(model, model.embed_tokens(ids), positions, meta, kv_caches)
                     pending.append((h, dist.isend(h.contiguous(), dst=1)))
             logits = []
-            for _, _, _, rows, _ in parts:
+            for _, _, _, rows, _, _ in parts:
                 out = torch.empty(len(rows), vocab_size)
                 if len(rows):  # no row, nothing sent back
                     dist.recv(out, src=self.world - 1)
@@ -163,6 +166,18 @@ class PipelineGroup(Ranks):
         return logits
 
 
+def set_lora_slots(model, slots: torch.Tensor | None) -> None:
+    """Give the stage model's LoRA step a micro-batch's per-token adapter slots."""
+    if slots is not None:
+        model.lora_step.set(slots)
+
+
+def lora_slots(model) -> torch.Tensor | None:
+    """The per-token adapter slots the last flattening set (None: no LoRA adapters served)."""
+    step = getattr(model, "lora_step", None)
+    return None if step is None else step.indices
+
+
 def start(config) -> PipelineGroup:
     """Start the other stages (each loads the model and keeps its layers) and join them as rank
     0."""
@@ -172,6 +187,7 @@ def start(config) -> PipelineGroup:
 def worker_main(rank: int, stages: int, config) -> None:
     """Stage `rank`: receive each micro-batch's hidden states, run its layers, send them on (the
     last stage: the logits back to rank 0), until told to stop."""
+    from kvserve.lora.manager import LoRAManager
     from kvserve.model.loader import load_model
     from kvserve.runner.model_runner import ModelRunner
 
@@ -182,7 +198,9 @@ def worker_main(rank: int, stages: int, config) -> None:
     # the KV blocks rank 0 sized; this loop runs the stage's layers itself (worker=True)
     runner = ModelRunner(loaded, config, receive(), max_model_len=context, worker=True)
     model, hidden_size, last = runner.model, loaded.arch.hidden_size, rank == stages - 1
-    stack, why = stage_stack(model, runner.kv_caches, lora=config.enable_lora)
+    if config.enable_lora:  # its adapters come as rank 0 loads them (ranks.steps)
+        LoRAManager(model, config.max_loras, config.max_lora_rank)
+    stack, why = stage_stack(model, runner.kv_caches)
     log.info(
         "pipeline stage %d/%d ready (pid %d, layers [%d, %d)): steps: %s",
         rank,
@@ -195,7 +213,8 @@ def worker_main(rank: int, stages: int, config) -> None:
     for parts in steps(runner):
         sends = []
         with torch.inference_mode():
-            for positions, meta, rows, tokens, lens in parts:
+            for positions, meta, rows, tokens, lens, slots in parts:
+                set_lora_slots(model, slots)
                 h = torch.empty(tokens, hidden_size)
                 dist.recv(h, src=rank - 1)
                 if stack is not None:

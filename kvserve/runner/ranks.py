@@ -376,12 +376,22 @@ def receive():
 
 def steps(runner):
     """A worker's steps from rank 0 until it says stop: each step's copy-on-write copies are
-    applied to `runner`'s pools here, then its work (when it has any) is yielded."""
+    applied to `runner`'s pools here, then its work (when it has any) is yielded. A LoRA adapter
+    that rank 0 loaded or unloaded (("lora", "load", name, path), ("lora", "unload", name)) is
+    loaded or unloaded here too, in the same order, so every rank gives it the same slot."""
     while True:
         try:
-            _, copy_blocks, work = receive()
+            kind, *rest = receive()
         except Stopped:
             return
+        if kind == "lora":
+            manager = runner.model.lora_step.manager
+            if rest[0] == "load":
+                manager.load(*rest[1:])
+            else:
+                manager.unload(*rest[1:])
+            continue
+        copy_blocks, work = rest
         if copy_blocks:
             runner.copy_blocks(copy_blocks)
         if work is not None:

@@ -136,11 +136,13 @@ def setup(tmp_path_factory):
     return base_path, paths, refs
 
 
-@pytest.fixture(scope="module", params=["C layer stack", "PyTorch forward"])
+@pytest.fixture(scope="module", params=["C layer stack", "PyTorch forward", "pipeline stages"])
 def llm(setup, request):
     """The engine on the dense checkpoint, on each step path: the C layer stack (its float32
-    weights packed for it, the deltas from its LoRA table) and, with the C kernels turned off
-    while it starts, the PyTorch forward (its Linears adding the deltas)."""
+    weights packed for it, the deltas from its LoRA table), with the C kernels turned off while
+    it starts, the PyTorch forward (its Linears adding the deltas), and two pipeline stages of
+    one layer each (each stage's C layer stack with its layers' part of every adapter, loaded
+    and unloaded on both as rank 0 does)."""
     from kvserve.engine.llm import LLM
 
     base_path, paths, _ = setup
@@ -157,6 +159,7 @@ def llm(setup, request):
             kv_cache_dtype="float32",
             kv_cache_memory="16MiB",
             num_threads=1,
+            pipeline_parallel_size=2 if request.param == "pipeline stages" else 1,
         )
     finally:
         if before is None:
@@ -165,7 +168,7 @@ def llm(setup, request):
             os.environ["KVSERVE_NO_C_KERNELS"] = before
     assert request.param in llm.engine.step_path
     yield llm
-    del llm
+    llm.engine.close()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

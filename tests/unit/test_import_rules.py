@@ -27,7 +27,16 @@ RULES: dict[str, set[str]] = {
     "core": {"config", "sampling_params"},  # pure Python: no torch (NO_TORCH)
     "ops": set(),  # kernels: torch only
     "model": {"ops", "config"},
-    "runner": {"core", "model", "ops", "config", "sampling_params", "runner.backends"},
+    # lora.manager: a pipeline stage's worker holds its layers' part of the LoRA adapters
+    "runner": {
+        "core",
+        "model",
+        "ops",
+        "config",
+        "sampling_params",
+        "runner.backends",
+        "lora.manager",
+    },
     # The step backends (runner/backends/) run the model for the runner, below it: the rank-side
     # code of tensor/pipeline parallelism, the C layer stack, the CUDA graphs; never the runner
     # itself (model_runner), its sampler, nor anything above it.

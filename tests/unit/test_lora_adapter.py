@@ -238,6 +238,27 @@ def test_a_mixed_step_adds_each_tokens_own_delta(tmp_path, model):
                 linear.lora = None
 
 
+def test_a_pipeline_stage_keeps_its_layers_part(tmp_path, model):
+    """A stage holding layer 1 of 2 (runner/pipeline_parallel.keep_stage's marks) keeps that
+    layer's matrices under its own index 0, and checks the other stage's layers too."""
+    import copy
+
+    from kvserve.lora.adapter import max_weights_bytes
+
+    stage = copy.deepcopy(model)
+    stage.layers = torch.nn.ModuleList([stage.layers[1]])
+    stage.first_layer, stage.num_model_layers = 1, 2
+    assert max_weights_bytes(stage, 8) == max_weights_bytes(model, 8)
+    path = write_adapter(tmp_path / "a")
+    whole, part = load_adapter("a", path, model, 8), load_adapter("a", path, stage, 8)
+    assert set(part.weights) == {(0, "q_proj"), (0, "v_proj")}
+    for m in ("q_proj", "v_proj"):
+        assert all(torch.equal(x, y) for x, y in zip(part.weights[(0, m)], whole.weights[(1, m)]))
+    bad = write_adapter(tmp_path / "bad", v_proj=((4, 32), (24, 4)))  # layer 0's v is wrong too
+    with pytest.raises(ValueError, match="layer 0 v_proj"):
+        load_adapter("bad", bad, stage, 8)
+
+
 def test_the_lora_flags():
     cfg = make_engine_config(enable_lora=True, lora_modules=["a=/x", "b=/y"], max_loras=2)
     assert cfg.lora_modules == {"a": "/x", "b": "/y"}
@@ -252,7 +273,8 @@ def test_the_lora_flags():
         make_engine_config(enable_lora=True, lora_modules=["a=/x", "a=/y"])
     with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):
         make_engine_config(enable_lora=True, max_lora_rank=0)
-    with pytest.raises(ValueError, match="LoRA adapters run on one process"):
+    with pytest.raises(ValueError, match="not run over tensor-parallel ranks"):
         make_engine_config(enable_lora=True, tensor_parallel_size=2, quantization="none")
+    assert make_engine_config(enable_lora=True, pipeline_parallel_size=2).enable_lora
     with pytest.raises(ValueError, match="drop --enable-lora with --device cuda"):
         make_engine_config(enable_lora=True, device="cuda").on_device(cuda_available=True)

@@ -11,7 +11,12 @@ import torch
 
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.runner.backends.base import StepBackend, StepBatch
-from kvserve.runner.pipeline_parallel import PipelineGroup, micro_batches, stage_stack
+from kvserve.runner.pipeline_parallel import (
+    PipelineGroup,
+    lora_slots,
+    micro_batches,
+    stage_stack,
+)
 
 
 class PipelineParallelBackend(StepBackend):
@@ -24,13 +29,13 @@ class PipelineParallelBackend(StepBackend):
         kv_caches,
         vocab_size: int,
         prepare: Callable,
-        lora: bool = False,
     ) -> None:
-        """`prepare`: ModelRunner.prepare, which flattens each micro-batch's chunks. Stage 0's C
-        layer stack (`stack`) is built here; `declined`/`fix`: why not, and what brings it back."""
+        """`prepare`: ModelRunner.prepare, which flattens each micro-batch's chunks (and sets
+        their tokens' LoRA adapter slots). Stage 0's C layer stack (`stack`) is built here;
+        `declined`/`fix`: why not, and what brings it back."""
         super().__init__(model, kv_caches)
         self.group, self.vocab_size, self.prepare = group, vocab_size, prepare
-        self.stack, why = stage_stack(model, kv_caches, lora=lora)
+        self.stack, why = stage_stack(model, kv_caches)
         self.declined = why.why if why else None
         self.fix = why.fix if why else None
 
@@ -53,7 +58,7 @@ class PipelineParallelBackend(StepBackend):
             mine = [j for j, r in enumerate(rows) if lo <= r < hi]
             local = torch.tensor([rows[j] - lo for j in mine], dtype=torch.long)
             prompt_lens = [c.seq.num_prompt_tokens for c in sub.chunks]
-            parts.append((ids, positions, meta, local, prompt_lens))
+            parts.append((ids, positions, meta, local, prompt_lens, lora_slots(self.model)))
             places.append(mine)
         logits = self.group.run_step(
             self.model, self.kv_caches, self.vocab_size, parts, batch.out.copy_blocks, self.stack

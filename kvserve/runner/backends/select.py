@@ -43,22 +43,20 @@ def select_backend(
     tp=None,
     pp=None,
     worker: bool = False,
-    lora: bool = False,
 ) -> tuple[StepBackend, str | None]:
     """The backend every step of this runner takes, and the reason a faster path declined with
     the setting that gets it back ("to get the C layer stack back: ..."), or None where the
     fastest path for the device runs. `tp`/`pp`: rank 0's TensorParallelGroup / PipelineGroup;
     `worker`: a worker rank's runner, whose own loop runs the model; `prepare`:
-    ModelRunner.prepare (pipeline stages flatten each micro-batch); `lora`: --enable-lora (the
-    pipeline stages run LoRA on the PyTorch forward; one process's C layer stack and PyTorch
-    forward both add the adapters' deltas)."""
+    ModelRunner.prepare (pipeline stages flatten each micro-batch). LoRA adapters (--enable-lora)
+    take every path: the C layer stack from its LoRA table, the PyTorch forward in the Linears."""
     if worker:
         return TorchForward(model, kv_caches, WORKER), None
     if tp is not None:
         backend = TensorParallelBackend(tp, model, kv_caches, arch.vocab_size)
         return backend, f"{backend.declined}; to get it back: --tensor-parallel-size 1"
     if pp is not None:
-        backend = PipelineParallelBackend(pp, model, kv_caches, arch.vocab_size, prepare, lora=lora)
+        backend = PipelineParallelBackend(pp, model, kv_caches, arch.vocab_size, prepare)
         return backend, None if backend.declined is None else _get_back(backend.fix)
     if device.type == "cuda":
         backend = CudaBackend.build(
