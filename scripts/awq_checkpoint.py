@@ -39,21 +39,16 @@ from gptq_checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 
-from tests.unit.test_gptq_awq import group_params, pack_awq, quantize  # noqa: E402
+from tests.unit.test_gptq_awq import pack_awq, quantize, reference  # noqa: E402
 
 GRID = 20  # scale exponents a = i / GRID; clip ratios 1 - i / (2 GRID)
 
 
 def fake_quant(w: torch.Tensor, group: int) -> torch.Tensor:
-    """w [out, in] rounded to nearest per group of columns (group_params) and dequantized."""
-    out = torch.empty_like(w)
-    for a in range(0, w.shape[1], group):
-        wg = w[:, a : a + group]
-        z, s = group_params(wg, 4, False)
-        s = s.to(w.dtype)[:, None]
-        q = torch.clamp(torch.round(wg / s) + z[:, None], 0, 15)
-        out[:, a : a + group] = (q - z[:, None]) * s
-    return out
+    """w [out, in] rounded to nearest per group of columns and dequantized: the tests' reference
+    quantizer and dequantization (float64)."""
+    groups = torch.arange(w.shape[1]) // group
+    return reference(*quantize(w, groups, int(groups[-1]) + 1, sym=False), groups)
 
 
 def output_error(d: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
@@ -93,19 +88,32 @@ def search_clip(w: torch.Tensor, H: torch.Tensor, group: int) -> torch.Tensor:
     return out
 
 
+# Each linear that is clipped, and the linear whose input it shares (whose scales it took).
+CLIPPED = {
+    "self_attn.v_proj": "self_attn.q_proj",
+    "self_attn.o_proj": "self_attn.o_proj",
+    "mlp.gate_proj": "mlp.gate_proj",
+    "mlp.up_proj": "mlp.gate_proj",
+    "mlp.down_proj": "mlp.down_proj",
+}
+
+
 def awq_layer(layer, H: dict, absmean: dict, prefix: str, group: int, log) -> None:
     """Scale and clip one decoder layer's float weights in place (the module docstring)."""
     attn, mlp = layer.self_attn, layer.mlp
+    s_in = {}
 
-    def scaled(names, before, mod_in: str):
-        ws = [getattr(owner, n).weight.double() for owner, n in names]
-        s, a = search_scale(ws, H[prefix + mod_in], absmean[prefix + mod_in], group)
-        for owner, n in names:
-            lin = getattr(owner, n)
+    def scaled(names: list[str], before) -> None:
+        """Search the scales of the linears `names` (one input: the first one's), multiply
+        their columns by s and give 1/s to the op before (`before(s)`)."""
+        lins = [layer.get_submodule(n) for n in names]
+        key = prefix + names[0]
+        s, a = search_scale([lin.weight.double() for lin in lins], H[key], absmean[key], group)
+        for lin in lins:
             lin.weight.mul_(s.to(lin.weight.dtype))
         before(s)
-        log(f"{prefix + mod_in}: a = {a:.2f}")
-        return s
+        log(f"{key}: a = {a:.2f}")
+        s_in[names[0]] = s
 
     def into_norm(norm):
         return lambda s: norm.weight.div_(s.to(norm.weight.dtype))
@@ -118,32 +126,18 @@ def awq_layer(layer, H: dict, absmean: dict, prefix: str, group: int, log) -> No
 
         return f
 
-    s_in = {}
-    qkv = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj")]
-    s_in["self_attn.q_proj"] = scaled(qkv, into_norm(layer.input_layernorm), "self_attn.q_proj")
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    scaled(qkv, into_norm(layer.input_layernorm))
     if attn.v_proj.weight.shape[0] == attn.o_proj.weight.shape[1]:
-        s_in["self_attn.o_proj"] = scaled(
-            [(attn, "o_proj")], into_rows(attn.v_proj), "self_attn.o_proj"
-        )
-    gu = [(mlp, "gate_proj"), (mlp, "up_proj")]
-    s_in["mlp.gate_proj"] = scaled(gu, into_norm(layer.post_attention_layernorm), "mlp.gate_proj")
-    s_in["mlp.down_proj"] = scaled([(mlp, "down_proj")], into_rows(mlp.up_proj), "mlp.down_proj")
-    shared = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj"}
-    shared["mlp.up_proj"] = "mlp.gate_proj"
-    for owner, name in (
-        (attn, "v_proj"),
-        (attn, "o_proj"),
-        (mlp, "gate_proj"),
-        (mlp, "up_proj"),
-        (mlp, "down_proj"),
-    ):
-        key = f"{'self_attn' if owner is attn else 'mlp'}.{name}"
-        src = shared.get(key, key)
+        scaled(["self_attn.o_proj"], into_rows(attn.v_proj))
+    scaled(["mlp.gate_proj", "mlp.up_proj"], into_norm(layer.post_attention_layernorm))
+    scaled(["mlp.down_proj"], into_rows(mlp.up_proj))
+    for name, src in CLIPPED.items():
         h = H[prefix + src]
         if src in s_in:  # the inputs the scaled weights now see are x / s
             s = s_in[src]
             h = h / (s[:, None] * s[None, :])
-        lin = getattr(owner, name)
+        lin = layer.get_submodule(name)
         lin.weight.copy_(search_clip(lin.weight.double(), h, group).to(lin.weight.dtype))
 
 

@@ -118,7 +118,7 @@ def shard_model(loaded, rank: int, world: int):
     q_rows = range(kv.start * per_kv * hd, kv.stop * per_kv * hd)
     kv_rows = range(kv.start * hd, kv.stop * hd)
     inter = even_split(arch.intermediate_size, world, rank)
-    shared_size = arch.shared_expert_size
+    shared_cut = even_split(arch.shared_expert_size, world, rank)  # Qwen2-MoE's shared expert
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q_size, kv_size = attn.q_size, attn.kv_size
@@ -147,9 +147,7 @@ def shard_model(loaded, rank: int, world: int):
                 _shard_gated(expert, inter, arch.intermediate_size, arch.hidden_size, rank)
             shared = getattr(mlp, "shared_expert", None)
             if shared is not None:
-                cut = even_split(arch.shared_expert_size, world, rank)
-                _shard_gated(shared, cut, arch.shared_expert_size, arch.hidden_size, rank)
-                shared_size = len(cut)
+                _shard_gated(shared, shared_cut, arch.shared_expert_size, arch.hidden_size, rank)
             layer.mlp = AllReduced(mlp)  # the router's weights sum the ranks' partial outputs
         else:
             _shard_gated(mlp, inter, arch.intermediate_size, arch.hidden_size, rank)
@@ -162,7 +160,7 @@ def shard_model(loaded, rank: int, world: int):
         num_heads=len(q_rows) // hd,
         num_kv_heads=len(kv_rows) // hd,
         intermediate_size=len(inter),
-        shared_expert_size=shared_size,
+        shared_expert_size=len(shared_cut),
     )
     model.arch = shard_arch
     return dataclasses.replace(loaded, arch=shard_arch)
