@@ -1,5 +1,6 @@
 """Our model through a real paged KV pool against HF transformers on the same GGUF."""
 
+import inspect
 import random
 
 import pytest
@@ -74,10 +75,18 @@ def hf_greedy(hf_model, ids, n):
     tokens = [int(first.argmax())]
     for _ in range(n - 1):
         out = hf_model(
-            torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True
+            torch.tensor([tokens[-1:]]), **hf_cache_kwargs(hf_model, out), use_cache=True
         )
         tokens.append(int(out.logits[0, -1].argmax()))
     return first, tokens
+
+
+def hf_cache_kwargs(hf_model, out) -> dict:
+    """The KV cache of `out` as the next forward's argument: `cache` where transformers names it
+    so (5.x, which drops `past_key_values` in 5.40), else `past_key_values`."""
+    if "cache" in inspect.signature(hf_model.forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
 
 
 def assert_logits_close(ours, ref):
