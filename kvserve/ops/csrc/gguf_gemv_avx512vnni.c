@@ -53,41 +53,38 @@ static inline __attribute__((always_inline)) __m512 neg(__m512 v) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
 }
 
-/* kind, R and P (activation parts) are constants at every call (gguf_group_dot's switch): one
- * specialized loop each. */
+/* Block b of a group (wg: its bytes) against R activation rows, added to acc[r]. kind, R and P
+ * (activation parts) are constants at every call (gguf_group_dot's switch): one specialized body
+ * each. P = 1 where every row's xb of the block is zero (GGUF_BLOCK_RUNS), P = 2 otherwise. */
 static inline __attribute__((always_inline)) void
-group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
-    __m512 acc[GGUF_TILE_M];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t pb = gguf_packed_block_bytes(kind), qo = gguf_ints_offset(kind);
+block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
+          __m512 *acc) {
+    const int64_t qo = gguf_ints_offset(kind);
     if (gguf_nibble_kind(kind)) {
         const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-        for (int64_t b = 0; b < nb; b++, wg += pb) {
-            gguf_prefetch_block(wg, pb);
-            const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
-            const __m512 d = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg))
-                                             : k_scale(sup, wg, 0);
-            const __m512 m = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)))
-                                             : neg(k_scale(sup + 32, wg + 16, 0));
-            __m512i q[8];
-            UNROLL for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
-                q[c] = _mm512_and_si512(v, low4);                           /* q[4c .. 4c+3] */
-                q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4); /* q[4c+16 .. 4c+19] */
+        const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
+        const __m512 d = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg))
+                                         : k_scale(sup, wg, 0);
+        const __m512 m = kind == GGUF_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wg + 32)))
+                                         : neg(k_scale(sup + 32, wg + 16, 0));
+        __m512i q[8];
+        UNROLL for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
+            q[c] = _mm512_and_si512(v, low4);                           /* q[4c .. 4c+3] */
+            q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4); /* q[4c+16 .. 4c+19] */
+        }
+        if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
+            const __m512i t = _mm512_loadu_si512(wg + qo + 256);
+            UNROLL for (int c = 0; c < 8; c++) {
+                const __m512i tc = c < 4 ? _mm512_slli_epi16(t, 4 - c) : c == 4 ? t : _mm512_srli_epi16(t, c - 4);
+                q[c] = _mm512_ternarylogic_epi32(q[c], tc, bit4, 0xF8);    /* q | (tc & bit4) */
             }
-            if (kind == GGUF_K5) {             /* bit 4 of chunk c's q is bit c of the top chunk */
-                const __m512i t = _mm512_loadu_si512(wg + qo + 256);
-                UNROLL for (int c = 0; c < 8; c++) {
-                    const __m512i tc = c < 4 ? _mm512_slli_epi16(t, 4 - c) : c == 4 ? t : _mm512_srli_epi16(t, c - 4);
-                    q[c] = _mm512_ternarylogic_epi32(q[c], tc, bit4, 0xF8);    /* q | (tc & bit4) */
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const __m512 s = _mm512_cvtepi32_ps(dot_row(q, a, r, nb, b, 0, 8, P));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
-            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = r * nb + b;
+            const __m512 s = _mm512_cvtepi32_ps(dot_row(q, a, r, nb, b, 0, 8, P));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
         }
     } else if (kind == GGUF_Q8 || kind == GGUF_X4) {
         /* kind 24: each nibble looked up in the table of value + 128 (vpshufb, per 128-bit lane),
@@ -95,80 +92,92 @@ group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, c
         const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)gguf_iq4_values)),
                                                _mm512_set1_epi8((char)0x80));
         const __m512i low4 = _mm512_set1_epi8(0x0f);
-        for (int64_t b = 0; b < nb; b++, wg += pb) {
-            gguf_prefetch_block(wg, pb);
-            const __m512 d = kind == GGUF_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg))
-                                             : k_scale(gguf_super_scales(wg, kind, nb, b), wg, 1);
-            __m512i q[8];
-            if (kind == GGUF_X4) {
-                UNROLL for (int c = 0; c < 4; c++) {
-                    const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
-                    q[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
-                    q[c + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-                }
-            } else {
-                for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+        const __m512 d = kind == GGUF_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wg))
+                                         : k_scale(gguf_super_scales(wg, kind, nb, b), wg, 1);
+        __m512i q[8];
+        if (kind == GGUF_X4) {
+            UNROLL for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
+                q[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+                q[c + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
             }
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const __m512i si = _mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 8, P),
-                                                    _mm512_set1_epi32(128 * a->sq[rb]));
-                const __m512 s = _mm512_cvtepi32_ps(si);
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
-            }
+        } else {
+            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = r * nb + b;
+            const __m512i si = _mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 8, P),
+                                                _mm512_set1_epi32(128 * a->sq[rb]));
+            const __m512 s = _mm512_cvtepi32_ps(si);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(a->dx[rb]))));
         }
     } else {                   /* GGUF_K8, GGUF_F8, GGUF_K6, GGUF_K3: a scale per half, then m (not 26, 13) */
         const int k6 = kind == GGUF_K6, k3 = kind == GGUF_K3, bias = k6 ? 32 : k3 ? 4 : 128;  /* stored u less q */
         const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
         const __m512i low2 = _mm512_set1_epi8(0x03), bit2 = _mm512_set1_epi8(0x04);
-        for (int64_t b = 0; b < nb; b++, wg += pb) {
-            gguf_prefetch_block(wg, pb);
-            const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
-            const __m512 d0 = kind == GGUF_F8 ? _mm512_loadu_ps(wg) : k_scale(sup, wg, 1);
-            const __m512 d1 = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 64) : k_scale(sup, wg + 16, 1);
-            const __m512 m = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 128)
-                             : k6 || k3    ? _mm512_setzero_ps() : neg(k_scale(sup + 32, wg + 32, 0));
-            __m512i q[8];
-            if (k3) {                          /* u = low 2 bits | high bit << 2 (gguf_k3_byte) */
-                const __m512i l0 = _mm512_loadu_si512(wg + qo), l1 = _mm512_loadu_si512(wg + qo + 64);
-                const __m512i t = _mm512_loadu_si512(wg + qo + 128);
-                UNROLL for (int c = 0; c < 8; c++) {
-                    const __m512i l = c < 4 ? l0 : l1;
-                    const int sh = 2 * (c & 3);
-                    const __m512i lo = _mm512_and_si512(sh == 0 ? l : sh == 2 ? _mm512_srli_epi16(l, 2)
-                                                        : sh == 4 ? _mm512_srli_epi16(l, 4) : _mm512_srli_epi16(l, 6), low2);
-                    const __m512i tc = c == 0 ? _mm512_slli_epi16(t, 2) : c == 1 ? _mm512_slli_epi16(t, 1)
-                                     : c == 2 ? t : _mm512_srli_epi16(t, c - 2);
-                    q[c] = _mm512_ternarylogic_epi32(lo, tc, bit2, 0xF8);     /* a | (b & c) */
-                }
-            } else if (k6) {                          /* u = low 4 bits | top 2 bits << 4 (gguf_k6_byte) */
-                const __m512i h0 = _mm512_loadu_si512(wg + qo + 256), h1 = _mm512_loadu_si512(wg + qo + 320);
-                UNROLL for (int c = 0; c < 4; c++) {
-                    const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
-                    const __m512i t0 = c == 0 ? _mm512_slli_epi16(h0, 4) : c == 1 ? _mm512_slli_epi16(h0, 2)
-                                     : c == 2 ? h0 : _mm512_srli_epi16(h0, 2);
-                    const __m512i t1 = c == 0 ? _mm512_slli_epi16(h1, 4) : c == 1 ? _mm512_slli_epi16(h1, 2)
-                                     : c == 2 ? h1 : _mm512_srli_epi16(h1, 2);
-                    q[c] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), t0, top2, 0xF8);     /* a | (b & c) */
-                    q[c + 4] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), t1, top2,
-                                                         0xF8);
-                }
-            } else {
-                for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+        const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
+        const __m512 d0 = kind == GGUF_F8 ? _mm512_loadu_ps(wg) : k_scale(sup, wg, 1);
+        const __m512 d1 = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 64) : k_scale(sup, wg + 16, 1);
+        const __m512 m = kind == GGUF_F8 ? _mm512_loadu_ps(wg + 128)
+                         : k6 || k3    ? _mm512_setzero_ps() : neg(k_scale(sup + 32, wg + 32, 0));
+        __m512i q[8];
+        if (k3) {                          /* u = low 2 bits | high bit << 2 (gguf_k3_byte) */
+            const __m512i l0 = _mm512_loadu_si512(wg + qo), l1 = _mm512_loadu_si512(wg + qo + 64);
+            const __m512i t = _mm512_loadu_si512(wg + qo + 128);
+            UNROLL for (int c = 0; c < 8; c++) {
+                const __m512i l = c < 4 ? l0 : l1;
+                const int sh = 2 * (c & 3);
+                const __m512i lo = _mm512_and_si512(sh == 0 ? l : sh == 2 ? _mm512_srli_epi16(l, 2)
+                                                    : sh == 4 ? _mm512_srli_epi16(l, 4) : _mm512_srli_epi16(l, 6), low2);
+                const __m512i tc = c == 0 ? _mm512_slli_epi16(t, 2) : c == 1 ? _mm512_slli_epi16(t, 1)
+                                 : c == 2 ? t : _mm512_srli_epi16(t, c - 2);
+                q[c] = _mm512_ternarylogic_epi32(lo, tc, bit2, 0xF8);     /* a | (b & c) */
             }
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 4, P),
-                                                                       _mm512_set1_epi32(bias * a->sq0[rb])));
-                const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 4, 8, P),
-                                                                       _mm512_set1_epi32(bias * (a->sq[rb] - a->sq0[rb]))));
-                const __m512 dx = _mm512_set1_ps(a->dx[rb]);
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s0, _mm512_mul_ps(d0, dx)));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s1, _mm512_mul_ps(d1, dx)));
-                if (!k6 && !k3) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
+        } else if (k6) {                          /* u = low 4 bits | top 2 bits << 4 (gguf_k6_byte) */
+            const __m512i h0 = _mm512_loadu_si512(wg + qo + 256), h1 = _mm512_loadu_si512(wg + qo + 320);
+            UNROLL for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(wg + qo + 64 * c);
+                const __m512i t0 = c == 0 ? _mm512_slli_epi16(h0, 4) : c == 1 ? _mm512_slli_epi16(h0, 2)
+                                 : c == 2 ? h0 : _mm512_srli_epi16(h0, 2);
+                const __m512i t1 = c == 0 ? _mm512_slli_epi16(h1, 4) : c == 1 ? _mm512_slli_epi16(h1, 2)
+                                 : c == 2 ? h1 : _mm512_srli_epi16(h1, 2);
+                q[c] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), t0, top2, 0xF8);     /* a | (b & c) */
+                q[c + 4] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), t1, top2,
+                                                     0xF8);
             }
+        } else {
+            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(wg + qo + 64 * c);
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = r * nb + b;
+            const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 0, 4, P),
+                                                                   _mm512_set1_epi32(bias * a->sq0[rb])));
+            const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_row(q, a, r, nb, b, 4, 8, P),
+                                                                   _mm512_set1_epi32(bias * (a->sq[rb] - a->sq0[rb]))));
+            const __m512 dx = _mm512_set1_ps(a->dx[rb]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s0, _mm512_mul_ps(d0, dx)));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(s1, _mm512_mul_ps(d1, dx)));
+            if (!k6 && !k3) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
         }
     }
+}
+
+/* Whether rows 0 .. R-1 all have one part in block b (mixed activations: their xb all zero). */
+static inline __attribute__((always_inline)) int one_part_block(const gguf_acts_t *a, const int R, int64_t nb,
+                                                                int64_t b) {
+    __m256i xb = _mm256_loadu_si256((const __m256i *)(a->xq + b * 64 + 32));     /* gguf_xb_zero, by vector */
+    for (int r = 1; r < R; r++)
+        xb = _mm256_or_si256(xb, _mm256_loadu_si256((const __m256i *)(a->xq + (r * nb + b) * 64 + 32)));
+    return _mm256_testz_si256(xb, xb);
+}
+
+/* A group against R activation rows, block by block (block_dot), with mixed parts in runs of
+ * blocks where every row has one part (GGUF_BLOCK_RUNS): those skip the per-row check. */
+static inline __attribute__((always_inline)) void
+group_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
+    __m512 acc[GGUF_TILE_M];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    GGUF_BLOCK_RUNS(block_dot, one_part_block, wg, kind, nb, a, R, P, acc);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * GGUF_ROWS, acc[r]);
 }
 
