@@ -255,11 +255,16 @@ def test_gemv_and_f32_gemm_match_the_dequantized_matmul(qtype, isa):
         check_f32_bound(cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=True), x, W)
 
 
+@pytest.mark.parametrize("parts", ["two", "one", "mixed"])  # gguf, gguf-a8, gguf-mixed
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_every_isa_gives_the_portable_bits(qtype, isa):
+def test_every_isa_gives_the_portable_bits(qtype, isa, parts):
     """Shapes with a partial row group, odd group counts (the float32 GEMM's pairs), K across its
-    slices, row counts across tiles and chunks; extreme activations."""
+    slices, row counts across tiles and chunks; extreme activations. Mixed parts: outlier blocks
+    at different blocks in different rows, so a pass meets blocks where every row has one part
+    and blocks where some rows have two."""
+    from tests.unit.test_gguf_gemv import outlier_blocks
+
     _lib_or_skip(isa)
     _lib_or_skip("portable")
     for n, k, m in (
@@ -274,10 +279,12 @@ def test_every_isa_gives_the_portable_bits(qtype, isa):
         x = acts(m, k, seed=k)
         x[1] = 127.0  # xa = 127 everywhere: extreme integer sums
         x[2, :32] = -1e-30  # tiny values
-        for f32 in (False, True):
-            want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", f32=f32)
+        if parts == "mixed":
+            outlier_blocks(x[3:], seed=m + k)
+        for f32 in (False, True) if parts == "two" else (False,):
+            want = cpu_kernels.gguf_gemv(packed, kind, n, x, isa="portable", f32=f32, parts=parts)
             assert want.isfinite().all()
-            got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=f32)
+            got = cpu_kernels.gguf_gemv(packed, kind, n, x, isa=isa, f32=f32, parts=parts)
             assert torch.equal(got, want), (n, k, m, f32, (got - want).abs().max())
 
 

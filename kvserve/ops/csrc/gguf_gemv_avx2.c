@@ -3,6 +3,9 @@
  * multiplies u8 weights by s8 activations into pairs summed in int16, vpmaddwd widens to int32.
  *   4-bit kinds (q in 0..15): a pair is at most 2 * 15 * 127 = 3810, so the 8 chunks of a block
  *       add up in int16 (<= 30480) before one widening per part.
+ *   6- and 3-bit kinds (26, 13: u = q + 32 in 0..63, q + 4 in 0..7): a pair is at most
+ *       2 * 63 * 127 = 16002, so two chunks add up in int16 before one widening per part; the
+ *       bias (32 or 4) times the part's sum of x is taken off once a block.
  *   8-bit kinds: the stored u8 (q + 128) times an s8 part would saturate vpmaddubsw's int16
  *       (255 * 127 * 2). They take both parts at once instead: the weights widened to 16 bits
  *       times x16 = 256 xa + xb (an int16) by vpmaddwd, then 128 sum x16 (sq) taken off: half the
@@ -30,7 +33,7 @@ const char *gguf_kernel_isa(void) { return "avx2"; }
 /* Keep the sums in registers in the order written (above). */
 #define KEEP_ORDER(v) __asm__("" : "+x"(v))
 
-/* s = sum_j q_j x16_j from the stored u = q + bias (128; kind 26: 32): minus bias sum_j x16_j (sq). */
+/* s = sum_j q_j x16_j from the stored u = q + bias (128; kinds 26, 13: 32, 4): minus bias sum_j x16_j (sq). */
 static inline __attribute__((always_inline)) __m256 unbias(__m256i su, int32_t sq, int32_t bias) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(su, _mm256_set1_epi32(bias * sq)));
 }
@@ -102,6 +105,64 @@ q4_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_ac
     }
 }
 
+/* Block b of a kind-26 or kind-13 group (16 rows; wg: the block) against R <= 2 activation rows,
+ * added to acc. Per half of the block's weights (kind 18's chunks 0..3, scale d0; 4..7, d1) and
+ * per two chunks: the unpacked u of rows 0..7 and 8..15 (k6_chunk, k3_chunk) times each row's
+ * broadcast part bytes by vpmaddubsw, the two chunks' pairs added in int16 (<= 2 * 16002), widened
+ * once. s = 256 sa + sb - bias sq_half: the integer q8_rows forms from x16, so the same floats.
+ * P = 1 (every xb of the block zero): the xa products only. */
+static inline __attribute__((always_inline)) void
+small_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R,
+            const int P, __m256 acc[R_MAX][2]) {
+    const int64_t qo = gguf_ints_offset(kind);
+    const int32_t bias = kind == GGUF_K6 ? 32 : 4;     /* the stored u less q */
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
+    #pragma GCC unroll 2
+    for (int part = 0; part < 2; part++) {         /* unrolled: chunk c a constant (k6_chunk's shifts) */
+        __m256i s[R_MAX][2][2];                    /* [row][activation part][rows half]: int32 */
+        #pragma GCC unroll 2
+        for (int c = 4 * part; c < 4 * part + 4; c += 2) {
+            __m256i u[2][2];                       /* [chunk c, c + 1][rows half] */
+            for (int k = 0; k < 2; k++)
+                for (int h = 0; h < 2; h++)
+                    u[k][h] = kind == GGUF_K6 ? k6_chunk(wg + qo, c + k, h) : k3_chunk(wg + qo, c + k, h);
+            for (int r = 0; r < R; r++) {
+                const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
+                for (int p = 0; p < P; p++) {
+                    const __m256i x0 = _mm256_set1_epi32(x4[8 * p + c]), x1 = _mm256_set1_epi32(x4[8 * p + c + 1]);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i t16 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0][h], x0),
+                                                             _mm256_maddubs_epi16(u[1][h], x1));
+                        const __m256i t = _mm256_madd_epi16(t16, ones);
+                        s[r][p][h] = c == 4 * part ? t : _mm256_add_epi32(s[r][p][h], t);
+                        KEEP_ORDER(s[r][p][h]);
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = k_scale(sup, wg + 16 * part, h, 1);
+            for (int r = 0; r < R; r++) {
+                const int64_t rb = r * nb + b;
+                const int32_t sq = part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
+                const __m256i sa = _mm256_slli_epi32(s[r][0][h], 8);
+                const __m256 sf = unbias(P == 2 ? _mm256_add_epi32(sa, s[r][1][h]) : sa, sq, bias);
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
+            }
+        }
+    }
+}
+
+/* Block b through the byte-product body of its kind: q4_block (4- and 5-bit), small_block (6-
+ * and 3-bit). */
+static inline __attribute__((always_inline)) void
+byte_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
+           __m256 acc[R_MAX][2]) {
+    if (gguf_nibble_kind(kind)) q4_block(wg, kind, nb, b, a, R, P, acc);
+    else small_block(wg, kind, nb, b, a, R, P, acc);
+}
+
 /* Whether rows 0 .. R-1 all have one part in block b (mixed activations: their xb all zero). */
 static inline __attribute__((always_inline)) int one_part_block(const gguf_acts_t *a, const int R, int64_t nb, int64_t b) {
     __m256i xb = _mm256_loadu_si256((const __m256i *)(a->xq + b * 64 + 32));      /* gguf_xb_zero, by vector */
@@ -109,18 +170,18 @@ static inline __attribute__((always_inline)) int one_part_block(const gguf_acts_
     return _mm256_testz_si256(xb, xb);
 }
 
-/* A 4-bit group against R <= 2 activation rows, block by block (q4_block), with mixed parts in
- * runs of one-part blocks (GGUF_BLOCK_RUNS). */
+/* A 4-, 5-, 6- or 3-bit group against R <= 2 activation rows, block by block (byte_block), with
+ * mixed parts in runs of one-part blocks (GGUF_BLOCK_RUNS). */
 static inline __attribute__((always_inline)) void
-q4_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
+byte_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
     __m256 acc[R_MAX][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    GGUF_BLOCK_RUNS(q4_block, one_part_block, wg, kind, nb, a, R, P, acc);
+    GGUF_BLOCK_RUNS(byte_block, one_part_block, wg, kind, nb, a, R, P, acc);
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
 }
 
-/* An 8-bit group (kinds 8, 18, 19, 26, 13 and 24, 16 rows; 26, 13 and 24 unpacked to 8 bits) against R <= 2 activation rows. Chunk c's 64 bytes
+/* An 8-bit group (kinds 8, 18, 19 and 24, 16 rows; 24 unpacked to 8 bits) against R <= 2 activation rows. Chunk c's 64 bytes
  * hold u = q[4c .. 4c+3] + 128 of rows 0..3, 4..7, 8..11, 12..15: widened to 16 bits once for
  * both rows (four registers), each multiplied by the row's broadcast 4 values of x16; vpmaddwd
  * leaves two int32 sums a row, joined by one hadd a block. Kind 18 closes its first sum after
@@ -133,8 +194,8 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, wg += pb) {
         gguf_prefetch_block(wg, pb);
-        /* Both loops unrolled: chunk c a constant, so the compact kinds' unpacking (k6_chunk,
-         * k3_chunk, x4_chunk) takes its shifts as immediates, not a runtime choice per chunk. */
+        /* Both loops unrolled: chunk c a constant, so kind 24's unpacking (x4_chunk) takes its
+         * shifts as immediates, not a runtime choice per chunk. */
         #pragma GCC unroll 2
         for (int part = 0; part < parts; part++) {
             __m256i s[R_MAX][2][2];                /* [row][half][rows 0..3 | 4..7 of the half] */
@@ -142,10 +203,9 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
             for (int c = part * cn; c < part * cn + cn; c++) {
                 const uint8_t *wc = wg + qo + 64 * c;
                 __m256i w[2][2];
-                if (kind == GGUF_K6 || kind == GGUF_K3 || kind == GGUF_X4)
+                if (kind == GGUF_X4)
                     for (int h = 0; h < 2; h++) {
-                        const __m256i u = kind == GGUF_K6 ? k6_chunk(wg + qo, c, h)
-                                        : kind == GGUF_K3 ? k3_chunk(wg + qo, c, h) : x4_chunk(wg + qo, c, h);
+                        const __m256i u = x4_chunk(wg + qo, c, h);
                         w[h][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
                         w[h][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
                     }
@@ -174,8 +234,7 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                     const int32_t sq = parts == 1 ? a->sq[rb] : part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
                     /* hadd: rows 0 1 4 5 | 2 3 6 7 (64-bit pairs), put in order */
                     const __m256i su = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][h][0], s[r][h][1]), 0xD8);
-                    const int32_t bias = kind == GGUF_K6 ? 32 : kind == GGUF_K3 ? 4 : 128;   /* the stored u less q */
-                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(unbias(su, sq, bias),
+                    acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(unbias(su, sq, 128),
                                                                        _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
                 }
             }
@@ -196,7 +255,7 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
  * the parts (P): one-part activations save them nothing. */
 static inline __attribute__((always_inline)) void
 rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P, float *out) {
-    if (gguf_nibble_kind(kind)) q4_rows(wg, kind, nb, a, R, P, out);
+    if (gguf_nibble_kind(kind) || kind == GGUF_K6 || kind == GGUF_K3) byte_rows(wg, kind, nb, a, R, P, out);
     else q8_rows(wg, kind, nb, a, R, out);
 }
 
