@@ -209,7 +209,28 @@ def rows_latency(res: dict) -> list[dict]:
             row["ours"] = rows[0]["ours"]
             row["theirs"] += mbu(res, r)
             rows.append(row)
-    return rows if len(rows) == 1 else rows[1:]
+    return (rows if len(rows) == 1 else rows[1:]) + prefill_rows(res, base, load)
+
+
+def prefill_rows(res: dict, base: dict, load: str) -> list[dict]:
+    """One row per peer: the prompt's prefill time (a max_tokens=1 request), kvserve's against
+    the peer's; the ratio is how many times faster kvserve is."""
+    ours = base["summary"].get("prefill_s")
+    if not ours:
+        return []
+    what = f"prefill s (one-token request), median of {len(base['samples'])}"
+    rows = []
+    for r in res["runs"]:
+        theirs = r["summary"].get("prefill_s")
+        if r is not base and theirs:
+            row = _peer_row(res, r, what, "prefill", load, None, None)
+            row.update(
+                ours=f"{ours['median']:.3f}",
+                theirs=f"{theirs['median']:.3f}",
+                ratio=x(common.ratio(theirs["median"], ours["median"])),
+            )
+            rows.append(row)
+    return rows
 
 
 def mbu(res: dict, run: dict) -> str:

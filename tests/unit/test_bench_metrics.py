@@ -217,6 +217,40 @@ def test_report_page_keeps_the_newest_result_per_row(tmp_path):
     assert "--llamacpp-bin LLAMA_SERVER --repeat 3`" in page and "x.json" not in page
 
 
+def test_report_page_shows_prefill_beside_decode(tmp_path):
+    """A latency result with prefill times gives a prefill row per peer, whose ratio is how many
+    times faster kvserve's prefill is (lower time is better); one without them gives none."""
+    from kvserve.bench.report import build_page
+
+    def run(engine, tps, prefill):
+        summary = {"decode_tok_s": {"median": tps}}
+        if prefill is not None:
+            summary["prefill_s"] = {"median": prefill}
+        return {"engine": engine, "config": {}, "samples": [{}] * 3, "summary": summary}
+
+    def res(name, prefills):
+        return {
+            "kind": "latency",
+            "command": f"kvserve bench latency --workload w1 --peer llamacpp -o {name}.json",
+            "date": "2026-01-01T00:00:00",
+            "machine": {"cpu": f"cpu {name}", "cores": 2, "simd": ["avx2"]},
+            "versions": {"kvserve_commit": "not-a-commit"},
+            "workload": {"name": "w1", "prompt_tokens": 34, "output_tokens": 128},
+            "runs": [run("kvserve", 30.0, prefills[0]), run("llamacpp", 15.0, prefills[1])],
+        }
+
+    page = build_page(
+        [
+            (tmp_path / "a.json", res("a", (0.2, 0.5))),
+            (tmp_path / "b.json", res("b", (None, None))),
+        ],
+        tmp_path,
+    )
+    rows = [line for line in page.splitlines() if "prefill s" in line]
+    assert len(rows) == 1 and "| 0.200 | llama.cpp" in rows[0] and "| 0.500 | 2.50x |" in rows[0]
+    assert "| 30.0 | llama.cpp" in page and "| 15.0 | 2.00x |" in page
+
+
 def test_the_standard_workloads_ship_in_the_package():
     """A fresh clone (or a wheel) runs `kvserve bench` on W1/W2 with no other checkout."""
     import json
