@@ -27,6 +27,7 @@ from kvserve.ops.gguf_blocks import (
     supers_bytes,
     unpack_gguf_rows,
 )
+from tests.unit.test_gguf_gemv import outlier_blocks
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -263,8 +264,6 @@ def test_every_isa_gives_the_portable_bits(qtype, isa, parts):
     slices, row counts across tiles and chunks; extreme activations. Mixed parts: outlier blocks
     at different blocks in different rows, so a pass meets blocks where every row has one part
     and blocks where some rows have two."""
-    from tests.unit.test_gguf_gemv import outlier_blocks
-
     _lib_or_skip(isa)
     _lib_or_skip("portable")
     for n, k, m in (

@@ -25,6 +25,7 @@
 
 #include "gguf_gemv.h"
 #include "k_scales_avx.h"
+#include "one_part_avx.h"
 
 const char *gguf_kernel_isa(void) { return "avx2"; }
 
@@ -163,13 +164,6 @@ byte_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_
     else small_block(wg, kind, nb, b, a, R, P, acc);
 }
 
-/* Whether rows 0 .. R-1 all have one part in block b (mixed activations: their xb all zero). */
-static inline __attribute__((always_inline)) int one_part_block(const gguf_acts_t *a, const int R, int64_t nb, int64_t b) {
-    __m256i xb = _mm256_loadu_si256((const __m256i *)(a->xq + b * 64 + 32));      /* gguf_xb_zero, by vector */
-    if (R == 2) xb = _mm256_or_si256(xb, _mm256_loadu_si256((const __m256i *)(a->xq + (nb + b) * 64 + 32)));
-    return _mm256_testz_si256(xb, xb);
-}
-
 /* A 4-, 5-, 6- or 3-bit group against R <= 2 activation rows, block by block (byte_block), with
  * mixed parts in runs of one-part blocks (GGUF_BLOCK_RUNS). */
 static inline __attribute__((always_inline)) void
@@ -239,7 +233,7 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                 }
             }
         }
-        if (gguf_two_halves(kind) && !gguf_no_min_super(kind))
+        if (gguf_two_halves(kind))
             for (int h = 0; h < 2; h++) {
                 const __m256 m = kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
                                                  : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + 32, h, 0));

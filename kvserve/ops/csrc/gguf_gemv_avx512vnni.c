@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "gguf_gemv.h"
+#include "one_part_avx.h"
 
 const char *gguf_kernel_isa(void) { return "avx512vnni"; }
 
@@ -160,15 +161,6 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
             if (!k6 && !k3) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a->sx[rb])));
         }
     }
-}
-
-/* Whether rows 0 .. R-1 all have one part in block b (mixed activations: their xb all zero). */
-static inline __attribute__((always_inline)) int one_part_block(const gguf_acts_t *a, const int R, int64_t nb,
-                                                                int64_t b) {
-    __m256i xb = _mm256_loadu_si256((const __m256i *)(a->xq + b * 64 + 32));     /* gguf_xb_zero, by vector */
-    for (int r = 1; r < R; r++)
-        xb = _mm256_or_si256(xb, _mm256_loadu_si256((const __m256i *)(a->xq + (r * nb + b) * 64 + 32)));
-    return _mm256_testz_si256(xb, xb);
 }
 
 /* A group against R activation rows, block by block (block_dot), with mixed parts in runs of

@@ -19,6 +19,7 @@
 
 #include "gguf_gemv.h"
 #include "k_scales_avx.h"
+#include "one_part_avx.h"
 
 #if defined(__AVXVNNI__)
 #define DPBUSD(acc, u8s, s8s) _mm256_dpbusd_avx_epi32(acc, u8s, s8s)
@@ -122,13 +123,6 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
             for (int r = 0; r < R; r++)
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
         }
-}
-
-/* Whether rows 0 .. R-1 all have one part in block b (mixed activations: their xb all zero). */
-static inline __attribute__((always_inline)) int one_part_block(const gguf_acts_t *a, const int R, int64_t nb, int64_t b) {
-    __m256i xb = _mm256_loadu_si256((const __m256i *)(a->xq + b * 64 + 32));      /* gguf_xb_zero, by vector */
-    if (R == 2) xb = _mm256_or_si256(xb, _mm256_loadu_si256((const __m256i *)(a->xq + (nb + b) * 64 + 32)));
-    return _mm256_testz_si256(xb, xb);
 }
 
 /* A group against R <= 2 activation rows, block by block (block_dot), with mixed parts in runs of
