@@ -106,7 +106,6 @@ class AsyncEngine:
         self.max_model_len: int = core.max_model_len
         self.metrics = metrics or EngineMetrics(core.model_name)
         self.metrics.record_stats(core.stats())
-        core.grammar.warm_up()
         self._processor = getattr(core, "processor", None)
         if self._processor is not None:
             self._processor.defer_text = True  # detokenized on the event loop: _dispatch

@@ -47,16 +47,11 @@ class GrammarManager:
         self.mask_seconds = 0.0  # time spent filling masks (for kvserve bench)
         self.masks_filled = 0
 
-    def warm_up(self) -> None:
-        """Build the compiler (the tokenizer bridge) in the background now, so the first
-        constrained request does not wait for it (the server does this at start; the offline
-        API builds it on first use)."""
-        self._worker.submit(lambda: self.compiler)
-
     @property
     def compiler(self):
-        """Built once, on first use or by warm_up() (the tokenizer bridge reads the whole
-        vocabulary: most of a second, and about 60 MB)."""
+        """Built once, by the first constrained request (the tokenizer bridge reads the whole
+        vocabulary: most of a second, and about 60 MB resident), never at start: an engine that
+        serves no constrained request does not hold it."""
         with self._compiler_lock:
             if self._compiler is None:
                 from kvserve.structured import BatchMaskFiller, GrammarCompiler

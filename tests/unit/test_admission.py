@@ -20,7 +20,6 @@ class IdleCore:
         self.model_name = "stand-in"
         self.max_model_len = 64
         self.config = SimpleNamespace(scheduler=SimpleNamespace(max_waiting=max_waiting))
-        self.grammar = SimpleNamespace(warm_up=lambda: None)
 
     def stats(self) -> dict:
         return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
