@@ -252,34 +252,39 @@ static inline int gguf_xb_zero(const gguf_acts_t *a, int64_t r, int64_t nb, int6
     return !(w[0] | w[1] | w[2] | w[3]);
 }
 
-/* The blocks of a group in order, each added to acc by BODY(wb, kind, nb, b, a, R, P, acc) (wb:
- * block b's bytes; R, P constants). With mixed parts (P == 2) the blocks go in runs: those where
+/* Blocks b0 .. b1 - 1 of a group in order, each added to acc by BODY(wb, kind, nb, b, a, R, P, acc)
+ * (R, P constants; wb: block b's bytes, at base + (b - b0) stride, prefetched GGUF_PREFETCH
+ * blocks ahead when PF). With mixed parts (P == 2) the blocks go in runs: those where
  * ONE_PART(a, R, nb, b) says every row of the pass has a zero xb through BODY with P = 1 (the xa
  * products only: the same integers), in one loop, and each other block through BODY with P = 2.
  * One loop per body: a branch between the two bodies inside one loop holds the registers of
  * both, which slows the mixed GEMV on blocks that all have one part. */
-#define GGUF_BLOCK_RUNS(BODY, ONE_PART, wg, kind, nb, a, R, P, acc)                              \
+#define GGUF_BLOCK_RUNS_IN(BODY, ONE_PART, base, stride, PF, b0, b1, kind, nb, a, R, P, acc)     \
     do {                                                                                         \
-        const int64_t pb_ = gguf_packed_block_bytes(kind);                                       \
+        const int64_t st_ = (stride), b0_ = (b0), b1_ = (b1);                                    \
         if ((P) == 2 && (a)->parts == GGUF_MIXED_PARTS) {                                        \
-            for (int64_t b_ = 0; b_ < (nb);) {                                                   \
-                for (; b_ < (nb) && ONE_PART(a, R, nb, b_); b_++) {                              \
-                    gguf_prefetch_block((wg) + b_ * pb_, pb_);                                   \
-                    BODY((wg) + b_ * pb_, kind, nb, b_, a, R, 1, acc);                           \
+            for (int64_t b_ = b0_; b_ < b1_;) {                                                  \
+                for (; b_ < b1_ && ONE_PART(a, R, nb, b_); b_++) {                               \
+                    if (PF) gguf_prefetch_block((base) + (b_ - b0_) * st_, st_);                 \
+                    BODY((base) + (b_ - b0_) * st_, kind, nb, b_, a, R, 1, acc);                 \
                 }                                                                                \
-                if (b_ < (nb)) {                                                                 \
-                    gguf_prefetch_block((wg) + b_ * pb_, pb_);                                   \
-                    BODY((wg) + b_ * pb_, kind, nb, b_, a, R, 2, acc);                           \
+                if (b_ < b1_) {                                                                  \
+                    if (PF) gguf_prefetch_block((base) + (b_ - b0_) * st_, st_);                 \
+                    BODY((base) + (b_ - b0_) * st_, kind, nb, b_, a, R, 2, acc);                 \
                     b_++;                                                                        \
                 }                                                                                \
             }                                                                                    \
         } else {                                                                                 \
-            for (int64_t b_ = 0; b_ < (nb); b_++) {                                              \
-                gguf_prefetch_block((wg) + b_ * pb_, pb_);                                       \
-                BODY((wg) + b_ * pb_, kind, nb, b_, a, R, P, acc);                               \
+            for (int64_t b_ = b0_; b_ < b1_; b_++) {                                             \
+                if (PF) gguf_prefetch_block((base) + (b_ - b0_) * st_, st_);                     \
+                BODY((base) + (b_ - b0_) * st_, kind, nb, b_, a, R, P, acc);                     \
             }                                                                                    \
         }                                                                                        \
     } while (0)
+
+/* Every block of a group (wg: its bytes), GGUF_BLOCK_RUNS_IN over the packed blocks. */
+#define GGUF_BLOCK_RUNS(BODY, ONE_PART, wg, kind, nb, a, R, P, acc)                              \
+    GGUF_BLOCK_RUNS_IN(BODY, ONE_PART, wg, gguf_packed_block_bytes(kind), 1, 0, nb, kind, nb, a, R, P, acc)
 
 /* The activations of rows r0.. of `a` (nb blocks a row): kernels that take fewer than
  * GGUF_TILE_M rows per pass over a group's weights run the rest from here. */

@@ -44,80 +44,155 @@ static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256
 }
 
 
-/* Block b of a 4-bit group (kinds 4 and 14, 16 rows; wg: the block) against R <= 2 activation
- * rows, added to acc. Chunk c's 64 bytes hold the low nibbles q[4c .. 4c+3] and the high nibbles
- * q[4c+16 .. 4c+19] of rows 0..7 (first 32 bytes) and 8..15: four weight registers, multiplied by
- * the broadcast 4 bytes of each row's part (xa, xb) at 4c and 4c + 16. Sums per row, part and
- * half in int16 (8 chunks of pairs <= 2 * 15 * 127: <= 30480), widened once a block. P = 1 (every
- * xb of the block zero): the xa products only, half the multiplies, and s = 256 sa, what
- * two_parts gives with sb = 0. */
-static inline __attribute__((always_inline)) void
-q4_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
-         __m256 acc[R_MAX][2]) {
+/* Chunk c of a 4-bit block (kinds 4, 14, 15; wg: the block) as bytes: its 64 bytes hold the low
+ * nibbles q[4c .. 4c+3] and the high nibbles q[4c+16 .. 4c+19] of rows 0..7 (first 32 bytes) and
+ * 8..15. w[0], w[1]: rows 0..7's low and high nibbles; w[2], w[3]: rows 8..15's (kind 15: each
+ * with its top bit). */
+static inline __attribute__((always_inline)) void q4_chunk(const uint8_t *wg, const int kind, const int c,
+                                                           __m256i w[4]) {
     const int64_t qo = gguf_ints_offset(kind);
-    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const int k5 = kind == GGUF_K5;
-    __m256i s[R_MAX][2][2];                    /* [row][part][half]; kind 15: int32 sums */
-    for (int c = 0; c < 4; c++) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
-        __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-        __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-        if (k5) {
-            lo0 = _mm256_or_si256(lo0, k5_top(wg + qo, c, 0));
-            lo1 = _mm256_or_si256(lo1, k5_top(wg + qo, c, 1));
-            hi0 = _mm256_or_si256(hi0, k5_top(wg + qo, c + 4, 0));
-            hi1 = _mm256_or_si256(hi1, k5_top(wg + qo, c + 4, 1));
-        }
-        for (int r = 0; r < R; r++) {
-            const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
-            for (int p = 0; p < P; p++) {
-                const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]), xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
-                __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
-                __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
-                if (k5) {                      /* 5-bit pairs reach 2 * 31 * 127: widen every chunk */
-                    t0 = _mm256_madd_epi16(t0, ones);
-                    t1 = _mm256_madd_epi16(t1, ones);
-                    s[r][p][0] = c ? _mm256_add_epi32(s[r][p][0], t0) : t0;
-                    s[r][p][1] = c ? _mm256_add_epi32(s[r][p][1], t1) : t1;
-                } else {
-                    s[r][p][0] = c ? _mm256_add_epi16(s[r][p][0], t0) : t0;
-                    s[r][p][1] = c ? _mm256_add_epi16(s[r][p][1], t1) : t1;
-                }
-                KEEP_ORDER(s[r][p][0]);
-                KEEP_ORDER(s[r][p][1]);
-            }
-        }
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
+    w[0] = _mm256_and_si256(v0, low4);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+    w[2] = _mm256_and_si256(v1, low4);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+    if (kind == GGUF_K5) {
+        w[0] = _mm256_or_si256(w[0], k5_top(wg + qo, c, 0));
+        w[1] = _mm256_or_si256(w[1], k5_top(wg + qo, c + 4, 0));
+        w[2] = _mm256_or_si256(w[2], k5_top(wg + qo, c, 1));
+        w[3] = _mm256_or_si256(w[3], k5_top(wg + qo, c + 4, 1));
     }
+}
+
+/* A 4-bit block's float scales per half h of its rows: d[h] and m[h] (kinds 14, 15: m = -(dmin mn)). */
+static inline __attribute__((always_inline)) void q4_scales(const uint8_t *wg, const int kind, int64_t nb, int64_t b,
+                                                            __m256 d[2], __m256 m[2]) {
     const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
     for (int h = 0; h < 2; h++) {
-        const __m256 d = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                                         : k_scale(sup, wg, h, 0);
-        const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
-                                         : neg(k_scale(sup + 32, wg + 16, h, 0));
+        d[h] = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
+                               : k_scale(sup, wg, h, 0);
+        m[h] = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
+                               : neg(k_scale(sup + 32, wg + 16, h, 0));
+    }
+}
+
+/* Chunk c (w: q4_chunk's bytes) of block b against R <= 2 activation rows: each row's part bytes
+ * (xa, xb) at 4c and 4c + 16 broadcast, multiplied by vpmaddubsw and added to s[row][part][half].
+ * Sums in int16 (4-bit pairs <= 2 * 15 * 127: the 8 chunks of a block <= 30480); kind 15's pairs
+ * reach 2 * 31 * 127, so its sums are widened to int32 every chunk. */
+static inline __attribute__((always_inline)) void
+q4_products(const __m256i w[4], const int kind, const int c, const gguf_acts_t *a, int64_t nb, int64_t b, const int R,
+            const int P, __m256i s[R_MAX][2][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) {
+        const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
+        for (int p = 0; p < P; p++) {
+            const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]), xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
+            __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xl), _mm256_maddubs_epi16(w[1], xh));
+            __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], xl), _mm256_maddubs_epi16(w[3], xh));
+            if (kind == GGUF_K5) {
+                t0 = _mm256_madd_epi16(t0, ones);
+                t1 = _mm256_madd_epi16(t1, ones);
+                s[r][p][0] = c ? _mm256_add_epi32(s[r][p][0], t0) : t0;
+                s[r][p][1] = c ? _mm256_add_epi32(s[r][p][1], t1) : t1;
+            } else {
+                s[r][p][0] = c ? _mm256_add_epi16(s[r][p][0], t0) : t0;
+                s[r][p][1] = c ? _mm256_add_epi16(s[r][p][1], t1) : t1;
+            }
+            KEEP_ORDER(s[r][p][0]);
+            KEEP_ORDER(s[r][p][1]);
+        }
+    }
+}
+
+/* A 4-bit block's sums (q4_products over its 4 chunks) into acc: widened once (kinds 4, 14),
+ * s = 256 sa + sb (P = 1: every xb zero, 256 sa), then acc += s d dx + m sx per row and half. */
+static inline __attribute__((always_inline)) void
+q4_finish(__m256i s[R_MAX][2][2], const __m256 d[2], const __m256 m[2], const int kind, const gguf_acts_t *a,
+          int64_t nb, int64_t b, const int R, const int P, __m256 acc[R_MAX][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int k5 = kind == GGUF_K5;
+    for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) {
             const int64_t rb = r * nb + b;
             const __m256i sa = k5 ? s[r][0][h] : _mm256_madd_epi16(s[r][0][h], ones);
             const __m256 sf = P == 2 ? two_parts(sa, k5 ? s[r][1][h] : _mm256_madd_epi16(s[r][1][h], ones))
                                      : _mm256_cvtepi32_ps(_mm256_slli_epi32(sa, 8));
-            acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-            acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[rb])));
+            acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d[h], _mm256_set1_ps(a->dx[rb]))));
+            acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m[h], _mm256_set1_ps(a->sx[rb])));
+        }
+}
+
+/* Block b of a 4-bit group (kinds 4, 14, 15; 16 rows; wg: the block) against R <= 2 activation
+ * rows, added to acc: the 4 chunks unpacked in registers, each serving every row and part. */
+static inline __attribute__((always_inline)) void
+q4_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
+         __m256 acc[R_MAX][2]) {
+    __m256i s[R_MAX][2][2];                    /* [row][part][half]; kind 15: int32 sums */
+    for (int c = 0; c < 4; c++) {
+        __m256i w[4];
+        q4_chunk(wg, kind, c, w);
+        q4_products(w, kind, c, a, nb, b, R, P, s);
+    }
+    __m256 d[2], m[2];
+    q4_scales(wg, kind, nb, b, d, m);
+    q4_finish(s, d, m, kind, a, nb, b, R, P, acc);
+}
+
+/* Chunks c, c + 1 of half `part` of a kind-26 or kind-13 block (u: their bytes per rows half,
+ * k6_chunk / k3_chunk) against R <= 2 activation rows: the two chunks' pairs added in int16
+ * (<= 2 * 16002), widened once, added to s[row][part][half] in int32. */
+static inline __attribute__((always_inline)) void
+small_products(const __m256i u[2][2], const int c, const int part, const gguf_acts_t *a, int64_t nb, int64_t b,
+               const int R, const int P, __m256i s[R_MAX][2][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) {
+        const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
+        for (int p = 0; p < P; p++) {
+            const __m256i x0 = _mm256_set1_epi32(x4[8 * p + c]), x1 = _mm256_set1_epi32(x4[8 * p + c + 1]);
+            for (int h = 0; h < 2; h++) {
+                const __m256i t16 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0][h], x0),
+                                                     _mm256_maddubs_epi16(u[1][h], x1));
+                const __m256i t = _mm256_madd_epi16(t16, ones);
+                s[r][p][h] = c == 4 * part ? t : _mm256_add_epi32(s[r][p][h], t);
+                KEEP_ORDER(s[r][p][h]);
+            }
         }
     }
 }
 
+/* Half `part` of a kind-26 or kind-13 block (its sums s, its scales d per rows half) into acc:
+ * s = 256 sa + sb - bias sq_half, the integer q8_rows forms from x16, so the same floats. */
+static inline __attribute__((always_inline)) void
+small_finish(__m256i s[R_MAX][2][2], const __m256 d[2], const int part, const int kind, const gguf_acts_t *a,
+             int64_t nb, int64_t b, const int R, const int P, __m256 acc[R_MAX][2]) {
+    const int32_t bias = kind == GGUF_K6 ? 32 : 4;     /* the stored u less q */
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = r * nb + b;
+            const int32_t sq = part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
+            const __m256i sa = _mm256_slli_epi32(s[r][0][h], 8);
+            const __m256 sf = unbias(P == 2 ? _mm256_add_epi32(sa, s[r][1][h]) : sa, sq, bias);
+            acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d[h], _mm256_set1_ps(a->dx[rb]))));
+        }
+}
+
+/* The bytes u of chunk c, rows half h, of a kind-26 or kind-13 block (wg: the block). */
+static inline __attribute__((always_inline)) __m256i small_chunk(const uint8_t *wg, const int kind, const int c,
+                                                                 const int h) {
+    const int64_t qo = gguf_ints_offset(kind);
+    return kind == GGUF_K6 ? k6_chunk(wg + qo, c, h) : k3_chunk(wg + qo, c, h);
+}
+
 /* Block b of a kind-26 or kind-13 group (16 rows; wg: the block) against R <= 2 activation rows,
  * added to acc. Per half of the block's weights (kind 18's chunks 0..3, scale d0; 4..7, d1) and
- * per two chunks: the unpacked u of rows 0..7 and 8..15 (k6_chunk, k3_chunk) times each row's
- * broadcast part bytes by vpmaddubsw, the two chunks' pairs added in int16 (<= 2 * 16002), widened
- * once. s = 256 sa + sb - bias sq_half: the integer q8_rows forms from x16, so the same floats.
- * P = 1 (every xb of the block zero): the xa products only. */
+ * per two chunks: the unpacked u of rows 0..7 and 8..15 times each row's broadcast part bytes
+ * (small_products). P = 1 (every xb of the block zero): the xa products only. */
 static inline __attribute__((always_inline)) void
 small_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R,
             const int P, __m256 acc[R_MAX][2]) {
-    const int64_t qo = gguf_ints_offset(kind);
-    const int32_t bias = kind == GGUF_K6 ? 32 : 4;     /* the stored u less q */
-    const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
     #pragma GCC unroll 2
     for (int part = 0; part < 2; part++) {         /* unrolled: chunk c a constant (k6_chunk's shifts) */
@@ -126,32 +201,11 @@ small_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf
         for (int c = 4 * part; c < 4 * part + 4; c += 2) {
             __m256i u[2][2];                       /* [chunk c, c + 1][rows half] */
             for (int k = 0; k < 2; k++)
-                for (int h = 0; h < 2; h++)
-                    u[k][h] = kind == GGUF_K6 ? k6_chunk(wg + qo, c + k, h) : k3_chunk(wg + qo, c + k, h);
-            for (int r = 0; r < R; r++) {
-                const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
-                for (int p = 0; p < P; p++) {
-                    const __m256i x0 = _mm256_set1_epi32(x4[8 * p + c]), x1 = _mm256_set1_epi32(x4[8 * p + c + 1]);
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i t16 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0][h], x0),
-                                                             _mm256_maddubs_epi16(u[1][h], x1));
-                        const __m256i t = _mm256_madd_epi16(t16, ones);
-                        s[r][p][h] = c == 4 * part ? t : _mm256_add_epi32(s[r][p][h], t);
-                        KEEP_ORDER(s[r][p][h]);
-                    }
-                }
-            }
+                for (int h = 0; h < 2; h++) u[k][h] = small_chunk(wg, kind, c + k, h);
+            small_products((const __m256i(*)[2])u, c, part, a, nb, b, R, P, s);
         }
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = k_scale(sup, wg + 16 * part, h, 1);
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const int32_t sq = part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
-                const __m256i sa = _mm256_slli_epi32(s[r][0][h], 8);
-                const __m256 sf = unbias(P == 2 ? _mm256_add_epi32(sa, s[r][1][h]) : sa, sq, bias);
-                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-            }
-        }
+        const __m256 d[2] = {k_scale(sup, wg + 16 * part, 0, 1), k_scale(sup, wg + 16 * part, 1, 1)};
+        small_finish(s, d, part, kind, a, nb, b, R, P, acc);
     }
 }
 
@@ -254,4 +308,107 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
 }
 
 #include "group_dot_pairs.h"
+
+/* ---- Tiles of more than 2 rows over the byte-product kinds: each block unpacked once ----
+ * A pass takes 2 rows (R_MAX), so a tile of up to GGUF_TILE_M rows is several passes over the
+ * group, and unpacking a block's chunks and scales (about a third of a pass's vector operations)
+ * would be repeated in each. Here READY_BLOCKS blocks at a time are unpacked into a buffer in L1
+ * (ready_t: the chunks' bytes as the passes' registers hold them, the scales as floats) and every
+ * pass loads them from there. Each row's sums are the same integers and its float steps run in
+ * the same order (block by block, one accumulator a row and half), so the results are those of
+ * the passes over the packed blocks, bit for bit. */
+#define READY_BLOCKS 16
+
+typedef struct {
+    __m256i w[16];   /* 4-bit kinds: q4_chunk of chunk c at 4c; kinds 26, 13: small_chunk (c, h) at 2c + h */
+    __m256 s[4];     /* 4-bit kinds: d[0], d[1], m[0], m[1]; kinds 26, 13: d of half `part` at 2 part + h */
+} ready_t;
+
+static inline __attribute__((always_inline)) void ready_unpack(const uint8_t *wg, const int kind, int64_t nb,
+                                                               int64_t b, ready_t *rb) {
+    if (gguf_nibble_kind(kind)) {
+        for (int c = 0; c < 4; c++) q4_chunk(wg, kind, c, rb->w + 4 * c);
+        q4_scales(wg, kind, nb, b, rb->s, rb->s + 2);
+    } else {
+        const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
+        #pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            for (int h = 0; h < 2; h++) rb->w[2 * c + h] = small_chunk(wg, kind, c, h);
+        for (int part = 0; part < 2; part++)
+            for (int h = 0; h < 2; h++) rb->s[2 * part + h] = k_scale(sup, wg + 16 * part, h, 1);
+    }
+}
+
+/* Block b from its ready_t (rp) against R <= 2 activation rows, added to acc: byte_block's
+ * products and float steps, the weights loaded instead of unpacked. */
+static inline __attribute__((always_inline)) void
+ready_block(const uint8_t *rp, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
+            __m256 acc[R_MAX][2]) {
+    const ready_t *rb = (const ready_t *)rp;
+    __m256i s[R_MAX][2][2];
+    if (gguf_nibble_kind(kind)) {
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) q4_products(rb->w + 4 * c, kind, c, a, nb, b, R, P, s);
+        q4_finish(s, rb->s, rb->s + 2, kind, a, nb, b, R, P, acc);
+        return;
+    }
+    #pragma GCC unroll 2
+    for (int part = 0; part < 2; part++) {
+        #pragma GCC unroll 2
+        for (int c = 4 * part; c < 4 * part + 4; c += 2)
+            small_products((const __m256i(*)[2])(rb->w + 2 * c), c, part, a, nb, b, R, P, s);
+        small_finish(s, rb->s + 2 * part, part, kind, a, nb, b, R, P, acc);
+    }
+}
+
+/* Blocks b0 .. b1 - 1 (ready: their ready_t) against R <= 2 rows, added to the pass's sums acc. */
+static inline __attribute__((always_inline)) void
+ready_pass(const ready_t *ready, const int kind, int64_t nb, int64_t b0, int64_t b1, const gguf_acts_t *a,
+           const int R, const int P, __m256 sums[R_MAX][2]) {
+    __m256 acc[R_MAX][2];
+    for (int r = 0; r < R; r++) acc[r][0] = sums[r][0], acc[r][1] = sums[r][1];
+    GGUF_BLOCK_RUNS_IN(ready_block, one_part_block, (const uint8_t *)ready, (int64_t)sizeof(ready_t), 0, b0, b1, kind,
+                       nb, a, R, P, acc);
+    for (int r = 0; r < R; r++) sums[r][0] = acc[r][0], sums[r][1] = acc[r][1];
+}
+
+#define READY_PASS(RR, PP) ready_pass(ready, kind, nb, b0, b1, &ar, RR, PP, acc + r0)
+
+/* A byte-product group against R > 2 activation rows (out: as gguf_group_dot's): READY_BLOCKS
+ * blocks unpacked, then every pair of rows over them, and so on to the group's end. */
+static inline __attribute__((always_inline)) void
+ready_group(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    ready_t ready[READY_BLOCKS];
+    __m256 acc[GGUF_TILE_M][2];
+    const int64_t pb = gguf_packed_block_bytes(kind);
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += READY_BLOCKS) {
+        const int64_t b1 = nb - b0 < READY_BLOCKS ? nb : b0 + READY_BLOCKS;
+        for (int64_t b = b0; b < b1; b++) {
+            gguf_prefetch_block(wg + b * pb, pb);
+            ready_unpack(wg + b * pb, kind, nb, b, &ready[b - b0]);
+        }
+        for (int r0 = 0; r0 < R; r0 += 2) {
+            const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
+            if (a->parts == GGUF_ONE_PART) R - r0 >= 2 ? READY_PASS(2, 1) : READY_PASS(1, 1);
+            else R - r0 >= 2 ? READY_PASS(2, 2) : READY_PASS(1, 2);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
+}
+
+#undef READY_PASS
+
+void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    if (R > R_MAX) switch (kind) {
+        case GGUF_Q4: ready_group(wg, GGUF_Q4, nb, a, R, out); return;
+        case GGUF_K4: ready_group(wg, GGUF_K4, nb, a, R, out); return;
+        case GGUF_K5: ready_group(wg, GGUF_K5, nb, a, R, out); return;
+        case GGUF_K6: ready_group(wg, GGUF_K6, nb, a, R, out); return;
+        case GGUF_K3: ready_group(wg, GGUF_K3, nb, a, R, out); return;
+        default: break;
+    }
+    group_dot_in_pairs(wg, kind, nb, a, R, out);
+}
 #include "f32_tile_avx2.h"

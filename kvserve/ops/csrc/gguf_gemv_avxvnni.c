@@ -137,4 +137,9 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
 }
 
 #include "group_dot_pairs.h"
+
+void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+    group_dot_in_pairs(wg, kind, nb, a, R, out);
+}
+
 #include "f32_tile_avx2.h"

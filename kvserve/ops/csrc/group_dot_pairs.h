@@ -1,14 +1,13 @@
-/* gguf_group_dot (gguf_gemv.h) for a kernel file whose passes take a group against at most 2
- * activation rows: the file defines, before including this once,
+/* The passes over a group for a kernel file whose passes take at most 2 activation rows: the
+ * file defines, before including this once,
  *   static inline __attribute__((always_inline)) void
  *   rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, const int R, const int P,
  *            float *out);
  * (R <= 2; P: activation parts, 2, or 1 when every block has one: a->parts == GGUF_ONE_PART) and
- * this runs it over the rows in pairs,
- * with R, P and the kind as constants in every call: one specialized loop each, the sums in
- * registers. Rows past the first pair re-read the
+ * group_dot_in_pairs runs it over the rows in pairs, with R, P and the kind as constants in every
+ * call: one specialized loop each, the sums in registers. Rows past the first pair re-read the
  * group's weights from L1 (they are a few KB). Used by the AVX2 and AVX-VNNI kernels (16 vector
- * registers). */
+ * registers), whose gguf_group_dot calls it. */
 #ifndef KVSERVE_GROUP_DOT_PAIRS_H
 #define KVSERVE_GROUP_DOT_PAIRS_H
 
@@ -32,7 +31,8 @@ static void group_dot_upto2(const uint8_t *wg, int64_t kind, int64_t nb, const g
 #undef PAIRS_KIND
 #undef PAIRS_R
 
-void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
+static void group_dot_in_pairs(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R,
+                               float *out) {
     for (int r0 = 0; r0 < R; r0 += 2) {
         const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
         group_dot_upto2(wg, kind, nb, &ar, R - r0 < 2 ? R - r0 : 2, out + r0 * GGUF_ROWS);
