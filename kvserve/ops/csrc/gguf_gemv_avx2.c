@@ -16,7 +16,8 @@
  * (16 rows) against 2 activation rows: the chunk's weight registers serve both rows and both
  * parts, each activation broadcast serves both halves, and the int16/int32 sums of the pass fit
  * beside them. Passes of 4 rows over one half at a time spilled the weights, and every multiply
- * then waited on two loads (a stack reload and a broadcast). The empty asm after each chunk keeps
+ * then waited on two loads (a stack reload and a broadcast); tiles of more than 2 rows unpack each
+ * block once for all their passes (ready_group_avx.h). The empty asm after each chunk keeps
  * GCC from reassociating the integer sums across chunks (it would compute every product first and
  * spill them all).
  * Build: -mavx2 -mfma -mf16c (x86-64-v3). */
@@ -308,22 +309,11 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
 }
 
 #include "group_dot_pairs.h"
+#include "ready_group_avx.h"
 
-/* ---- Tiles of more than 2 rows over the byte-product kinds: each block unpacked once ----
- * A pass takes 2 rows (R_MAX), so a tile of up to GGUF_TILE_M rows is several passes over the
- * group, and unpacking a block's chunks and scales (about a third of a pass's vector operations)
- * would be repeated in each. Here READY_BLOCKS blocks at a time are unpacked into a buffer in L1
- * (ready_t: the chunks' bytes as the passes' registers hold them, the scales as floats) and every
- * pass loads them from there. Each row's sums are the same integers and its float steps run in
- * the same order (block by block, one accumulator a row and half), so the results are those of
- * the passes over the packed blocks, bit for bit. */
-#define READY_BLOCKS 16
-
-typedef struct {
-    __m256i w[16];   /* 4-bit kinds: q4_chunk of chunk c at 4c; kinds 26, 13: small_chunk (c, h) at 2c + h */
-    __m256 s[4];     /* 4-bit kinds: d[0], d[1], m[0], m[1]; kinds 26, 13: d of half `part` at 2 part + h */
-} ready_t;
-
+/* Tiles of more than 2 rows (ready_group_avx.h). A ready_t holds 4-bit kinds' q4_chunk of chunk c
+ * at w + 4c and d[0], d[1], m[0], m[1] at s; kinds 26 and 13's small_chunk (c, h) at w[2c + h] and
+ * the d of half `part` at s[2 part + h]. */
 static inline __attribute__((always_inline)) void ready_unpack(const uint8_t *wg, const int kind, int64_t nb,
                                                                int64_t b, ready_t *rb) {
     if (gguf_nibble_kind(kind)) {
@@ -361,54 +351,7 @@ ready_block(const uint8_t *rp, const int kind, int64_t nb, int64_t b, const gguf
     }
 }
 
-/* Blocks b0 .. b1 - 1 (ready: their ready_t) against R <= 2 rows, added to the pass's sums acc. */
-static inline __attribute__((always_inline)) void
-ready_pass(const ready_t *ready, const int kind, int64_t nb, int64_t b0, int64_t b1, const gguf_acts_t *a,
-           const int R, const int P, __m256 sums[R_MAX][2]) {
-    __m256 acc[R_MAX][2];
-    for (int r = 0; r < R; r++) acc[r][0] = sums[r][0], acc[r][1] = sums[r][1];
-    GGUF_BLOCK_RUNS_IN(ready_block, one_part_block, (const uint8_t *)ready, (int64_t)sizeof(ready_t), 0, b0, b1, kind,
-                       nb, a, R, P, acc);
-    for (int r = 0; r < R; r++) sums[r][0] = acc[r][0], sums[r][1] = acc[r][1];
-}
+/* The kinds whose unpacking ready_group saves (the 8-bit kinds' q8_rows only widens). */
+static inline int ready_takes(const int kind) { return gguf_nibble_kind(kind) || kind == GGUF_K6 || kind == GGUF_K3; }
 
-#define READY_PASS(RR, PP) ready_pass(ready, kind, nb, b0, b1, &ar, RR, PP, acc + r0)
-
-/* A byte-product group against R > 2 activation rows (out: as gguf_group_dot's): READY_BLOCKS
- * blocks unpacked, then every pair of rows over them, and so on to the group's end. */
-static inline __attribute__((always_inline)) void
-ready_group(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    ready_t ready[READY_BLOCKS];
-    __m256 acc[GGUF_TILE_M][2];
-    const int64_t pb = gguf_packed_block_bytes(kind);
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < nb; b0 += READY_BLOCKS) {
-        const int64_t b1 = nb - b0 < READY_BLOCKS ? nb : b0 + READY_BLOCKS;
-        for (int64_t b = b0; b < b1; b++) {
-            gguf_prefetch_block(wg + b * pb, pb);
-            ready_unpack(wg + b * pb, kind, nb, b, &ready[b - b0]);
-        }
-        for (int r0 = 0; r0 < R; r0 += 2) {
-            const gguf_acts_t ar = gguf_acts_from_row(a, r0, nb);
-            if (a->parts == GGUF_ONE_PART) R - r0 >= 2 ? READY_PASS(2, 1) : READY_PASS(1, 1);
-            else R - r0 >= 2 ? READY_PASS(2, 2) : READY_PASS(1, 2);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GGUF_ROWS + 8 * h, acc[r][h]);
-}
-
-#undef READY_PASS
-
-void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    if (R > R_MAX) switch (kind) {
-        case GGUF_Q4: ready_group(wg, GGUF_Q4, nb, a, R, out); return;
-        case GGUF_K4: ready_group(wg, GGUF_K4, nb, a, R, out); return;
-        case GGUF_K5: ready_group(wg, GGUF_K5, nb, a, R, out); return;
-        case GGUF_K6: ready_group(wg, GGUF_K6, nb, a, R, out); return;
-        case GGUF_K3: ready_group(wg, GGUF_K3, nb, a, R, out); return;
-        default: break;
-    }
-    group_dot_in_pairs(wg, kind, nb, a, R, out);
-}
 #include "f32_tile_avx2.h"

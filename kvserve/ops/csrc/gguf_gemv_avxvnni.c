@@ -8,7 +8,8 @@
  *   8-bit kinds: the stored u8 is q + 128, so the sums carry 128 sum(x); the precomputed sq takes
  *       it off (kind 18: sq0 and sq - sq0, one per half), as in the AVX-512 VNNI kernel.
  * Both parts are multiplied apart for every kind, so with mixed parts the blocks whose xb are all
- * zero skip the xb products (rows_dot: the AVX2 kernel's runs of one-part blocks).
+ * zero skip the xb products (rows_dot: the AVX2 kernel's runs of one-part blocks), and tiles of
+ * more than 2 rows unpack each block once for all their passes (ready_group_avx.h).
  * The integer sums are exact and the float steps are the AVX2 kernel's, in its order: the
  * results are the portable kernel's, bit for bit. The float32 tile is the AVX2 one
  * (f32_tile_avx2.h).
@@ -47,21 +48,113 @@ static inline __attribute__((always_inline)) __m256 one_part(__m256i sa, int32_t
 }
 
 
+/* Chunk c of a block (wg: its bytes) as the u8 operands of vpdpbusd. 4-bit kinds: the low nibbles
+ * q[4c .. 4c+3] of rows 0..7 and 8..15 in w[0], w[1] (multiplied by xa and xb at 4c), the high
+ * ones q[4c+16 .. 4c+19] in w[2], w[3] (at 4c + 16; kind 15: each with its top bit). 8-bit kinds:
+ * u = q[4c .. 4c+3] + 128 (kinds 26, 13: their u) of rows 0..7 and 8..15 in w[0], w[1]. */
+static inline __attribute__((always_inline)) void vnni_chunk(const uint8_t *wg, const int kind, const int c,
+                                                             __m256i w[4]) {
+    const int64_t qo = gguf_ints_offset(kind);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i v0 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 0)
+                     : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 0)
+                                       : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
+    const __m256i v1 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 1) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 1)
+                     : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 1)
+                                       : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
+    if (!gguf_nibble_kind(kind)) {
+        w[0] = v0, w[1] = v1;
+        return;
+    }
+    w[0] = _mm256_and_si256(v0, low4);
+    w[1] = _mm256_and_si256(v1, low4);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+    if (kind == GGUF_K5) {
+        w[0] = _mm256_or_si256(w[0], k5_top(wg + qo, c, 0));
+        w[1] = _mm256_or_si256(w[1], k5_top(wg + qo, c, 1));
+        w[2] = _mm256_or_si256(w[2], k5_top(wg + qo, c + 4, 0));
+        w[3] = _mm256_or_si256(w[3], k5_top(wg + qo, c + 4, 1));
+    }
+}
+
+/* Chunk c (w: vnni_chunk's) of block b against R <= 2 activation rows, its products added to
+ * s[row][part xa | xb][half]. */
+static inline __attribute__((always_inline)) void
+vnni_products(const __m256i w[4], const int kind, const int c, const gguf_acts_t *a, int64_t nb, int64_t b,
+              const int R, const int P, __m256i s[R_MAX][2][2]) {
+    for (int r = 0; r < R; r++) {
+        const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
+        for (int p = 0; p < P; p++) {
+            const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]);
+            s[r][p][0] = DPBUSD(s[r][p][0], w[0], xl);
+            s[r][p][1] = DPBUSD(s[r][p][1], w[1], xl);
+            if (gguf_nibble_kind(kind)) {
+                const __m256i xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
+                s[r][p][0] = DPBUSD(s[r][p][0], w[2], xh);
+                s[r][p][1] = DPBUSD(s[r][p][1], w[3], xh);
+            }
+            KEEP_ORDER(s[r][p][0]);
+            KEEP_ORDER(s[r][p][1]);
+        }
+    }
+}
+
+/* The scale of sum k (kind 18's halves of the weights: k = 0, 1; others: 0) and rows half h. */
+static inline __attribute__((always_inline)) __m256 vnni_scale(const uint8_t *wg, const int kind, int64_t nb, int64_t b,
+                                                               const int k, const int h) {
+    return kind == GGUF_Q4 || kind == GGUF_Q8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
+         : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 64 * k + 32 * h))
+                           : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * k, h, !gguf_nibble_kind(kind));
+}
+
+/* The m of rows half h (kinds with one: not 8, 26, 13). */
+static inline __attribute__((always_inline)) __m256 vnni_min(const uint8_t *wg, const int kind, int64_t nb, int64_t b,
+                                                             const int h) {
+    return kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
+         : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
+                           : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + (gguf_nibble_kind(kind) ? 16 : 32),
+                                         h, 0));
+}
+
+static inline __attribute__((always_inline)) int vnni_has_min(const int kind) {
+    return kind != GGUF_Q8 && !gguf_no_min_super(kind);
+}
+
+/* Sum k's integers s (d: its scale per rows half) into acc: s less the stored bias times the
+ * part's sq (8-bit kinds), 256 sa + sb (one_part: sb = 0), times d dx. */
+static inline __attribute__((always_inline)) void
+vnni_finish(__m256i s[R_MAX][2][2], const __m256 d[2], const int k, const int kind, const gguf_acts_t *a, int64_t nb,
+            int64_t b, const int R, const int P, __m256 acc[R_MAX][2]) {
+    const int four = gguf_nibble_kind(kind), sums = gguf_two_halves(kind) ? 2 : 1;
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = r * nb + b;
+            const int32_t sq = four ? 0 : sums == 1 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
+            const int32_t bias = (kind == GGUF_K6 ? 32 : kind == GGUF_K3 ? 4 : 128) * sq;   /* the stored u less q */
+            const __m256 sf = P == 2 ? two_parts(s[r][0][h], s[r][1][h], bias) : one_part(s[r][0][h], bias);
+            acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d[h], _mm256_set1_ps(a->dx[rb]))));
+        }
+}
+
+/* The m term (m: per rows half) into acc. */
+static inline __attribute__((always_inline)) void vnni_min_term(const __m256 m[2], const gguf_acts_t *a, int64_t nb,
+                                                                int64_t b, const int R, __m256 acc[R_MAX][2]) {
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++)
+            acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m[h], _mm256_set1_ps(a->sx[r * nb + b])));
+}
+
 /* Block b of a group (16 rows; wg: the block) of any kind against R <= 2 activation rows, added
- * to acc. Per chunk c: 4-bit kinds hold the low nibbles q[4c .. 4c+3] and the high ones
- * q[4c+16 .. 4c+19] of rows 0..7, then 8..15 (four u8 registers once unpacked), multiplied by xa
- * and xb at 4c and 4c + 16; 8-bit kinds hold u = q[4c .. 4c+3] + 128 of rows 0..7, then 8..15
- * (two registers), times xa and xb at 4c. Kind 18 closes its first sums after chunk 3 (weights
- * 0..15, scale d0), then sums chunks 4..7 (d1). P = 1 (every xb of the block zero): the xa
- * products only, half the vpdpbusd of every kind (8-bit kinds too: they multiply the parts
- * apart, not x16), and one_part gives what two_parts gives with sb = 0. */
+ * to acc: per sum (kind 18's first half of the weights, scale d0, then the second, d1; other
+ * kinds one), its chunks unpacked (vnni_chunk) and multiplied (vnni_products), then its float
+ * step; then the m term. P = 1 (every xb of the block zero): the xa products only, half the
+ * vpdpbusd of every kind (8-bit kinds too: they multiply the parts apart, not x16), and one_part
+ * gives what two_parts gives with sb = 0. */
 static inline __attribute__((always_inline)) void
 block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
           __m256 acc[R_MAX][2]) {
-    const int64_t qo = gguf_ints_offset(kind);
-    const int four = gguf_nibble_kind(kind);
-    const int sums = gguf_two_halves(kind) ? 2 : 1, cn = four ? 4 : 8 / sums;   /* chunks per sum */
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const int sums = gguf_two_halves(kind) ? 2 : 1, cn = gguf_nibble_kind(kind) ? 4 : 8 / sums;   /* chunks per sum */
     #pragma GCC unroll 2
     for (int k = 0; k < sums; k++) {
         __m256i s[R_MAX][2][2];                    /* [row][part xa | xb][half] */
@@ -69,60 +162,17 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
         #pragma GCC unroll 8   /* c a constant: the compact kinds' unpacking shifts by immediates */
         for (int c = k * cn; c < k * cn + cn; c++) {
-            const __m256i v0 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 0)
-                             : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 0)
-                                               : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
-            const __m256i v1 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 1) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 1)
-                             : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 1)
-                                               : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
-            __m256i lo0 = four ? _mm256_and_si256(v0, low4) : v0;
-            __m256i lo1 = four ? _mm256_and_si256(v1, low4) : v1;
-            __m256i hi0 = four ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : v0;
-            __m256i hi1 = four ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : v1;
-            if (kind == GGUF_K5) {
-                lo0 = _mm256_or_si256(lo0, k5_top(wg + qo, c, 0));
-                lo1 = _mm256_or_si256(lo1, k5_top(wg + qo, c, 1));
-                hi0 = _mm256_or_si256(hi0, k5_top(wg + qo, c + 4, 0));
-                hi1 = _mm256_or_si256(hi1, k5_top(wg + qo, c + 4, 1));
-            }
-            for (int r = 0; r < R; r++) {
-                const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
-                for (int p = 0; p < P; p++) {
-                    const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]);
-                    s[r][p][0] = DPBUSD(s[r][p][0], lo0, xl);
-                    s[r][p][1] = DPBUSD(s[r][p][1], lo1, xl);
-                    if (four) {
-                        const __m256i xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
-                        s[r][p][0] = DPBUSD(s[r][p][0], hi0, xh);
-                        s[r][p][1] = DPBUSD(s[r][p][1], hi1, xh);
-                    }
-                    KEEP_ORDER(s[r][p][0]);
-                    KEEP_ORDER(s[r][p][1]);
-                }
-            }
+            __m256i w[4];
+            vnni_chunk(wg, kind, c, w);
+            vnni_products(w, kind, c, a, nb, b, R, P, s);
         }
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = kind == GGUF_Q4 || kind == GGUF_Q8
-                                 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                             : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 64 * k + 32 * h))
-                                 : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * k, h, !four);
-            for (int r = 0; r < R; r++) {
-                const int64_t rb = r * nb + b;
-                const int32_t sq = four ? 0 : sums == 1 ? a->sq[rb] : k == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
-                const int32_t bias = (kind == GGUF_K6 ? 32 : kind == GGUF_K3 ? 4 : 128) * sq;   /* the stored u less q */
-                const __m256 sf = P == 2 ? two_parts(s[r][0][h], s[r][1][h], bias) : one_part(s[r][0][h], bias);
-                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(sf, _mm256_mul_ps(d, _mm256_set1_ps(a->dx[rb]))));
-            }
-        }
+        const __m256 d[2] = {vnni_scale(wg, kind, nb, b, k, 0), vnni_scale(wg, kind, nb, b, k, 1)};
+        vnni_finish(s, d, k, kind, a, nb, b, R, P, acc);
     }
-    if (kind != GGUF_Q8 && !gguf_no_min_super(kind))
-        for (int h = 0; h < 2; h++) {
-            const __m256 m = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
-                           : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
-                           : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + (four ? 16 : 32), h, 0));
-            for (int r = 0; r < R; r++)
-                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
-        }
+    if (vnni_has_min(kind)) {
+        const __m256 m[2] = {vnni_min(wg, kind, nb, b, 0), vnni_min(wg, kind, nb, b, 1)};
+        vnni_min_term(m, a, nb, b, R, acc);
+    }
 }
 
 /* A group against R <= 2 activation rows, block by block (block_dot), with mixed parts in runs of
@@ -137,9 +187,48 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
 }
 
 #include "group_dot_pairs.h"
+#include "ready_group_avx.h"
 
-void gguf_group_dot(const uint8_t *wg, int64_t kind, int64_t nb, const gguf_acts_t *a, int R, float *out) {
-    group_dot_in_pairs(wg, kind, nb, a, R, out);
+/* Tiles of more than 2 rows (ready_group_avx.h). A ready_t holds a block's vnni_chunk bytes (chunk
+ * c at w + 4c for 4-bit kinds, at w + 2c for kinds 26, 13, 24), its scales (sum k, rows half h at
+ * s[2k + h]) and its m (at s[4 + h]). */
+static inline __attribute__((always_inline)) void ready_unpack(const uint8_t *wg, const int kind, int64_t nb,
+                                                               int64_t b, ready_t *rb) {
+    const int four = gguf_nibble_kind(kind), cn = four ? 4 : 8, sums = gguf_two_halves(kind) ? 2 : 1;
+    #pragma GCC unroll 8
+    for (int c = 0; c < cn; c++) {
+        __m256i w[4];
+        vnni_chunk(wg, kind, c, w);
+        for (int i = 0; i < (four ? 4 : 2); i++) rb->w[(four ? 4 : 2) * c + i] = w[i];
+    }
+    for (int k = 0; k < sums; k++)
+        for (int h = 0; h < 2; h++) rb->s[2 * k + h] = vnni_scale(wg, kind, nb, b, k, h);
+    if (vnni_has_min(kind))
+        for (int h = 0; h < 2; h++) rb->s[4 + h] = vnni_min(wg, kind, nb, b, h);
+}
+
+/* Block b from its ready_t (rp) against R <= 2 activation rows, added to acc: block_dot's
+ * products and float steps, the chunks and scales loaded instead of unpacked. */
+static inline __attribute__((always_inline)) void
+ready_block(const uint8_t *rp, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R, const int P,
+            __m256 acc[R_MAX][2]) {
+    const ready_t *rb = (const ready_t *)rp;
+    const int four = gguf_nibble_kind(kind), sums = gguf_two_halves(kind) ? 2 : 1, cn = four ? 4 : 8 / sums;
+    #pragma GCC unroll 2
+    for (int k = 0; k < sums; k++) {
+        __m256i s[R_MAX][2][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int c = k * cn; c < k * cn + cn; c++) vnni_products(rb->w + (four ? 4 : 2) * c, kind, c, a, nb, b, R, P, s);
+        vnni_finish(s, rb->s + 2 * k, k, kind, a, nb, b, R, P, acc);
+    }
+    if (vnni_has_min(kind)) vnni_min_term(rb->s + 4, a, nb, b, R, acc);
+}
+
+/* The kinds whose unpacking ready_group saves (kinds 8, 18, 19 are loaded as they are). */
+static inline int ready_takes(const int kind) {
+    return gguf_nibble_kind(kind) || kind == GGUF_K6 || kind == GGUF_K3 || kind == GGUF_X4;
 }
 
 #include "f32_tile_avx2.h"
