@@ -45,41 +45,7 @@ static inline __attribute__((always_inline)) __m256 two_parts(__m256i sa, __m256
 }
 
 
-/* Chunk c of a 4-bit block (kinds 4, 14, 15; wg: the block) as bytes: its 64 bytes hold the low
- * nibbles q[4c .. 4c+3] and the high nibbles q[4c+16 .. 4c+19] of rows 0..7 (first 32 bytes) and
- * 8..15. w[0], w[1]: rows 0..7's low and high nibbles; w[2], w[3]: rows 8..15's (kind 15: each
- * with its top bit). */
-static inline __attribute__((always_inline)) void q4_chunk(const uint8_t *wg, const int kind, const int c,
-                                                           __m256i w[4]) {
-    const int64_t qo = gguf_ints_offset(kind);
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
-    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
-    w[0] = _mm256_and_si256(v0, low4);
-    w[1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-    w[2] = _mm256_and_si256(v1, low4);
-    w[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-    if (kind == GGUF_K5) {
-        w[0] = _mm256_or_si256(w[0], k5_top(wg + qo, c, 0));
-        w[1] = _mm256_or_si256(w[1], k5_top(wg + qo, c + 4, 0));
-        w[2] = _mm256_or_si256(w[2], k5_top(wg + qo, c, 1));
-        w[3] = _mm256_or_si256(w[3], k5_top(wg + qo, c + 4, 1));
-    }
-}
-
-/* A 4-bit block's float scales per half h of its rows: d[h] and m[h] (kinds 14, 15: m = -(dmin mn)). */
-static inline __attribute__((always_inline)) void q4_scales(const uint8_t *wg, const int kind, int64_t nb, int64_t b,
-                                                            __m256 d[2], __m256 m[2]) {
-    const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
-    for (int h = 0; h < 2; h++) {
-        d[h] = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                               : k_scale(sup, wg, h, 0);
-        m[h] = kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
-                               : neg(k_scale(sup + 32, wg + 16, h, 0));
-    }
-}
-
-/* Chunk c (w: q4_chunk's bytes) of block b against R <= 2 activation rows: each row's part bytes
+/* Chunk c (w: nibble_chunk's bytes) of block b against R <= 2 activation rows: each row's part bytes
  * (xa, xb) at 4c and 4c + 16 broadcast, multiplied by vpmaddubsw and added to s[row][part][half].
  * Sums in int16 (4-bit pairs <= 2 * 15 * 127: the 8 chunks of a block <= 30480); kind 15's pairs
  * reach 2 * 31 * 127, so its sums are widened to int32 every chunk. */
@@ -91,8 +57,8 @@ q4_products(const __m256i w[4], const int kind, const int c, const gguf_acts_t *
         const int32_t *x4 = (const int32_t *)(a->xq + (r * nb + b) * 64);
         for (int p = 0; p < P; p++) {
             const __m256i xl = _mm256_set1_epi32(x4[8 * p + c]), xh = _mm256_set1_epi32(x4[8 * p + c + 4]);
-            __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xl), _mm256_maddubs_epi16(w[1], xh));
-            __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], xl), _mm256_maddubs_epi16(w[3], xh));
+            __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xl), _mm256_maddubs_epi16(w[2], xh));
+            __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[1], xl), _mm256_maddubs_epi16(w[3], xh));
             if (kind == GGUF_K5) {
                 t0 = _mm256_madd_epi16(t0, ones);
                 t1 = _mm256_madd_epi16(t1, ones);
@@ -134,11 +100,11 @@ q4_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_ac
     __m256i s[R_MAX][2][2];                    /* [row][part][half]; kind 15: int32 sums */
     for (int c = 0; c < 4; c++) {
         __m256i w[4];
-        q4_chunk(wg, kind, c, w);
+        nibble_chunk(wg, kind, c, w);
         q4_products(w, kind, c, a, nb, b, R, P, s);
     }
-    __m256 d[2], m[2];
-    q4_scales(wg, kind, nb, b, d, m);
+    const __m256 d[2] = {block_scale(wg, kind, nb, b, 0, 0), block_scale(wg, kind, nb, b, 0, 1)};
+    const __m256 m[2] = {block_min(wg, kind, nb, b, 0), block_min(wg, kind, nb, b, 1)};
     q4_finish(s, d, m, kind, a, nb, b, R, P, acc);
 }
 
@@ -194,7 +160,6 @@ static inline __attribute__((always_inline)) __m256i small_chunk(const uint8_t *
 static inline __attribute__((always_inline)) void
 small_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_acts_t *a, const int R,
             const int P, __m256 acc[R_MAX][2]) {
-    const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
     #pragma GCC unroll 2
     for (int part = 0; part < 2; part++) {         /* unrolled: chunk c a constant (k6_chunk's shifts) */
         __m256i s[R_MAX][2][2];                    /* [row][activation part][rows half]: int32 */
@@ -205,7 +170,7 @@ small_block(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf
                 for (int h = 0; h < 2; h++) u[k][h] = small_chunk(wg, kind, c + k, h);
             small_products((const __m256i(*)[2])u, c, part, a, nb, b, R, P, s);
         }
-        const __m256 d[2] = {k_scale(sup, wg + 16 * part, 0, 1), k_scale(sup, wg + 16 * part, 1, 1)};
+        const __m256 d[2] = {block_scale(wg, kind, nb, b, part, 0), block_scale(wg, kind, nb, b, part, 1)};
         small_finish(s, d, part, kind, a, nb, b, R, P, acc);
     }
 }
@@ -311,21 +276,23 @@ rows_dot(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, co
 #include "group_dot_pairs.h"
 #include "ready_group_avx.h"
 
-/* Tiles of more than 2 rows (ready_group_avx.h). A ready_t holds 4-bit kinds' q4_chunk of chunk c
+/* Tiles of more than 2 rows (ready_group_avx.h). A ready_t holds 4-bit kinds' nibble_chunk of chunk c
  * at w + 4c and d[0], d[1], m[0], m[1] at s; kinds 26 and 13's small_chunk (c, h) at w[2c + h] and
  * the d of half `part` at s[2 part + h]. */
 static inline __attribute__((always_inline)) void ready_unpack(const uint8_t *wg, const int kind, int64_t nb,
                                                                int64_t b, ready_t *rb) {
     if (gguf_nibble_kind(kind)) {
-        for (int c = 0; c < 4; c++) q4_chunk(wg, kind, c, rb->w + 4 * c);
-        q4_scales(wg, kind, nb, b, rb->s, rb->s + 2);
+        for (int c = 0; c < 4; c++) nibble_chunk(wg, kind, c, rb->w + 4 * c);
+        for (int h = 0; h < 2; h++) {
+            rb->s[h] = block_scale(wg, kind, nb, b, 0, h);
+            rb->s[2 + h] = block_min(wg, kind, nb, b, h);
+        }
     } else {
-        const uint8_t *sup = gguf_super_scales(wg, kind, nb, b);
         #pragma GCC unroll 8
         for (int c = 0; c < 8; c++)
             for (int h = 0; h < 2; h++) rb->w[2 * c + h] = small_chunk(wg, kind, c, h);
         for (int part = 0; part < 2; part++)
-            for (int h = 0; h < 2; h++) rb->s[2 * part + h] = k_scale(sup, wg + 16 * part, h, 1);
+            for (int h = 0; h < 2; h++) rb->s[2 * part + h] = block_scale(wg, kind, nb, b, part, h);
     }
 }
 

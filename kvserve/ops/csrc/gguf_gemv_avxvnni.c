@@ -48,34 +48,22 @@ static inline __attribute__((always_inline)) __m256 one_part(__m256i sa, int32_t
 }
 
 
-/* Chunk c of a block (wg: its bytes) as the u8 operands of vpdpbusd. 4-bit kinds: the low nibbles
- * q[4c .. 4c+3] of rows 0..7 and 8..15 in w[0], w[1] (multiplied by xa and xb at 4c), the high
- * ones q[4c+16 .. 4c+19] in w[2], w[3] (at 4c + 16; kind 15: each with its top bit). 8-bit kinds:
- * u = q[4c .. 4c+3] + 128 (kinds 26, 13: their u) of rows 0..7 and 8..15 in w[0], w[1]. */
+/* Chunk c of a block (wg: its bytes) as the u8 operands of vpdpbusd. 4-bit kinds: nibble_chunk's
+ * w[0], w[1] multiplied by xa and xb at 4c, w[2], w[3] at 4c + 16. 8-bit kinds: u = q[4c .. 4c+3]
+ * + 128 (kinds 26, 13, 24: their u) of rows 0..7 and 8..15 in w[0], w[1]. */
 static inline __attribute__((always_inline)) void vnni_chunk(const uint8_t *wg, const int kind, const int c,
                                                              __m256i w[4]) {
-    const int64_t qo = gguf_ints_offset(kind);
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i v0 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 0)
-                     : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 0)
-                                       : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
-    const __m256i v1 = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 1) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 1)
-                     : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 1)
-                                       : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
-    if (!gguf_nibble_kind(kind)) {
-        w[0] = v0, w[1] = v1;
+    if (gguf_nibble_kind(kind)) {
+        nibble_chunk(wg, kind, c, w);
         return;
     }
-    w[0] = _mm256_and_si256(v0, low4);
-    w[1] = _mm256_and_si256(v1, low4);
-    w[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-    w[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-    if (kind == GGUF_K5) {
-        w[0] = _mm256_or_si256(w[0], k5_top(wg + qo, c, 0));
-        w[1] = _mm256_or_si256(w[1], k5_top(wg + qo, c, 1));
-        w[2] = _mm256_or_si256(w[2], k5_top(wg + qo, c + 4, 0));
-        w[3] = _mm256_or_si256(w[3], k5_top(wg + qo, c + 4, 1));
-    }
+    const int64_t qo = gguf_ints_offset(kind);
+    w[0] = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 0) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 0)
+         : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 0)
+                           : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c));
+    w[1] = kind == GGUF_K6 ? k6_chunk(wg + qo, c, 1) : kind == GGUF_K3 ? k3_chunk(wg + qo, c, 1)
+         : kind == GGUF_X4 ? x4_chunk(wg + qo, c, 1)
+                           : _mm256_loadu_si256((const __m256i *)(wg + qo + 64 * c + 32));
 }
 
 /* Chunk c (w: vnni_chunk's) of block b against R <= 2 activation rows, its products added to
@@ -98,23 +86,6 @@ vnni_products(const __m256i w[4], const int kind, const int c, const gguf_acts_t
             KEEP_ORDER(s[r][p][1]);
         }
     }
-}
-
-/* The scale of sum k (kind 18's halves of the weights: k = 0, 1; others: 0) and rows half h. */
-static inline __attribute__((always_inline)) __m256 vnni_scale(const uint8_t *wg, const int kind, int64_t nb, int64_t b,
-                                                               const int k, const int h) {
-    return kind == GGUF_Q4 || kind == GGUF_Q8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-         : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 64 * k + 32 * h))
-                           : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * k, h, !gguf_nibble_kind(kind));
-}
-
-/* The m of rows half h (kinds with one: not 8, 26, 13). */
-static inline __attribute__((always_inline)) __m256 vnni_min(const uint8_t *wg, const int kind, int64_t nb, int64_t b,
-                                                             const int h) {
-    return kind == GGUF_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 32 + 16 * h)))
-         : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
-                           : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + (gguf_nibble_kind(kind) ? 16 : 32),
-                                         h, 0));
 }
 
 static inline __attribute__((always_inline)) int vnni_has_min(const int kind) {
@@ -166,11 +137,11 @@ block_dot(const uint8_t *wg, const int kind, int64_t nb, int64_t b, const gguf_a
             vnni_chunk(wg, kind, c, w);
             vnni_products(w, kind, c, a, nb, b, R, P, s);
         }
-        const __m256 d[2] = {vnni_scale(wg, kind, nb, b, k, 0), vnni_scale(wg, kind, nb, b, k, 1)};
+        const __m256 d[2] = {block_scale(wg, kind, nb, b, k, 0), block_scale(wg, kind, nb, b, k, 1)};
         vnni_finish(s, d, k, kind, a, nb, b, R, P, acc);
     }
     if (vnni_has_min(kind)) {
-        const __m256 m[2] = {vnni_min(wg, kind, nb, b, 0), vnni_min(wg, kind, nb, b, 1)};
+        const __m256 m[2] = {block_min(wg, kind, nb, b, 0), block_min(wg, kind, nb, b, 1)};
         vnni_min_term(m, a, nb, b, R, acc);
     }
 }
@@ -202,9 +173,9 @@ static inline __attribute__((always_inline)) void ready_unpack(const uint8_t *wg
         for (int i = 0; i < (four ? 4 : 2); i++) rb->w[(four ? 4 : 2) * c + i] = w[i];
     }
     for (int k = 0; k < sums; k++)
-        for (int h = 0; h < 2; h++) rb->s[2 * k + h] = vnni_scale(wg, kind, nb, b, k, h);
+        for (int h = 0; h < 2; h++) rb->s[2 * k + h] = block_scale(wg, kind, nb, b, k, h);
     if (vnni_has_min(kind))
-        for (int h = 0; h < 2; h++) rb->s[4 + h] = vnni_min(wg, kind, nb, b, h);
+        for (int h = 0; h < 2; h++) rb->s[4 + h] = block_min(wg, kind, nb, b, h);
 }
 
 /* Block b from its ready_t (rp) against R <= 2 activation rows, added to acc: block_dot's
