@@ -66,7 +66,8 @@ class RequestMetrics:
 @dataclass
 class CompletionOutput:
     """One of a request's n samples. `text`/`token_ids` hold everything so far; `delta_*` what
-    this step added."""
+    this step added. Built by position every step (OutputProcessor._snapshot): new fields go
+    last."""
 
     index: int
     text: str = ""
@@ -113,7 +114,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's state after an engine step. `outputs` holds the samples that changed this step
-    (all of them in the final output the offline API returns)."""
+    (all of them in the final output the offline API returns). Built by position every step
+    (OutputProcessor.emit): new fields go last."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -60,6 +60,9 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class ScheduledChunk:
+    """One sequence's tokens in a step. Built by position every step (Scheduler._chunks): new
+    fields go last."""
+
     seq: Sequence  # read-only for the runner
     token_ids: list[int]  # tokens fed this step (a prompt chunk, or the last sampled token)
     start_pos: int  # position of token_ids[0] (== num_computed_tokens before this step)
@@ -296,26 +299,26 @@ class Scheduler:
     def _chunks(self, plan: "_StepPlan") -> list[ScheduledChunk]:
         kv = self.kv_cache_manager
         chunks = []
+        drafts = plan.drafts
         for sid, n in plan.scheduled.items():
             seq = self.sequences[sid]
-            spec = plan.drafts.get(sid, [])
-            start, end = seq.num_computed_tokens - n, seq.num_computed_tokens - len(spec)
-            known = seq.num_tokens
-            ids = seq.all_token_ids[start:end] + spec
+            spec = drafts.get(sid) if drafts else None
+            end = seq.num_computed_tokens
+            start = end - n
+            all_ids = seq.all_token_ids
+            known = len(all_ids)
+            if spec:
+                end -= len(spec)
+                ids = all_ids[start:end] + spec
+            else:
+                ids, spec = all_ids[start:end], []
             if end > known:  # the token the step in flight samples (end == known + 1)
                 ids.append(PLACEHOLDER)
             tables, version = kv.table_ids(sid)
+            # by position, ScheduledChunk's field order: one per sequence per step
+            sample = end >= known and seq.max_tokens > 0
             chunks.append(
-                ScheduledChunk(
-                    seq,
-                    ids,
-                    start,
-                    tables,
-                    sample=end >= known and seq.max_tokens > 0,
-                    draft_token_ids=spec,
-                    table_version=version,
-                    placeholder=end > known,
-                )
+                ScheduledChunk(seq, ids, start, tables, sample, spec, version, end > known)
             )
         return chunks
 
@@ -350,25 +353,28 @@ class Scheduler:
     def _schedule_running(self, plan: "_StepPlan") -> None:
         """Decode tokens (with drafts to verify) and the rest of partially computed prompts;
         where blocks run out, drafts go first, then the lowest-priority newest sequence."""
-        kv = self.kv_cache_manager
+        kv, running, pending = self.kv_cache_manager, SequenceStatus.RUNNING, plan.pending
         for seq in list(self.running):
             if plan.budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING or seq.held:  # preempted above, or held
+            if seq.status is not running or seq.held:  # preempted above, or held
                 continue
-            known = seq.num_tokens
-            if seq.seq_id in plan.pending:  # one token on its way from the step in flight
+            known = len(seq.all_token_ids)
+            if pending and seq.seq_id in pending:  # one token on its way from the step in flight
                 if seq.num_output_tokens + 1 >= seq.max_tokens or known + 1 >= self.max_model_len:
                     continue  # that token ends it
                 known += 1
             num_new = min(known - seq.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
-            spec = [] if plan.pending else self._drafts_to_verify(seq, num_new, plan.budget)
+            spec = []
+            if seq.spec_token_ids and not pending:
+                spec = self._drafts_to_verify(seq, num_new, plan.budget)
             while True:
                 if kv.allocate_slots(seq, num_new + len(spec), plan.copy_blocks):
                     plan.take(seq, num_new + len(spec), spec)
-                    seq.spec_token_ids = []
+                    if seq.spec_token_ids:
+                        seq.spec_token_ids = []
                     seq.num_computed_tokens += num_new + len(spec)
                     break
                 if spec:  # no blocks for the drafts: verify none rather than preempt for them
@@ -530,13 +536,14 @@ class Scheduler:
 
     def _check_stop(self, req: Sequence, token_id: int) -> SequenceStatus | None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = len(req.output_token_ids)  # the lists' lengths: called for every token
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in req.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 req.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

@@ -161,7 +161,10 @@ class IncrementalDetokenizer:
         stop string begins with. Only suffixes starting with some stop string's first character
         are compared."""
         n = len(buf)
-        for i in range(n - min(self._max_stop_len - 1, n), n):  # the longest suffix first
+        k = min(self._max_stop_len - 1, n)
+        if k <= 0 or self._stop_firsts.isdisjoint(buf[n - k :]):  # the usual case, in one call
+            return 0
+        for i in range(n - k, n):  # the longest suffix first
             if buf[i] in self._stop_firsts:
                 tail = buf[i:]
                 if any(s.startswith(tail) for s in self.stop):

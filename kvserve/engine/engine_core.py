@@ -398,13 +398,14 @@ class EngineCore:
         take the tokens it kept; finished sequences finish their samples."""
         ours: dict[str, list[int]] = {}
         mine = []  # (sequence id, its tokens, its sample entry, its output tokens before)
+        sample_of = self.processor.sample_of
         for seq_id, toks in sampled.items():
-            entry = self.processor.sample_of(seq_id)
+            entry = sample_of(seq_id)
             if entry is not None:
-                mine.append((seq_id, toks, entry, entry[1].seq.num_output_tokens))
+                mine.append((seq_id, toks, entry, len(entry[1].seq.output_token_ids)))
             elif seq_id not in self.beams:
                 continue
-            ours[seq_id] = [t.token_id for t in toks]
+            ours[seq_id] = [toks[0].token_id] if len(toks) == 1 else [t.token_id for t in toks]
         finished = self.scheduler.update_from_output(sched, ours)
         self._fail_scheduler_rejects()
         now = time.monotonic()
@@ -414,16 +415,17 @@ class EngineCore:
                 sampled, self.scheduler, self.processor, self._forget_sequence, now
             ):
                 touched[s.request_id] = s
+        append_token, constrained = self.processor.append_token, self.grammar.constrained
         for seq_id, toks, entry, before in mine:
-            if self.processor.sample_of(seq_id) is not entry:  # failed (and emitted) since
+            if sample_of(seq_id) is not entry:  # failed (and emitted) since
                 continue
             state, sample = entry
-            kept = sample.seq.num_output_tokens - before
-            for tok in toks[:kept]:
-                if self.processor.append_token(state, sample, tok, now):
+            kept = len(sample.seq.output_token_ids) - before
+            for tok in toks[:kept] if kept < len(toks) else toks:
+                if append_token(state, sample, tok, now):
                     self.scheduler.finish_sequence(seq_id, SequenceStatus.FINISHED_STOPPED)
                     self._forget_sequence(seq_id)
-                if self.grammar.constrained(seq_id):
+                if constrained(seq_id):
                     self._advance_grammar(state, sample, tok.token_id)
             touched[state.request_id] = state
         for seq in finished:

@@ -68,7 +68,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.out.finished for s in self.samples)
+        for s in self.samples:  # a loop, not all(): read for every request at every step
+            if not s.out.finished:
+                return False
+        return True
 
     @property
     def seq_ids(self) -> list[str]:
@@ -156,9 +159,13 @@ class OutputProcessor:
         out.token_ids.append(tok.token_id)
         out.delta_token_ids.append(tok.token_id)
         self.generation_tokens_total += 1
-        self.first_token(state, now, sample.seq.num_cached_tokens)
         metrics = state.metrics
-        metrics.num_generation_tokens = max(metrics.num_generation_tokens, len(out.token_ids))
+        if metrics.first_token_time is None:
+            self.first_token(state, now, sample.seq.num_cached_tokens)
+        else:
+            metrics.last_token_time = now
+        if len(out.token_ids) > metrics.num_generation_tokens:
+            metrics.num_generation_tokens = len(out.token_ids)
         if tok.logprobs is not None and out.logprobs is not None:
             lp = self.to_logprob(tok.logprobs)
             out.logprobs.append(lp)
@@ -242,15 +249,18 @@ class OutputProcessor:
             for seq_id in state.seq_ids:
                 self.samples.pop(seq_id, None)
         complete = state.prompt_logprobs is not None and state.prompt_logprobs_missing == 0
+        # Fields by position (RequestOutput's order): every request at every step makes one, and
+        # keywords cost twice as much.
         return RequestOutput(
-            request_id=state.request_id,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=changed,
-            finished=finished,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics,
-            error=state.error,
-            prompt_logprobs=state.prompt_logprobs if complete else None,
+            state.request_id,
+            state.prompt_token_ids,
+            changed,
+            finished,
+            state.num_cached_tokens,
+            state.metrics,
+            None,  # prompt: the caller's text, which the engine does not have
+            state.error,
+            state.prompt_logprobs if complete else None,
         )
 
     def _snapshot(self, sample: SampleState) -> CompletionOutput:
@@ -259,17 +269,17 @@ class OutputProcessor:
         lps = o.logprobs
         if lps is not None:
             lps = list(lps) if whole else o.delta_logprobs
-        snap = CompletionOutput(
-            index=o.index,
-            text=o.text,
-            token_ids=list(o.token_ids) if whole else o.delta_token_ids,
-            delta_text=o.delta_text,
-            delta_token_ids=o.delta_token_ids,
-            logprobs=lps,
-            delta_logprobs=o.delta_logprobs,
-            cumulative_logprob=o.cumulative_logprob,
-            finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason,
+        snap = CompletionOutput(  # by position (CompletionOutput's order), as RequestOutput's
+            o.index,
+            o.text,
+            list(o.token_ids) if whole else o.delta_token_ids,
+            o.delta_text,
+            o.delta_token_ids,
+            lps,
+            o.delta_logprobs,
+            o.cumulative_logprob,
+            o.finish_reason,
+            o.stop_reason,
         )
         o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], None
         sample.changed = False

@@ -533,14 +533,16 @@ def _plain_greedy(chunks: list, states: list) -> bool:
     """Whether every sampling chunk of a step samples plain greedy (its sequence's state, in
     `states`, says temperature 0 with nothing that needs the logits, min_tokens is reached, no
     beam search) and no chunk carries drafts: the step then takes one argmax per row."""
-    return not any(c.draft_token_ids for c in chunks) and all(
-        st is not None
-        and st.greedy
-        and not c.seq.beam_candidates
-        and c.seq.num_output_tokens >= st.min_tokens
-        for c, st in zip(chunks, states)
-        if c.sample
-    )
+    for c, st in zip(chunks, states):  # a loop, not any()/all(): every chunk, every step
+        if c.draft_token_ids:
+            return False
+        if c.sample:
+            if st is None or not st.greedy:
+                return False
+            seq = c.seq
+            if seq.beam_candidates or len(seq.output_token_ids) < st.min_tokens:
+                return False
+    return True
 
 
 class _Flat:

@@ -369,3 +369,28 @@ def test_greedy_fast_path_is_the_samplers_argmax():
     drafted = chunks()
     drafted[0] = ScheduledChunk(seqs[0], [3, 4], 2, [[1]], True, [4])
     assert not runner.batch(SchedulerOutput(drafted, [], [], 7)).greedy
+
+
+def test_field_orders_the_hot_paths_construct_by_position():
+    """The scheduler's chunks and the output processor's snapshots are built once per sequence
+    per step with positional fields (keywords cost twice as much): a field moved or inserted
+    before these would shift the values silently."""
+    from dataclasses import fields
+
+    from kvserve.outputs import CompletionOutput, RequestOutput
+
+    def names(cls):
+        return [f.name for f in fields(cls)]
+
+    assert names(ScheduledChunk) == [
+        "seq", "token_ids", "start_pos", "block_tables", "sample", "draft_token_ids",
+        "table_version", "placeholder",
+    ]  # fmt: skip
+    assert names(CompletionOutput) == [
+        "index", "text", "token_ids", "delta_text", "delta_token_ids", "logprobs",
+        "delta_logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
+    ]  # fmt: skip
+    assert names(RequestOutput) == [
+        "request_id", "prompt_token_ids", "outputs", "finished", "num_cached_tokens", "metrics",
+        "prompt", "error", "prompt_logprobs",
+    ]  # fmt: skip
