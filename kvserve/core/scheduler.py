@@ -367,9 +367,7 @@ class Scheduler:
             num_new = min(known - seq.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
-            spec = []
-            if seq.spec_token_ids and not pending:
-                spec = self._drafts_to_verify(seq, num_new, plan.budget)
+            spec = [] if pending else self._drafts_to_verify(seq, num_new, plan.budget)
             while True:
                 if kv.allocate_slots(seq, num_new + len(spec), plan.copy_blocks):
                     plan.take(seq, num_new + len(spec), spec)

@@ -405,7 +405,7 @@ class EngineCore:
                 mine.append((seq_id, toks, entry, len(entry[1].seq.output_token_ids)))
             elif seq_id not in self.beams:
                 continue
-            ours[seq_id] = [toks[0].token_id] if len(toks) == 1 else [t.token_id for t in toks]
+            ours[seq_id] = [t.token_id for t in toks]
         finished = self.scheduler.update_from_output(sched, ours)
         self._fail_scheduler_rejects()
         now = time.monotonic()
@@ -421,7 +421,7 @@ class EngineCore:
                 continue
             state, sample = entry
             kept = len(sample.seq.output_token_ids) - before
-            for tok in toks[:kept] if kept < len(toks) else toks:
+            for tok in toks[:kept]:
                 if append_token(state, sample, tok, now):
                     self.scheduler.finish_sequence(seq_id, SequenceStatus.FINISHED_STOPPED)
                     self._forget_sequence(seq_id)

@@ -240,9 +240,7 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
                 }
             }
             for (int h = 0; h < 2; h++) {
-                const __m256 d = kind == GGUF_Q8   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 16 * h)))
-                                 : kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 64 * part + 32 * h))
-                                                   : k_scale(gguf_super_scales(wg, kind, nb, b), wg + 16 * part, h, 1);
+                const __m256 d = block_scale(wg, kind, nb, b, part, h);
                 for (int r = 0; r < R; r++) {
                     const int64_t rb = r * nb + b;
                     const int32_t sq = parts == 1 ? a->sq[rb] : part == 0 ? a->sq0[rb] : a->sq[rb] - a->sq0[rb];
@@ -255,8 +253,7 @@ q8_rows(const uint8_t *wg, const int kind, int64_t nb, const gguf_acts_t *a, con
         }
         if (gguf_two_halves(kind))
             for (int h = 0; h < 2; h++) {
-                const __m256 m = kind == GGUF_F8 ? _mm256_loadu_ps((const float *)(wg + 128 + 32 * h))
-                                                 : neg(k_scale(gguf_super_scales(wg, kind, nb, b) + 32, wg + 32, h, 0));
+                const __m256 m = block_min(wg, kind, nb, b, h);
                 for (int r = 0; r < R; r++)
                     acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(m, _mm256_set1_ps(a->sx[r * nb + b])));
             }
